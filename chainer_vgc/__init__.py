@@ -1,0 +1,18 @@
+"""chainer-vgc: Variance-based Gradient Compression for ChainerMN.
+
+Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for Efficient
+Distributed Deep Learning", ICLR 2018 workshop.
+
+Modules, in data-flow order: :mod:`~chainer_vgc.statistics` (per-sample sums
+of squares), :mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
+:mod:`~chainer_vgc.codec` (quantize/pack/unpack), with
+:mod:`~chainer_vgc.kernels` (the CuPy kernels built from ``kernels/``) and
+:class:`~chainer_vgc.compressor.GradientCompressor` tying them together.
+"""
+
+from chainer_vgc.codec import WireFormatError  # NOQA
+from chainer_vgc.compressor import GradientCompressor  # NOQA
+from chainer_vgc.rules import create_rule  # NOQA
+from chainer_vgc.rules import RULES  # NOQA
+
+__version__ = '0.1.0'

@@ -1,0 +1,403 @@
+"""Codec: quantization (Sec. 4.2, 4.4), packing into 32-bit words, unpacking.
+
+Wire message (a 1-D ``uint32`` array, little-endian words)::
+
+    MAGIC, n_groups, group_0, group_1, ...
+
+Only tensors that send something have a group.  Each group is a 5-word header
+``tensor_id, format, count, a, b`` followed by a body whose length follows
+from the header:
+
+``FMT_POW2`` (VGC quantization, Strom, hybrid)
+    ``a`` = e_k (int32), ``b`` = float32 bits of ``scale``; body: ``count``
+    words ``sign(1) | d(3) | index(28)``.  Element value =
+    ``sign * scale * 2**(e_k - d)`` (VGC: scale 1; Strom/hybrid: e_k 0,
+    d 0, scale tau).  This is the paper's one word per element; the 28-bit
+    index limits a tensor to 2**28 elements.
+``FMT_RAW`` (quantization off, ``none``)
+    ``a`` = flags (bit 0: dense, no index words; bit 1: float64 values);
+    body: ``count`` index words (unless dense), then the values as float32
+    (1 word) or float64 (2 words).
+``FMT_QSGD``
+    ``a`` = number of bucket records, ``b`` = ``levels << 24 | bucket_size``;
+    body: records ``bucket_id, count, float32 scale`` then ``count`` words
+    ``sign(1) | level(8) | offset-in-bucket(23)``; value =
+    ``sign * level * scale``.
+
+:func:`unpack` checks every field against the receiving model (tensor ids,
+counts, body lengths, indices, levels) and raises :class:`WireFormatError`
+instead of reading out of bounds.
+"""
+
+import collections
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import kernels
+
+MAGIC = 0x31434756  # b'VGC1' read as a little-endian uint32
+FMT_POW2 = 1
+FMT_RAW = 2
+FMT_QSGD = 3
+HEADER_WORDS = 5
+
+INDEX_BITS = 28
+MAX_INDEX = 1 << INDEX_BITS  # elements per tensor in FMT_POW2
+MAX_D = 7
+RAW_DENSE = 1
+RAW_FLOAT64 = 2
+QSGD_OFFSET_BITS = 23
+MAX_QSGD_BUCKET = 1 << QSGD_OFFSET_BITS
+LOG2_ZERO = -(1 << 30)  # same sentinel as VGC_LOG2_ZERO in the kernels
+
+_TRAITS = {
+    # dtype: (unsigned view, mantissa bits, bias, sign shift)
+    numpy.dtype(numpy.float32): (numpy.uint32, 23, 127, 31),
+    numpy.dtype(numpy.float64): (numpy.uint64, 52, 1023, 63),
+}
+
+
+class WireFormatError(ValueError):
+    """A received message is truncated, corrupt or from another model."""
+
+
+Group = collections.namedtuple(
+    'Group', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body'])
+Group.__doc__ = 'One tensor\'s part of a message (header fields + body).'
+
+Decoded = collections.namedtuple('Decoded', ['tensor_id', 'index', 'value'])
+
+
+def _traits(dtype):
+    dtype = numpy.dtype(dtype)
+    try:
+        return _TRAITS[dtype]
+    except KeyError:
+        raise TypeError('chainer_vgc.codec: quantization works on float32 or '
+                        'float64 state, got {}'.format(dtype))
+
+
+def _bit_fields(x):
+    """(unsigned bits, exponent-field mask, top mantissa bit, traits)."""
+    u, mant, bias, sign_shift = _traits(x.dtype)
+    bits = x.view(u)
+    exp_mask = u(((1 << (sign_shift - mant)) - 1) << mant)
+    top = u(1 << (mant - 1))
+    return bits, exp_mask, top, (u, mant, bias, sign_shift)
+
+
+def floor_log2(x):
+    """floor(log2 |x|) of a scalar by truncating the mantissa (Sec. 4.4).
+
+    Returns :data:`LOG2_ZERO` for 0 and subnormal values.
+    """
+    x = numpy.asarray(backend.to_numpy(x))
+    if x.dtype not in _TRAITS:
+        x = x.astype(numpy.float32)
+    x = x.reshape(1)
+    bits, exp_mask, _, (u, mant, bias, _) = _bit_fields(x)
+    field = int((bits[0] & exp_mask) >> u(mant))
+    return LOG2_ZERO if field == 0 else field - bias
+
+
+# ---- FMT_POW2 ---------------------------------------------------------------
+
+def pow2_encode(values, index, e_k):
+    """Quantize ``values`` against e_k and pack them with ``index``.
+
+    Each |value| above 2**e_k is truncated to 2**e_k, any other is rounded
+    to the nearer power of two by the float bit trick (add the mantissa's top
+    bit, mask the mantissa; ties 1.5 * 2**e round up), and
+    ``d = e_k - log2 |value'|``.  Returns ``(words, ok)``: ``ok`` is False
+    where d > 7 or the value is 0 or subnormal; such elements get word 0 and
+    must not be sent.  CuPy input runs the ``vgc_pow2_encode`` kernel.
+    """
+    xp = backend.get_array_module(values)
+    if backend.is_cupy(xp):
+        return kernels.get_kernel('vgc_pow2_encode')(values, index, e_k)
+    bits, exp_mask, top, (u, mant, bias, sign_shift) = _bit_fields(values)
+    mag = bits & u(~(1 << sign_shift) & ((1 << (sign_shift + 1)) - 1))
+    zero = (mag & exp_mask) == 0
+    e = (((mag + top) & exp_mask) >> u(mant)).astype(numpy.int64) - bias
+    numpy.minimum(e, e_k, out=e)
+    d = e_k - e
+    ok = ~zero & (d <= MAX_D)
+    negative = (bits >> u(sign_shift)).astype(numpy.uint32)
+    words = ((negative << numpy.uint32(31))
+             | (d.astype(numpy.uint32) << numpy.uint32(INDEX_BITS))
+             | (index.astype(numpy.uint32) & numpy.uint32(MAX_INDEX - 1)))
+    words[~ok] = 0
+    return words.astype(numpy.uint32, copy=False), ok
+
+
+def pow2_decode(words, e_k, scale, dtype):
+    """Exact inverse of :func:`pow2_encode`: ``(index, value)``.
+
+    value = sign * scale * 2**(e_k - d) in ``dtype`` (float32 or float64).
+    """
+    dtype = numpy.dtype(dtype)
+    _traits(dtype)
+    scale = dtype.type(numpy.float32(scale))
+    xp = backend.get_array_module(words)
+    if backend.is_cupy(xp):
+        return kernels.get_kernel('vgc_pow2_decode')(words, e_k, scale)
+    index = (words & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64)
+    d = ((words >> numpy.uint32(INDEX_BITS)) & numpy.uint32(7)).astype(
+        numpy.int64)
+    mag = numpy.ldexp(numpy.full(words.shape, scale, dtype=dtype),
+                      (e_k - d).astype(numpy.int32))
+    value = numpy.where((words >> numpy.uint32(31)) != 0, -mag, mag)
+    return index, value.astype(dtype, copy=False)
+
+
+def pow2_group(tensor_id, words, e_k, scale=1.0):
+    """A FMT_POW2 group from words made by :func:`pow2_encode`."""
+    return Group(int(tensor_id), FMT_POW2, int(words.size),
+                 int(e_k) & 0xFFFFFFFF, _f32_bits(scale), words)
+
+
+# ---- FMT_RAW ----------------------------------------------------------------
+
+def raw_group(tensor_id, index, values, size):
+    """Unquantized values; dense (no index words) when all ``size`` are sent.
+
+    ``values`` must be float32 or float64; ``index`` sorted, unique.
+    """
+    xp = backend.get_array_module(values)
+    values = xp.ascontiguousarray(values)
+    f64 = values.dtype == numpy.float64
+    if not f64 and values.dtype != numpy.float32:
+        raise TypeError('raw_group: values must be float32 or float64, got '
+                        '{}'.format(values.dtype))
+    dense = int(values.size) == int(size)
+    parts = []
+    if not dense:
+        parts.append(index.astype(numpy.uint32))
+    parts.append(values.reshape(-1).view(numpy.uint32))
+    flags = (RAW_DENSE if dense else 0) | (RAW_FLOAT64 if f64 else 0)
+    return Group(int(tensor_id), FMT_RAW, int(values.size), flags, 0,
+                 xp.concatenate(parts))
+
+
+# ---- FMT_QSGD ---------------------------------------------------------------
+
+def qsgd_group(tensor_id, level, negative, scales, bucket_size, levels):
+    """Pack QSGD levels (0..levels) of one tensor, bucket by bucket.
+
+    ``level``/``negative`` are per element (flattened tensor), ``scales`` the
+    per-bucket ``norm / levels`` (float32).
+    """
+    xp = backend.get_array_module(level)
+    nz = xp.nonzero(level)[0]
+    bucket = nz // bucket_size
+    offset = (nz - bucket * bucket_size).astype(numpy.uint32)
+    ids, counts = _run_lengths(bucket, xp)
+    records = xp.stack([ids.astype(numpy.uint32), counts.astype(numpy.uint32),
+                        scales[ids].astype(numpy.float32).view(numpy.uint32)],
+                       axis=1).reshape(-1)
+    words = ((negative[nz].astype(numpy.uint32) << numpy.uint32(31))
+             | (level[nz].astype(numpy.uint32) << numpy.uint32(
+                 QSGD_OFFSET_BITS))
+             | offset)
+    return Group(int(tensor_id), FMT_QSGD, int(nz.size), int(ids.size),
+                 (int(levels) << 24) | int(bucket_size),
+                 xp.concatenate([records, words]))
+
+
+def _run_lengths(sorted_values, xp):
+    if sorted_values.size == 0:
+        empty = xp.zeros(0, dtype=numpy.int64)
+        return empty, empty
+    starts = xp.concatenate([xp.ones(1, dtype=bool),
+                             sorted_values[1:] != sorted_values[:-1]])
+    pos = xp.nonzero(starts)[0]
+    counts = xp.diff(xp.concatenate(
+        [pos, xp.asarray([sorted_values.size], dtype=pos.dtype)]))
+    return sorted_values[pos], counts
+
+
+# ---- message ----------------------------------------------------------------
+
+def pack(groups, xp=numpy):
+    """Concatenate groups (tensor ids strictly increasing) into a message."""
+    parts = [numpy.array([MAGIC, len(groups)], dtype=numpy.uint32)]
+    last = -1
+    for g in groups:
+        if g.tensor_id <= last:
+            raise ValueError('pack: tensor ids must increase, got {} after '
+                             '{}'.format(g.tensor_id, last))
+        last = g.tensor_id
+        parts.append(numpy.array([g.tensor_id, g.fmt, g.count, g.a, g.b],
+                                 dtype=numpy.uint32))
+        parts.append(g.body)
+    if backend.is_cupy(xp):
+        parts = [xp.asarray(p) for p in parts]
+    return xp.concatenate(parts).astype(numpy.uint32, copy=False)
+
+
+def message_count(message):
+    """Number of elements a message carries (sum of group counts)."""
+    return sum(g.count for g in _walk(backend.to_numpy(message), None))
+
+
+def unpack(message, sizes, dtypes):
+    """Decode a message for a model whose tensors have ``sizes``/``dtypes``.
+
+    Returns a list of :class:`Decoded` ``(tensor_id, index, value)``; values
+    are in the state dtype of each tensor.  CuPy messages are decoded on the
+    device (headers are read on the host).
+    """
+    xp = backend.get_array_module(message)
+    host = backend.to_numpy(message)
+    out = []
+    for g in _walk(host, sizes):
+        dtype = backend.state_dtype(dtypes[g.tensor_id])
+        body = message[g.body[0]:g.body[1]]
+        size = sizes[g.tensor_id]
+        if g.fmt == FMT_POW2:
+            e_k = int(numpy.uint32(g.a).view(numpy.int32))
+            scale = numpy.uint32(g.b).view(numpy.float32)
+            if not numpy.isfinite(scale):
+                raise WireFormatError(_where(g) + 'scale is not finite')
+            index, value = pow2_decode(body, e_k, scale, dtype)
+        elif g.fmt == FMT_RAW:
+            index, value = _raw_decode(body, g, size, xp)
+            value = value.astype(dtype, copy=False)
+        else:
+            index, value = _qsgd_decode(body, g, size, dtype, xp)
+        if g.fmt != FMT_RAW or not g.a & RAW_DENSE:
+            _check_index(index, size, g)
+        out.append(Decoded(g.tensor_id, index, value))
+    return out
+
+
+def decode_into(message, outs, sizes=None):
+    """Add every element of ``message`` into the flat arrays ``outs``.
+
+    Returns the number of elements added.
+    """
+    sizes = [o.size for o in outs] if sizes is None else sizes
+    n = 0
+    for i, o in enumerate(outs):
+        if not o.flags.c_contiguous:
+            raise ValueError('decode_into: output array {} is not '
+                             'C-contiguous; pass contiguous arrays'.format(i))
+    for dec in unpack(message, sizes, [o.dtype for o in outs]):
+        flat = outs[dec.tensor_id].reshape(-1)
+        flat[dec.index] += dec.value.astype(flat.dtype, copy=False)
+        n += int(dec.index.size)
+    return n
+
+
+_Span = collections.namedtuple(
+    '_Span', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body'])
+
+
+def _where(g):
+    return 'chainer_vgc wire message, group for tensor {}: '.format(
+        g.tensor_id)
+
+
+def _walk(m, sizes):
+    """Validate the message structure; yield header fields and body spans."""
+    if m.ndim != 1 or m.dtype != numpy.uint32:
+        raise WireFormatError('chainer_vgc wire message must be a 1-D uint32 '
+                              'array, got shape {} dtype {}'.format(
+                                  m.shape, m.dtype))
+    if m.size < 2 or int(m[0]) != MAGIC:
+        raise WireFormatError('chainer_vgc wire message: missing header '
+                              '(bad magic or fewer than 2 words); the buffer '
+                              'is truncated or not a chainer_vgc message')
+    n_groups = int(m[1])
+    pos, last = 2, -1
+    for _ in range(n_groups):
+        if pos + HEADER_WORDS > m.size:
+            raise WireFormatError('chainer_vgc wire message truncated in a '
+                                  'group header at word {}'.format(pos))
+        tid, fmt, count, a, b = (int(w) for w in m[pos:pos + HEADER_WORDS])
+        pos += HEADER_WORDS
+        g = _Span(tid, fmt, count, a, b, None)
+        if tid <= last:
+            raise WireFormatError(_where(g) + 'tensor ids not increasing')
+        last = tid
+        if sizes is not None and tid >= len(sizes):
+            raise WireFormatError(
+                _where(g) + 'the model has only {} tensors; sender and '
+                'receiver must use the same model'.format(len(sizes)))
+        size = sizes[tid] if sizes is not None else None
+        if count == 0 or (size is not None and count > size):
+            raise WireFormatError(_where(g) + 'count {} invalid for a tensor '
+                                  'of {} elements'.format(count, size))
+        if fmt == FMT_POW2:
+            length = count
+        elif fmt == FMT_RAW:
+            if a & ~(RAW_DENSE | RAW_FLOAT64):
+                raise WireFormatError(_where(g) + 'unknown raw flags')
+            if a & RAW_DENSE and size is not None and count != size:
+                raise WireFormatError(_where(g) + 'dense group with {} of {} '
+                                      'elements'.format(count, size))
+            length = (0 if a & RAW_DENSE else count) + count * (
+                2 if a & RAW_FLOAT64 else 1)
+        elif fmt == FMT_QSGD:
+            bucket = b & 0xFFFFFF
+            if a == 0 or a > count or bucket == 0 or (b >> 24) == 0:
+                raise WireFormatError(_where(g) + 'bad QSGD header')
+            length = 3 * a + count
+        else:
+            raise WireFormatError(_where(g) + 'unknown format {}'.format(fmt))
+        if pos + length > m.size:
+            raise WireFormatError(_where(g) + 'body of {} words runs past the '
+                                  'end of the message ({} words); truncated'
+                                  .format(length, m.size))
+        yield g._replace(body=(pos, pos + length))
+        pos += length
+    if pos != m.size:
+        raise WireFormatError('chainer_vgc wire message: {} trailing words '
+                              'after {} groups'.format(m.size - pos, n_groups))
+
+
+def _raw_decode(body, g, size, xp):
+    count = g.count
+    if g.a & RAW_DENSE:
+        index = xp.arange(size, dtype=numpy.int64)
+        vals = body
+    else:
+        index = body[:count].astype(numpy.int64)
+        vals = body[count:]
+    dtype = numpy.float64 if g.a & RAW_FLOAT64 else numpy.float32
+    return index, xp.ascontiguousarray(vals).view(dtype)
+
+
+def _qsgd_decode(body, g, size, dtype, xp):
+    n_rec = g.a
+    levels, bucket = g.b >> 24, g.b & 0xFFFFFF
+    rec = body[:3 * n_rec].reshape(n_rec, 3)
+    words = body[3 * n_rec:]
+    host = backend.to_numpy(rec)
+    ids, counts = host[:, 0].astype(numpy.int64), host[:, 1].astype(numpy.int64)
+    scales = host[:, 2].copy().view(numpy.float32)
+    if (int(counts.sum()) != g.count or (counts == 0).any()
+            or (numpy.diff(ids) <= 0).any()
+            or ids[-1] * bucket >= size or not numpy.isfinite(scales).all()):
+        raise WireFormatError(_where(g) + 'bad QSGD bucket records')
+    offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
+    level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
+             & numpy.uint32(0xFF)).astype(numpy.int64)
+    if bool((offset >= bucket).any()) or bool((level > levels).any()):
+        raise WireFormatError(_where(g) + 'QSGD offset or level out of range')
+    per_word = xp.asarray(numpy.repeat(numpy.arange(n_rec), counts))
+    index = xp.asarray(ids)[per_word] * bucket + offset
+    mag = level.astype(dtype) * xp.asarray(scales.astype(dtype))[per_word]
+    value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
+    return index, value
+
+
+def _check_index(index, size, g):
+    if index.size and int(index.max()) >= size:
+        raise WireFormatError(_where(g) + 'index {} out of range for a tensor '
+                              'of {} elements'.format(int(index.max()), size))
+
+
+def _f32_bits(x):
+    return int(numpy.array(x, dtype=numpy.float32).view(numpy.uint32))

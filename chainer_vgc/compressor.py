@@ -1,0 +1,160 @@
+"""GradientCompressor: one rule over all parameters of a model.
+
+Data flow (one step on one worker): gradients and per-sample sums of squares
+-> rule (per-parameter state) -> codec groups -> one uint32 message.  The
+receiving side decodes messages with :meth:`GradientCompressor.decode_into`.
+All inputs are validated before any state changes, so a bad gradient (NaN,
+Inf, wrong shape) raises an error naming the parameter and leaves every
+residual as it was.
+"""
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc.rules import CompressionRule
+from chainer_vgc.rules import create_rule
+
+
+class GradientCompressor(object):
+    """Compresses the gradients of a fixed list of parameters.
+
+    Args:
+        rule: a :class:`~chainer_vgc.rules.CompressionRule` or a method name
+            (``'vgc'``, ``'hybrid'``, ``'strom'``, ``'qsgd'``, ``'none'``);
+            with a name, ``**hyperparams`` go to the rule.
+        names, shapes, dtypes: one entry per parameter (same order on every
+            worker).
+    """
+
+    def __init__(self, rule, names, shapes, dtypes, **hyperparams):
+        if not isinstance(rule, CompressionRule):
+            rule = create_rule(rule, **hyperparams)
+        elif hyperparams:
+            raise ValueError('hyperparameters {} given with a rule object; '
+                             'set them on the rule'.format(sorted(hyperparams)))
+        self.rule = rule
+        self.names = list(names)
+        self.shapes = [tuple(int(n) for n in s) for s in shapes]
+        self.dtypes = [numpy.dtype(d) for d in dtypes]
+        if not len(self.names) == len(self.shapes) == len(self.dtypes):
+            raise ValueError('names, shapes and dtypes must have one entry '
+                             'per parameter ({}, {}, {} given)'.format(
+                                 len(self.names), len(self.shapes),
+                                 len(self.dtypes)))
+        self.sizes = [int(numpy.prod(s, dtype=numpy.int64))
+                      for s in self.shapes]
+        for name, size, dtype in zip(self.names, self.sizes, self.dtypes):
+            if dtype.kind != 'f':
+                raise TypeError('parameter {!r}: dtype {} is not floating '
+                                'point'.format(name, dtype))
+            if rule.uses_index_words and size > codec.MAX_INDEX:
+                raise ValueError(
+                    'parameter {!r} has {} elements; the 32-bit word format '
+                    '(sign | 3-bit d | 28-bit index, paper Sec. 4.2) '
+                    'addresses at most 2**28 = {} elements per tensor. Split '
+                    'the parameter, or use quantize=False / qsgd / none'
+                    .format(name, size, codec.MAX_INDEX))
+        self.states = [None] * len(self.names)
+        #: statistics of the last :meth:`compress`
+        self.last_sent = 0
+        self.last_bytes = 0
+
+    @property
+    def n_params(self):
+        """Total number of parameter elements."""
+        return sum(self.sizes)
+
+    def state(self, i):
+        """Per-parameter state dict of parameter ``i`` (None before its
+        first gradient)."""
+        return self.states[i]
+
+    def _check(self, grads, sqsums):
+        n = len(self.names)
+        if len(grads) != n:
+            raise ValueError('expected {} gradients (one per parameter, None '
+                             'for a parameter without gradient), got {}'
+                             .format(n, len(grads)))
+        if sqsums is None:
+            sqsums = [None] * n
+        if len(sqsums) != n:
+            raise ValueError('expected {} per-sample sums of squares, got {}'
+                             .format(n, len(sqsums)))
+        for name, shape, dtype, g, s in zip(self.names, self.shapes,
+                                            self.dtypes, grads, sqsums):
+            if g is None:
+                continue
+            if tuple(g.shape) != shape or g.dtype != dtype:
+                raise ValueError(
+                    'gradient of parameter {!r} has shape {} dtype {}; '
+                    'expected shape {} dtype {} (the model must match the one '
+                    'the compressor was built for)'.format(
+                        name, tuple(g.shape), g.dtype, shape, dtype))
+            xp = backend.get_array_module(g)
+            if not bool(xp.isfinite(g).all()):
+                raise FloatingPointError(
+                    'gradient of parameter {!r} contains NaN or Inf; nothing '
+                    'was compressed and the residual state is unchanged'
+                    .format(name))
+            if not self.rule.needs_sqsum:
+                continue
+            if s is None:
+                raise ValueError(
+                    'method {!r} needs the per-sample sum of squared '
+                    'gradients of parameter {!r}, got None'.format(
+                        self.rule.name, name))
+            if tuple(s.shape) != shape or s.dtype.kind != 'f':
+                raise ValueError(
+                    'per-sample sum of squares of parameter {!r} has shape {} '
+                    'dtype {}; expected shape {} floating point'.format(
+                        name, tuple(s.shape), s.dtype, shape))
+            if not bool((xp.isfinite(s) & (s >= 0)).all()):
+                raise FloatingPointError(
+                    'per-sample sum of squares of parameter {!r} contains '
+                    'NaN, Inf or negative values; the residual state is '
+                    'unchanged'.format(name))
+        return sqsums
+
+    def compress(self, grads, sqsums=None):
+        """One step: returns the message (uint32 array on the grads' device).
+
+        ``grads[i]`` is the minibatch gradient of parameter i (None: the
+        parameter has no gradient this step and its state is untouched);
+        ``sqsums[i]`` the per-sample sum of squares (variance-based rules).
+        """
+        sqsums = self._check(grads, sqsums)
+        groups = []
+        xp = numpy
+        for i, (g, s) in enumerate(zip(grads, sqsums)):
+            if g is None:
+                continue
+            xp = backend.get_array_module(g)
+            if self.states[i] is None:
+                self.states[i] = self.rule.init_state(self.sizes[i],
+                                                      self.dtypes[i], xp)
+            flat_s = None if s is None else s.reshape(-1)
+            group = self.rule.compress(i, g.reshape(-1), flat_s,
+                                       self.states[i])
+            if group is not None:
+                groups.append(group)
+        message = codec.pack(groups, xp)
+        self.last_sent = sum(grp.count for grp in groups)
+        self.last_bytes = int(message.nbytes)
+        return message
+
+    def decode_into(self, message, outs):
+        """Add a message's elements into ``outs`` (arrays of each parameter's
+        shape).  Returns the number of elements added."""
+        if len(outs) != len(self.sizes):
+            raise ValueError('expected {} output arrays, got {}'.format(
+                len(self.sizes), len(outs)))
+        return codec.decode_into(message, outs, self.sizes)
+
+    def decode(self, message, xp=numpy):
+        """The dense update a message carries: list of arrays in the state
+        dtypes, zero where nothing was sent."""
+        outs = [xp.zeros(shape, dtype=backend.state_dtype(dt))
+                for shape, dt in zip(self.shapes, self.dtypes)]
+        self.decode_into(message, outs)
+        return outs

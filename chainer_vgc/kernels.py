@@ -1,0 +1,82 @@
+"""CuPy ElementwiseKernels built from the CUDA source in ``kernels/``.
+
+Every kernel body is one call into ``kernels/vgc_numerics.cuh``; that file is
+the kernels' ``preamble``.  :data:`SPECS` is the one table of kernel
+signatures and operation strings: :func:`get_kernel` turns an entry into a
+``cupy.ElementwiseKernel``, and the test suite compiles the same entries with
+``nvcc`` to PTX and, with the host C++ compiler, runs them element by element
+on the CPU against the NumPy path (``tests/kernel_harness.py``).
+
+Type placeholders: ``G`` gradient dtype, ``H`` dtype of the per-sample sum of
+squares, ``S`` state dtype (float32 for float16/float32 parameters, float64
+for float64 parameters), ``I`` index dtype.
+"""
+
+import collections
+import functools
+import os
+
+KernelSpec = collections.namedtuple(
+    'KernelSpec', ['in_params', 'out_params', 'operation'])
+
+#: name -> KernelSpec.  Output parameters that are also read (r, v) are
+#: passed as existing arrays.
+SPECS = collections.OrderedDict([
+    # Fig. "Basic": accumulate, criterion (eq. 4), decay of unselected v.
+    ('vgc_basic_select', KernelSpec(
+        'G g, H s, S alpha, S zeta', 'S r, S v, bool sel',
+        'sel = vgc_basic_select<S>((S)g, (S)s, alpha, zeta, r, v)')),
+    # Fig. "Hybrid".
+    ('vgc_hybrid_step', KernelSpec(
+        'G g, H s, S alpha, S zeta, S tau', 'S r, S v, int8 sign',
+        'sign = vgc_hybrid_step<S>((S)g, (S)s, alpha, zeta, tau, r, v)')),
+    # Strom's threshold method.
+    ('vgc_strom_step', KernelSpec(
+        'G g, S tau', 'S r, int8 sign',
+        'sign = vgc_strom_step<S>((S)g, tau, r)')),
+    # Sec. 4.2 quantization + 32-bit word encoding.
+    ('vgc_pow2_encode', KernelSpec(
+        'S x, I index, int32 e_k', 'uint32 word, bool ok',
+        'ok = vgc_pow2_encode<S>(x, e_k, (long long)index, word)')),
+    # Its exact inverse.
+    ('vgc_pow2_decode', KernelSpec(
+        'uint32 word, int32 e_k, S scale', 'int64 index, S value',
+        'value = vgc_pow2_decode<S>(word, e_k, scale, index)')),
+])
+
+#: Compiler options: no FMA contraction, so that device results equal the
+#: host and NumPy results bit for bit.
+NVRTC_OPTIONS = ('--fmad=false',)
+
+_SOURCE_NAME = 'vgc_numerics.cuh'
+
+
+def source_dir():
+    """Directory that holds the CUDA sources (installed or source tree)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.path.join(here, 'kernel_src'),
+                  os.path.join(os.path.dirname(here), 'kernels')]
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, _SOURCE_NAME)):
+            return path
+    raise RuntimeError(
+        'chainer_vgc: CUDA source {} not found in {}; reinstall the package '
+        '(pip install chainer-vgc) or run from a source checkout'.format(
+            _SOURCE_NAME, ' or '.join(candidates)))
+
+
+@functools.lru_cache(maxsize=None)
+def source():
+    """Text of ``kernels/vgc_numerics.cuh``."""
+    with open(os.path.join(source_dir(), _SOURCE_NAME)) as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(name):
+    """The ``cupy.ElementwiseKernel`` named ``name`` (see :data:`SPECS`)."""
+    import cupy
+    spec = SPECS[name]
+    return cupy.ElementwiseKernel(
+        spec.in_params, spec.out_params, spec.operation, name,
+        preamble=source(), options=NVRTC_OPTIONS)

@@ -1,0 +1,77 @@
+"""The interface every compression rule implements, and argument checks.
+
+A rule turns one parameter's minibatch gradient (and, for the variance-based
+rules, the per-sample sum of squares) plus its own per-parameter state into
+the elements to send, as a :class:`chainer_vgc.codec.Group`.  Rules see flat
+(1-D) arrays; state arrays are in :func:`chainer_vgc.backend.state_dtype`.
+"""
+
+import math
+import numbers
+
+from chainer_vgc import backend
+
+
+class CompressionRule(object):
+    """Base class: per-parameter state in, elements to send out."""
+
+    #: name used by :func:`chainer_vgc.rules.create_rule`
+    name = None
+    #: whether :meth:`compress` needs the per-sample sum of squares
+    needs_sqsum = False
+    #: whether tensors are limited to 2**28 elements (one 32-bit word each)
+    uses_index_words = True
+
+    def init_state(self, size, dtype, xp):
+        """Fresh per-parameter state: dict of flat arrays (may be empty)."""
+        return {}
+
+    def compress(self, tensor_id, grad, sqsum, state):
+        """Update ``state`` in place; return a Group, or None if nothing is
+        sent.  ``grad`` is the minibatch gradient sum_z grad_z / B, ``sqsum``
+        is sum_z (grad_z / B)**2 (or None when :attr:`needs_sqsum` is
+        False)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        args = ', '.join('{}={!r}'.format(k, v)
+                         for k, v in sorted(vars(self).items())
+                         if not k.startswith('_'))
+        return '{}({})'.format(type(self).__name__, args)
+
+
+def check_real(name, value, low=None, high=None, low_open=True,
+               high_open=False, hint=''):
+    """Return ``float(value)``; ValueError naming ``name`` and the range."""
+    interval = '{}{}, {}{}'.format('(' if low_open else '[',
+                                   '-inf' if low is None else low,
+                                   'inf' if high is None else high,
+                                   ')' if high_open or high is None else ']')
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError('{} must be a real number in {}, got {!r}{}'.format(
+            name, interval, value, hint))
+    v = float(value)
+    bad = math.isnan(v) or math.isinf(v)
+    if low is not None:
+        bad = bad or (v <= low if low_open else v < low)
+    if high is not None:
+        bad = bad or (v >= high if high_open else v > high)
+    if bad:
+        raise ValueError('{} must be in {}, got {!r}{}'.format(
+            name, interval, value, hint))
+    return v
+
+
+def check_int(name, value, low, high):
+    """Return ``int(value)``; ValueError naming ``name`` and the range."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not low <= value <= high):
+        raise ValueError('{} must be an integer in {}..{}, got {!r}'.format(
+            name, low, high, value))
+    return int(value)
+
+
+def residual_state(size, dtype, xp, names):
+    """Zero-filled state arrays ``names`` in the state dtype of ``dtype``."""
+    sdt = backend.state_dtype(dtype)
+    return {n: xp.zeros(size, dtype=sdt) for n in names}

@@ -1,0 +1,67 @@
+"""QSGD (Alistarh et al. 2017), a baseline of the paper's Table 1.
+
+Each tensor is cut into buckets of ``bucket`` elements.  With
+``levels = 2**bits - 1`` (``bits`` excludes the sign bit, as in the paper's
+table) and n the bucket's L2 norm, element g is sent as
+``sign(g) * n * l / levels`` where l = floor(|g| / n * levels + u),
+u ~ U[0, 1): stochastic rounding, unbiased.  Elements with l = 0 are not sent.
+No residual is kept.  The uniform draws come from a seedable generator
+(``numpy.random.default_rng(seed)`` on the CPU, ``cupy.random`` on the GPU;
+the two streams differ).
+"""
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc.rules import base
+
+
+class QSGD(base.CompressionRule):
+    """bits in 1..8, bucket in 1..2**23, seed: int or None."""
+
+    name = 'qsgd'
+    uses_index_words = False
+
+    def __init__(self, bits=2, bucket=128, seed=None):
+        self.bits = base.check_int('bits', bits, 1, 8)
+        self.bucket = base.check_int('bucket', bucket, 1,
+                                     codec.MAX_QSGD_BUCKET)
+        self.levels = (1 << self.bits) - 1
+        self.seed = seed
+        self._rngs = {}
+
+    def _rng(self, xp):
+        key = xp.__name__
+        if key not in self._rngs:
+            if backend.is_cupy(xp):
+                self._rngs[key] = xp.random.default_rng(self.seed)
+            else:
+                self._rngs[key] = numpy.random.default_rng(self.seed)
+        return self._rngs[key]
+
+    def quantize(self, grad, dtype):
+        """Returns (level int64, negative bool, per-bucket float32 scale)."""
+        xp = backend.get_array_module(grad)
+        g = grad.astype(dtype, copy=False)
+        n, b = g.size, self.bucket
+        nb = -(-n // b)
+        padded = xp.zeros(nb * b, dtype=dtype)
+        padded[:n] = g
+        norms = xp.sqrt((padded.reshape(nb, b) ** 2).sum(axis=1))
+        norm = xp.repeat(norms, b)[:n]
+        u = self._rng(xp).random(n, dtype=dtype)
+        safe = xp.where(norm > 0, norm, 1)
+        scaled = xp.abs(g) / safe * dtype.type(self.levels)
+        level = xp.floor(scaled + u).astype(numpy.int64)
+        level = xp.clip(xp.where(norm > 0, level, 0), 0, self.levels)
+        scales = (norms / dtype.type(self.levels)).astype(numpy.float32)
+        return level, xp.signbit(g), scales
+
+    def compress(self, tensor_id, grad, sqsum, state):
+        dtype = backend.state_dtype(grad.dtype)
+        level, negative, scales = self.quantize(grad, dtype)
+        if not level.any():
+            return None
+        return codec.qsgd_group(tensor_id, level, negative, scales,
+                                self.bucket, self.levels)

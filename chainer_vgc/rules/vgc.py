@@ -1,0 +1,97 @@
+"""Variance-based compression, Fig. "Basic" of the paper (Sec. 4.1-4.4).
+
+Per element i, with g = sum_z grad_z / B and s = sum_z (grad_z / B)**2::
+
+    r += g;  v += s
+    if r**2 > alpha * v:   send r (quantized, Sec. 4.2);  r = v = 0
+    else:                  v *= zeta
+
+The criterion is eq. (4), the efficient form of eq. (1) (App. A).
+
+Quantization (``quantize=True``, the paper's setting): the selected values of
+one tensor are quantized against e_k = floor(log2 max|r|) over the selected
+elements (:func:`chainer_vgc.codec.pow2_encode`).  A selected element with
+d > 7 (or a subnormal value) cannot be represented.  The paper's Encode()
+then sets r = v = 0 anyway, so that element's update is *dropped*; this is
+the default.  With ``keep_unrepresentable=True`` it stays in r instead (v
+decays as for an unselected element) and is sent once it is representable.
+As in the paper, the rounding error of sent elements is not carried over.
+
+``quantize=False`` sends the exact residual (FMT_RAW, index + value words);
+then sum of gradients = sum sent + r exactly up to float rounding.
+"""
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc import kernels
+from chainer_vgc.rules import base
+
+
+class VGC(base.CompressionRule):
+    """Fig. "Basic".  alpha > 0 (1-2 recommended, Sec. 4.4), zeta in (0, 1]
+    (0.999 in the paper's experiments)."""
+
+    name = 'vgc'
+    needs_sqsum = True
+
+    def __init__(self, alpha=1.5, zeta=0.999, quantize=True,
+                 keep_unrepresentable=False):
+        self.alpha = base.check_real('alpha', alpha, low=0)
+        self.zeta = base.check_real('zeta', zeta, low=0, high=1)
+        self.quantize = bool(quantize)
+        self.keep_unrepresentable = bool(keep_unrepresentable)
+        self.uses_index_words = self.quantize
+
+    def init_state(self, size, dtype, xp):
+        return base.residual_state(size, dtype, xp, ('r', 'v'))
+
+    def select(self, grad, sqsum, state):
+        """Accumulate, apply the criterion, decay v of unselected elements.
+
+        Returns the boolean mask of selected elements.
+        """
+        r, v = state['r'], state['v']
+        alpha, zeta = r.dtype.type(self.alpha), r.dtype.type(self.zeta)
+        xp = backend.get_array_module(r)
+        if backend.is_cupy(xp):
+            sel = xp.empty(r.shape, dtype=bool)
+            kernels.get_kernel('vgc_basic_select')(
+                grad, sqsum, alpha, zeta, r, v, sel)
+            return sel
+        r += grad.astype(r.dtype, copy=False)
+        v += sqsum.astype(v.dtype, copy=False)
+        sel = r * r > alpha * v
+        numpy.multiply(v, zeta, out=v, where=~sel)
+        return sel
+
+    def compress(self, tensor_id, grad, sqsum, state):
+        r, v = state['r'], state['v']
+        xp = backend.get_array_module(r)
+        index = xp.nonzero(self.select(grad, sqsum, state))[0]
+        if index.size == 0:
+            return None
+        values = r[index]
+        if not self.quantize:
+            r[index] = 0
+            v[index] = 0
+            return codec.raw_group(tensor_id, index, values, r.size)
+        e_k = codec.floor_log2(xp.abs(values).max())
+        if e_k == codec.LOG2_ZERO:  # every selected value is subnormal
+            ok = xp.zeros(index.shape, dtype=bool)
+            words = xp.zeros(index.shape, dtype=numpy.uint32)
+        else:
+            words, ok = codec.pow2_encode(values, index, e_k)
+        sent = index[ok]
+        if self.keep_unrepresentable:
+            kept = index[~ok]
+            v[kept] = v[kept] * v.dtype.type(self.zeta)
+            reset = sent
+        else:
+            reset = index
+        r[reset] = 0
+        v[reset] = 0
+        if sent.size == 0:
+            return None
+        return codec.pow2_group(tensor_id, words[ok], e_k)

@@ -1,0 +1,209 @@
+"""Runs the CuPy ElementwiseKernels of chainer_vgc without a GPU.
+
+Each entry of :data:`chainer_vgc.kernels.SPECS` is turned into a C++ loop
+that binds the parameters element by element, as CuPy's ElementwiseKernel
+does (inputs by value, outputs by reference), and pastes the *same*
+operation string after ``#include``-ing the same ``kernels/vgc_numerics.cuh``.
+The host build uses ``-ffp-contract=off``; the CuPy kernels use
+``--fmad=false``; so results must match the NumPy path bit for bit.
+
+The same generated code, as ``__global__`` functions, is what
+:func:`compile_ptx` feeds to ``nvcc``.
+"""
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy
+
+from chainer_vgc import kernels
+
+_HOST_TYPES = {
+    numpy.dtype(numpy.float16): ('_Float16', None),
+    numpy.dtype(numpy.float32): ('float', ctypes.c_float),
+    numpy.dtype(numpy.float64): ('double', ctypes.c_double),
+    numpy.dtype(numpy.bool_): ('bool', ctypes.c_bool),
+    numpy.dtype(numpy.int8): ('signed char', ctypes.c_int8),
+    numpy.dtype(numpy.int32): ('int', ctypes.c_int32),
+    numpy.dtype(numpy.int64): ('long long', ctypes.c_int64),
+    numpy.dtype(numpy.uint32): ('unsigned int', ctypes.c_uint32),
+}
+_DEVICE_TYPES = dict((k, v[0]) for k, v in _HOST_TYPES.items())
+_DEVICE_TYPES[numpy.dtype(numpy.float16)] = '__half'
+_CONCRETE = {'bool': numpy.bool_, 'int8': numpy.int8, 'int32': numpy.int32,
+             'int64': numpy.int64, 'uint32': numpy.uint32,
+             'float16': numpy.float16, 'float32': numpy.float32,
+             'float64': numpy.float64}
+
+HOST_FLAGS = ['-std=c++14', '-O2', '-ffp-contract=off', '-fno-fast-math',
+              '-fPIC', '-shared']
+
+
+def parse_params(text):
+    """'G g, S alpha' -> [(type, name), ...] (CuPy's parameter syntax)."""
+    out = []
+    for item in text.split(','):
+        words = item.split()
+        if len(words) != 2 or words[0] == 'raw':
+            raise ValueError('harness supports "TYPE name" params only: '
+                             '{!r}'.format(item))
+        out.append((words[0], words[1]))
+    return out
+
+
+def _resolve(spec, args):
+    """Bind placeholders to dtypes; returns (params, dtypes, is_array)."""
+    params = parse_params(spec.in_params) + parse_params(spec.out_params)
+    if len(args) != len(params):
+        raise TypeError('expected {} arguments, got {}'.format(
+            len(params), len(args)))
+    binding = {}
+    for (typ, name), a in zip(params, args):
+        if typ not in _CONCRETE and isinstance(a, (numpy.ndarray,
+                                                   numpy.generic)):
+            binding.setdefault(typ, a.dtype)
+    dtypes, is_array = [], []
+    for (typ, name), a in zip(params, args):
+        dtypes.append(numpy.dtype(_CONCRETE[typ]) if typ in _CONCRETE
+                      else binding[typ])
+        is_array.append(isinstance(a, numpy.ndarray) and a.ndim > 0)
+    return params, dtypes, is_array, binding
+
+
+def _body(name, spec, params, dtypes, is_array, binding, device):
+    types = _DEVICE_TYPES if device else {k: v[0] for k, v in
+                                          _HOST_TYPES.items()}
+    n_in = len(parse_params(spec.in_params))
+    lines = ['namespace {} {{'.format(name)]
+    for ph, dt in sorted(binding.items()):
+        lines.append('typedef {} {};'.format(types[dt], ph))
+    sig, bind = ['long long n'], []
+    for k, ((typ, pname), dt, arr) in enumerate(zip(params, dtypes,
+                                                    is_array)):
+        ctype = types[dt]
+        if k >= n_in:
+            sig.append('{} *{}_p'.format(ctype, pname))
+            bind.append('{} &{} = {}_p[i];'.format(ctype, pname, pname))
+        elif arr:
+            sig.append('const {} *{}_p'.format(ctype, pname))
+            bind.append('const {} {} = {}_p[i];'.format(ctype, pname, pname))
+        else:
+            sig.append('{} {}'.format(ctype, pname))
+    if device:
+        lines.append('extern "C" __global__ void {}_kernel({}) {{'.format(
+            name, ', '.join(sig)))
+        lines.append('  for (long long i = blockIdx.x * (long long)blockDim.x'
+                     ' + threadIdx.x; i < n; i += (long long)blockDim.x * '
+                     'gridDim.x) {')
+    else:
+        lines.append('extern "C" void {}_run({}) {{'.format(
+            name, ', '.join(sig)))
+        lines.append('  for (long long i = 0; i < n; ++i) {')
+    lines.extend('    ' + b for b in bind)
+    lines.append('    {};'.format(spec.operation))
+    lines.append('  }\n}\n}')
+    return '\n'.join(lines)
+
+
+def generated_source(instances, device):
+    """C++/CUDA translation unit for [(kernel name, args), ...]."""
+    header = ['#include <cuda_fp16.h>'] if device else []
+    header.append('#include "{}"'.format(
+        os.path.join(kernels.source_dir(), 'vgc_numerics.cuh')))
+    parts = header[:]
+    for k, (kname, args) in enumerate(instances):
+        spec = kernels.SPECS[kname]
+        params, dtypes, is_array, binding = _resolve(spec, args)
+        parts.append(_body('{}_{}'.format(kname, k), spec, params, dtypes,
+                           is_array, binding, device))
+    return '\n\n'.join(parts) + '\n'
+
+
+class HostKernels(object):
+    """Compiles and runs kernel instantiations with the host compiler."""
+
+    def __init__(self, cxx=None, workdir=None):
+        self.cxx = cxx or os.environ.get('CXX') or shutil.which('g++')
+        if self.cxx is None:
+            raise RuntimeError('no host C++ compiler (g++) found')
+        self.workdir = workdir or tempfile.mkdtemp(prefix='vgc_host_')
+        self._libs = {}
+
+    def _library(self, kname, args):
+        spec = kernels.SPECS[kname]
+        params, dtypes, is_array, binding = _resolve(spec, args)
+        src = generated_source([(kname, args)], device=False)
+        key = hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+        if key not in self._libs:
+            cpp = os.path.join(self.workdir, key + '.cpp')
+            so = os.path.join(self.workdir, key + '.so')
+            with open(cpp, 'w') as f:
+                f.write(src)
+            subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
+                           check=True, capture_output=True, text=True)
+            lib = ctypes.CDLL(so)
+            fn = getattr(lib, '{}_0_run'.format(kname))
+            argtypes = [ctypes.c_longlong]
+            for dt, arr in zip(dtypes, is_array):
+                argtypes.append(ctypes.c_void_p if arr
+                                else _HOST_TYPES[dt][1])
+            fn.argtypes = argtypes
+            fn.restype = None
+            self._libs[key] = (lib, fn, dtypes, is_array)
+        return self._libs[key]
+
+    def __call__(self, kname, *args):
+        """Run kernel ``kname``: inputs then (preallocated) outputs.
+
+        Array arguments must be 1-D, contiguous and of equal size; outputs
+        are written in place and returned.
+        """
+        spec = kernels.SPECS[kname]
+        n_in = len(parse_params(spec.in_params))
+        _, fn, dtypes, is_array = self._library(kname, args)
+        n = None
+        cargs = []
+        for k, (a, dt, arr) in enumerate(zip(args, dtypes, is_array)):
+            if arr:
+                if a.dtype != dt or not a.flags.c_contiguous or a.ndim != 1:
+                    raise TypeError('argument {} must be a contiguous 1-D {} '
+                                    'array'.format(k, dt))
+                if n is not None and a.size != n:
+                    raise ValueError('array arguments differ in size')
+                n = a.size
+                cargs.append(a.ctypes.data_as(ctypes.c_void_p))
+            else:
+                if k >= n_in:
+                    raise TypeError('outputs must be arrays')
+                cargs.append(dt.type(a).item() if dt.kind != 'b'
+                             else bool(a))
+        fn(n or 0, *cargs)
+        return args[n_in:]
+
+
+def find_nvcc():
+    return shutil.which('nvcc')
+
+
+def compile_ptx(instances, workdir, arch='compute_80'):
+    """Compile instantiations with nvcc to PTX; returns the PTX text."""
+    cu = os.path.join(workdir, 'vgc_kernels_check.cu')
+    ptx = os.path.join(workdir, 'vgc_kernels_check.ptx')
+    with open(cu, 'w') as f:
+        f.write(generated_source(instances, device=True))
+    cmd = [find_nvcc(), '-ptx', '-arch=' + arch, '-std=c++14',
+           '-o', ptx, cu] + list(kernels.NVRTC_OPTIONS)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError('nvcc failed:\n' + proc.stderr)
+    with open(ptx) as f:
+        return f.read()
+
+
+def ptx_entries(ptx):
+    return re.findall(r'\.entry\s+(\w+)', ptx)
