@@ -157,6 +157,19 @@ class HostKernels(object):
             self._libs[key] = (lib, fn, dtypes, is_array)
         return self._libs[key]
 
+    @staticmethod
+    def _allocate(spec, inputs):
+        binding = {}
+        size = 0
+        for (typ, _), a in zip(parse_params(spec.in_params), inputs):
+            if isinstance(a, (numpy.ndarray, numpy.generic)):
+                binding.setdefault(typ, a.dtype)
+            if isinstance(a, numpy.ndarray) and a.ndim:
+                size = a.size
+        return tuple(numpy.empty(size, dtype=_CONCRETE.get(typ) or
+                                 binding[typ])
+                     for typ, _ in parse_params(spec.out_params))
+
     def __call__(self, kname, *args):
         """Run kernel ``kname``: inputs then (preallocated) outputs.
 
@@ -165,6 +178,8 @@ class HostKernels(object):
         """
         spec = kernels.SPECS[kname]
         n_in = len(parse_params(spec.in_params))
+        if len(args) == n_in:  # CuPy allocates outputs that are not given
+            args = args + self._allocate(spec, args)
         _, fn, dtypes, is_array = self._library(kname, args)
         n = None
         cargs = []

@@ -1,0 +1,249 @@
+"""Codec: quantization, word packing and message validation (Sec. 4.2, App. B)."""
+
+import math
+
+import numpy
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chainer_vgc import codec
+from chainer_vgc.codec import WireFormatError
+
+
+# ---- an independent reference of the quantizer (exact float arithmetic) ----
+
+def ref_floor_log2(m):
+    mant, ex = math.frexp(abs(float(m)))
+    return ex - 1
+
+
+def ref_quantize(x, e_k, dtype):
+    """(negative, d) or None if not sent, from the paper's definition."""
+    a = abs(float(x))
+    if a < numpy.finfo(dtype).tiny:  # zero or subnormal: not sent
+        return None
+    mant, ex = math.frexp(a)  # a = mant * 2**ex, mant in [0.5, 1)
+    e = ex - 1
+    if 2 * mant >= 1.5:  # nearer to 2**(e+1); ties go up
+        e += 1
+    e = min(e, e_k)  # |x| > 2**e_k is truncated to 2**e_k
+    d = e_k - e
+    return (math.copysign(1.0, float(x)) < 0, d) if d <= 7 else None
+
+
+def edge_values(dtype):
+    """Zeros, subnormals, powers of two, mid-points 1.5*2**e and neighbours."""
+    dtype = numpy.dtype(dtype)
+    fi = numpy.finfo(dtype)
+    vals = [0.0, -0.0, fi.tiny, fi.tiny / 2, fi.tiny / 4, fi.tiny * 0.75,
+            fi.max, fi.max / 2]
+    for e in (-20, -3, -1, 0, 1, 2, 5, 10):
+        for base in (2.0 ** e, 1.5 * 2.0 ** e):
+            b = dtype.type(base)
+            vals += [b, numpy.nextafter(b, dtype.type(numpy.inf)),
+                     numpy.nextafter(b, dtype.type(0))]
+    arr = numpy.array(vals, dtype=dtype)
+    return numpy.concatenate([arr, -arr])
+
+
+def test_appendix_b_example():
+    """Paper App. B: (0.04, 0.31, -6.25, 22.25, -35.75) -> e = 5; 0.04 is not
+    sent; d = 7, 2, 1, 0 with signs +, -, +, - at indices 1, 2, 3, 4."""
+    x = numpy.array([0.04, 0.31, -6.25, 22.25, -35.75], dtype=numpy.float32)
+    e_k = codec.floor_log2(numpy.abs(x).max())
+    assert e_k == 5
+    words, ok = codec.pow2_encode(x, numpy.arange(5), e_k)
+    assert ok.tolist() == [False, True, True, True, True]
+    fields = [(int(w) >> 31, (int(w) >> 28) & 7, int(w) & (2 ** 28 - 1))
+              for w in words[ok]]
+    assert fields == [(0, 7, 1), (1, 2, 2), (0, 1, 3), (1, 0, 4)]
+    msg = codec.pack([codec.pow2_group(0, words[ok], e_k)])
+    (dec,) = codec.unpack(msg, [5], [numpy.float32])
+    assert dec.index.tolist() == [1, 2, 3, 4]
+    assert dec.value.tolist() == [0.25, -8.0, 16.0, -32.0]
+    # one 5-word header + one word per element + 2 message words
+    assert msg.size == 2 + 5 + 4
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_quantizer_edge_values_match_reference(dtype):
+    x = edge_values(dtype)
+    for e_k in (-3, 0, 1, 2, 5, 10, 11):
+        words, ok = codec.pow2_encode(x, numpy.arange(x.size), e_k)
+        for i, xi in enumerate(x):
+            ref = ref_quantize(xi, e_k, dtype)
+            assert bool(ok[i]) == (ref is not None), (xi, e_k)
+            if ref is not None:
+                w = int(words[i])
+                assert (bool(w >> 31), (w >> 28) & 7) == ref, (xi, e_k)
+                assert w & (2 ** 28 - 1) == i
+            else:
+                assert words[i] == 0
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32),
+                min_size=1, max_size=60))
+def test_quantizer_matches_reference_float32(vals):
+    _check_against_reference(numpy.array(vals, dtype=numpy.float32))
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False),
+                min_size=1, max_size=60))
+def test_quantizer_matches_reference_float64(vals):
+    _check_against_reference(numpy.array(vals, dtype=numpy.float64))
+
+
+def _check_against_reference(x):
+    m = numpy.abs(x).max()
+    if m < numpy.finfo(x.dtype).tiny:
+        assert codec.floor_log2(m) == codec.LOG2_ZERO
+        return
+    e_k = codec.floor_log2(m)
+    assert e_k == ref_floor_log2(m)
+    words, ok = codec.pow2_encode(x, numpy.arange(x.size), e_k)
+    for i, xi in enumerate(x):
+        ref = ref_quantize(xi, e_k, x.dtype)
+        assert bool(ok[i]) == (ref is not None)
+        if ref is not None:
+            w = int(words[i])
+            assert (bool(w >> 31), (w >> 28) & 7) == ref
+    # decode is the exact inverse: sign * 2**(e_k - d)
+    index, value = codec.pow2_decode(words[ok], e_k, 1.0, x.dtype)
+    assert index.tolist() == numpy.nonzero(ok)[0].tolist()
+    for i, val in zip(index, value):
+        neg, d = ref_quantize(x[i], e_k, x.dtype)
+        assert val == (-1 if neg else 1) * 2.0 ** (e_k - d)
+
+
+def test_floor_log2_edges():
+    assert codec.floor_log2(numpy.float32(1.0)) == 0
+    assert codec.floor_log2(numpy.float32(0.999)) == -1
+    assert codec.floor_log2(numpy.float32(-2.0)) == 1
+    assert codec.floor_log2(numpy.float64(2.0 ** 700)) == 700
+    assert codec.floor_log2(numpy.float32(0)) == codec.LOG2_ZERO
+    assert codec.floor_log2(numpy.float32(1e-40)) == codec.LOG2_ZERO
+
+
+def _random_message(rng, sizes):
+    groups = []
+    for tid, size in enumerate(sizes):
+        kind = rng.integers(0, 5)
+        if kind == 0 or size == 0:
+            continue
+        n = int(rng.integers(1, size + 1))
+        index = numpy.sort(rng.choice(size, n, replace=False))
+        if kind == 1:
+            vals = rng.normal(size=n).astype(numpy.float32)
+            e_k = codec.floor_log2(numpy.abs(vals).max())
+            words, ok = codec.pow2_encode(vals, index, e_k)
+            if ok.any():
+                groups.append(codec.pow2_group(tid, words[ok], e_k))
+        elif kind == 2:
+            groups.append(codec.raw_group(tid, index, rng.normal(size=n),
+                                          size))
+        elif kind == 3:
+            groups.append(codec.raw_group(
+                tid, None, rng.normal(size=size).astype(numpy.float32), size))
+        else:
+            level = rng.integers(0, 4, size=size)
+            if level.any():
+                groups.append(codec.qsgd_group(
+                    tid, level, rng.random(size) < 0.5,
+                    rng.random(-(-size // 3)).astype(numpy.float32), 3, 3))
+    return codec.pack(groups), groups
+
+
+def test_pack_unpack_roundtrip_all_formats():
+    rng = numpy.random.default_rng(0)
+    sizes = [7, 1, 0, 33, 100, 5]
+    dtypes = [numpy.float32] * len(sizes)
+    for _ in range(30):
+        msg, groups = _random_message(rng, sizes)
+        decoded = codec.unpack(msg, sizes, dtypes)
+        assert [d.tensor_id for d in decoded] == [g.tensor_id for g in groups]
+        for d, g in zip(decoded, groups):
+            assert d.index.size == g.count
+            assert (numpy.diff(d.index) > 0).all()
+            assert d.index.max() < sizes[d.tensor_id]
+
+
+def test_raw_float64_values_are_exact():
+    vals = numpy.array([numpy.pi, -1e-300, 1e300])
+    msg = codec.pack([codec.raw_group(0, numpy.array([0, 3, 4]), vals, 9)])
+    out = [numpy.zeros(9)]
+    assert codec.decode_into(msg, out) == 3
+    assert out[0][[0, 3, 4]].tolist() == vals.tolist()
+
+
+def test_qsgd_group_decodes_levels_times_scale():
+    level = numpy.array([0, 3, 1, 0, 0, 2, 1])
+    neg = numpy.array([0, 1, 0, 0, 1, 0, 1], dtype=bool)
+    scales = numpy.array([0.5, 0.25, 2.0], dtype=numpy.float32)  # bucket 3
+    msg = codec.pack([codec.qsgd_group(4, level, neg, scales, 3, 3)])
+    (dec,) = codec.unpack(msg, [1, 1, 1, 1, 7], [numpy.float32] * 5)
+    assert dec.tensor_id == 4
+    assert dec.index.tolist() == [1, 2, 5, 6]
+    assert dec.value.tolist() == [-1.5, 0.5, 0.5, -2.0]
+
+
+def test_empty_message():
+    msg = codec.pack([])
+    assert msg.tolist() == [codec.MAGIC, 0]
+    assert codec.unpack(msg, [3], [numpy.float32]) == []
+
+
+def test_corrupt_messages_raise_clear_errors():
+    rng = numpy.random.default_rng(1)
+    sizes = [7, 1, 33, 100, 5]
+    dtypes = [numpy.float32] * len(sizes)
+    msg, _ = _random_message(rng, sizes)
+    while msg.size < 12:
+        msg, _ = _random_message(rng, sizes)
+    with pytest.raises(WireFormatError, match='truncated|trailing'):
+        codec.unpack(msg[:-1], sizes, dtypes)
+    with pytest.raises(WireFormatError, match='magic'):
+        codec.unpack(msg[1:], sizes, dtypes)
+    with pytest.raises(WireFormatError, match='uint32'):
+        codec.unpack(msg.astype(numpy.int64), sizes, dtypes)
+    with pytest.raises(WireFormatError, match='trailing'):
+        codec.unpack(numpy.append(msg, numpy.uint32(0)), sizes, dtypes)
+    with pytest.raises(WireFormatError, match='same model'):
+        codec.unpack(msg, sizes[:1], dtypes[:1])
+
+
+def test_fuzzed_messages_never_read_out_of_bounds():
+    """Every prefix and many random corruptions either decode to indices
+    inside the model or raise WireFormatError; nothing else escapes."""
+    rng = numpy.random.default_rng(2)
+    sizes = [7, 1, 33, 100, 5]
+    dtypes = [numpy.float32] * len(sizes)
+    truncated = detected = 0
+    for trial in range(200):
+        msg, _ = _random_message(rng, sizes)
+        bad = msg.copy()
+        if trial % 2:
+            bad = bad[:rng.integers(0, bad.size)]
+            truncated += 1
+        else:
+            pos = rng.integers(0, bad.size)
+            bad[pos] ^= numpy.uint32(1 << int(rng.integers(0, 32)))
+        try:
+            decoded = codec.unpack(bad, sizes, dtypes)
+        except WireFormatError:
+            detected += trial % 2
+            continue
+        for d in decoded:
+            assert d.index.size == 0 or (0 <= d.index.min()
+                                         and d.index.max() <
+                                         sizes[d.tensor_id])
+            assert d.index.size == d.value.size
+    assert detected == truncated == 100  # every truncation is detected
+
+
+def test_decode_into_requires_contiguous_outputs():
+    msg = codec.pack([codec.raw_group(0, None, numpy.ones(4,
+                                                          numpy.float32), 4)])
+    out = numpy.zeros((4, 2), numpy.float32)[:, 0]
+    with pytest.raises(ValueError, match='contiguous'):
+        codec.decode_into(msg, [out])
