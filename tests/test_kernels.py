@@ -1,0 +1,224 @@
+"""The CuPy kernels' source, compiled for the GPU and executed on the CPU.
+
+Every entry of chainer_vgc.kernels.SPECS is (1) compiled to PTX with nvcc,
+exactly as generated for the device, and (2) compiled with the host C++
+compiler from the same kernels/vgc_numerics.cuh and operation strings, run
+element by element, and compared bit for bit with the NumPy path.
+"""
+
+import numpy
+import pytest
+
+import kernel_harness
+from chainer_vgc import GradientCompressor
+from chainer_vgc import codec
+from chainer_vgc import kernels
+from chainer_vgc.backend import state_dtype
+from chainer_vgc.rules import Hybrid
+from chainer_vgc.rules import Strom
+from chainer_vgc.rules import VGC
+
+from test_codec import edge_values
+
+F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
+
+
+def bits(a):
+    """Bit pattern view, so that NaN == NaN and -0.0 != 0.0."""
+    a = numpy.ascontiguousarray(a)
+    return a.view({1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32,
+                   8: numpy.uint64}[a.dtype.itemsize])
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = numpy.nonzero(bits(a) != bits(b))[0]
+    assert diff.size == 0, 'first differences at {}: {} vs {}'.format(
+        diff[:5], a[diff[:5]], b[diff[:5]])
+
+
+def instances():
+    """One instantiation per kernel and parameter dtype combination."""
+    out = []
+    for gdt in (F16, F32, F64):
+        sdt = state_dtype(gdt).type
+        g = numpy.zeros(2, gdt)
+        r = numpy.zeros(2, sdt)
+        out += [
+            ('vgc_basic_select', (g, g, sdt(1), sdt(1), r, r,
+                                  numpy.zeros(2, bool))),
+            ('vgc_hybrid_step', (g, g, sdt(1), sdt(1), sdt(1), r, r,
+                                 numpy.zeros(2, numpy.int8))),
+            ('vgc_strom_step', (g, sdt(1), r, numpy.zeros(2, numpy.int8))),
+        ]
+    for sdt in (F32, F64):
+        x = numpy.zeros(2, sdt)
+        out += [
+            ('vgc_pow2_encode', (x, numpy.zeros(2, numpy.int64),
+                                 numpy.int32(0), numpy.zeros(2, numpy.uint32),
+                                 numpy.zeros(2, bool))),
+            ('vgc_pow2_decode', (numpy.zeros(2, numpy.uint32), numpy.int32(0),
+                                 sdt(1), numpy.zeros(2, numpy.int64), x)),
+        ]
+    return out
+
+
+def test_every_kernel_compiles_to_ptx_without_fma(tmp_path):
+    if kernel_harness.find_nvcc() is None:
+        pytest.skip('nvcc not found: the CUDA sources were not compiled '
+                    '(install the CUDA toolkit to run this check)')
+    insts = instances()
+    ptx = kernel_harness.compile_ptx(insts, str(tmp_path))
+    entries = kernel_harness.ptx_entries(ptx)
+    assert entries == ['{}_{}_kernel'.format(name, k)
+                       for k, (name, _) in enumerate(insts)]
+    assert {name for name, _ in insts} == set(kernels.SPECS)
+    assert 'fma.' not in ptx  # --fmad=false: same rounding as host/NumPy
+
+
+def test_kernel_source_is_the_packaged_file():
+    assert kernels.source().startswith('/*')
+    assert 'vgc_basic_select' in kernels.source()
+    for spec in kernels.SPECS.values():  # every body calls the shared source
+        fn = spec.operation.split('=')[1].split('<')[0].strip()
+        assert fn in kernels.source()
+
+
+# ---- kernel vs NumPy, one kernel at a time -----------------------------------
+
+def _stream(rng, dtype, n, steps):
+    """Gradients mixing random values with the codec's edge values."""
+    edges = edge_values(dtype)
+    with numpy.errstate(over='ignore'):
+        for _ in range(steps):
+            g = rng.normal(0, 1, n).astype(dtype)
+            g[rng.integers(0, n, n // 4)] = rng.choice(edges, n // 4)
+            g[:3] = 0
+            s = numpy.abs(rng.normal(0, 1, n)).astype(dtype) ** 2
+            s[rng.integers(0, n, n // 8)] = 0
+            yield g, s
+
+
+@pytest.mark.parametrize('gdt', [F16, F32, F64])
+def test_basic_select_kernel_matches_numpy(host_kernels, gdt):
+    rng = numpy.random.default_rng(0)
+    n = 501
+    rule = VGC(alpha=1.5, zeta=0.999)
+    sdt = state_dtype(gdt)
+    st = rule.init_state(n, gdt, numpy)
+    r, v = numpy.zeros(n, sdt), numpy.zeros(n, sdt)
+    with numpy.errstate(all='ignore'):
+        for g, s in _stream(rng, gdt, n, 20):
+            sel = numpy.zeros(n, bool)
+            host_kernels('vgc_basic_select', g, s, sdt.type(1.5),
+                         sdt.type(0.999), r, v, sel)
+            want = rule.select(g, s, st)
+            assert (sel == want).all()
+            assert_bitwise(r, st['r'])
+            assert_bitwise(v, st['v'])
+            # what the rule does after encoding: reset the selected state
+            r[sel] = v[sel] = st['r'][sel] = st['v'][sel] = 0
+
+
+@pytest.mark.parametrize('gdt', [F16, F32, F64])
+def test_hybrid_and_strom_kernels_match_numpy(host_kernels, gdt):
+    rng = numpy.random.default_rng(1)
+    n = 403
+    sdt = state_dtype(gdt)
+    hyb, strom = Hybrid(tau=0.1, alpha=2.0, zeta=0.99), Strom(tau=0.1)
+    st_h, st_s = hyb.init_state(n, gdt, numpy), strom.init_state(n, gdt,
+                                                                 numpy)
+    r, v, rs = numpy.zeros(n, sdt), numpy.zeros(n, sdt), numpy.zeros(n, sdt)
+    tau = sdt.type(numpy.float32(0.1))
+    with numpy.errstate(all='ignore'):
+        for g, s in _stream(rng, gdt, n, 20):
+            sign = numpy.zeros(n, numpy.int8)
+            host_kernels('vgc_hybrid_step', g, s, sdt.type(2.0),
+                         sdt.type(0.99), tau, r, v, sign)
+            assert (sign == hyb.step(g, s, st_h)).all()
+            assert_bitwise(r, st_h['r'])
+            assert_bitwise(v, st_h['v'])
+            host_kernels('vgc_strom_step', g, tau, rs, sign)
+            assert (sign == strom.step(g, st_s)).all()
+            assert_bitwise(rs, st_s['r'])
+
+
+@pytest.mark.parametrize('sdt', [F32, F64])
+def test_pow2_encode_kernel_matches_numpy_on_edge_values(host_kernels, sdt):
+    x = edge_values(sdt)
+    x = numpy.concatenate([x, numpy.random.default_rng(2).normal(
+        0, 10, 1000).astype(sdt)])
+    index = numpy.arange(x.size, dtype=numpy.int64) * 7919 % (2 ** 28)
+    for e_k in (-20, -1, 0, 1, 5, 10, 127, 200):
+        words, ok = host_kernels('vgc_pow2_encode', x, index,
+                                 numpy.int32(e_k))
+        want_words, want_ok = codec.pow2_encode(x, index, e_k)
+        assert (ok == want_ok).all()
+        assert_bitwise(words, want_words)
+        # and decode inverts encode, in both implementations
+        idx, val = host_kernels('vgc_pow2_decode', words[ok],
+                                numpy.int32(e_k), sdt(1))
+        want_idx, want_val = codec.pow2_decode(words[ok], e_k, 1.0, sdt)
+        assert (idx == want_idx).all() and (idx == index[ok]).all()
+        assert_bitwise(val, want_val)
+
+
+@pytest.mark.parametrize('sdt', [F32, F64])
+def test_pow2_decode_kernel_matches_numpy_on_all_fields(host_kernels, sdt):
+    rng = numpy.random.default_rng(3)
+    words = rng.integers(0, 2 ** 32, 4096, dtype=numpy.uint64).astype(
+        numpy.uint32)
+    for e_k, scale in ((0, 1.0), (5, 1.0), (-130, 1.0), (0, 0.1), (3, 0.37)):
+        idx, val = host_kernels('vgc_pow2_decode', words, numpy.int32(e_k),
+                                sdt(numpy.float32(scale)))
+        want_idx, want_val = codec.pow2_decode(words, e_k, scale, sdt)
+        assert (idx == want_idx).all()
+        assert_bitwise(val, want_val)
+
+
+# ---- the whole GPU code path, end to end, on the CPU -------------------------
+
+RULE_ARGS = [
+    ('vgc', dict(alpha=1.5)),
+    ('vgc', dict(alpha=1.0, keep_unrepresentable=True)),
+    ('vgc', dict(alpha=2.0, quantize=False)),
+    ('hybrid', dict(alpha=2.0, tau=0.05)),
+    ('strom', dict(tau=0.05)),
+]
+
+
+@pytest.mark.parametrize('method,kw', RULE_ARGS)
+def test_gpu_code_path_matches_numpy_path(request, method, kw):
+    """Runs GradientCompressor twice over the same stream: once on the NumPy
+    path, once with the rules' CuPy branches driving the host-compiled
+    kernels.  Messages and states must be identical."""
+    shapes = [(17, 3), (5,), (0,), (64,)]
+    dtypes = [F16, F32, F32, F64]
+    rng = numpy.random.default_rng(4)
+    steps = []
+    for _ in range(15):
+        gs = [rng.normal(0, 1, s).astype(d) for s, d in zip(shapes, dtypes)]
+        ss = [(g.astype(F64) ** 2 * rng.random(g.shape) * 2).astype(g.dtype)
+              for g in gs]
+        steps.append((gs, ss))
+    numpy_msgs, numpy_comp = _run(method, kw, shapes, dtypes, steps)
+    request.getfixturevalue('kernel_backend')
+    kernel_msgs, kernel_comp = _run(method, kw, shapes, dtypes, steps)
+    sent = 0
+    for a, b in zip(numpy_msgs, kernel_msgs):
+        assert_bitwise(a, b)
+        sent += codec.message_count(a)
+    assert sent > 0
+    for sa, sb in zip(numpy_comp.states, kernel_comp.states):
+        for k in sa:
+            assert_bitwise(sa[k], sb[k])
+    decoded = kernel_comp.decode(kernel_msgs[-1])  # kernel decode path
+    want = numpy_comp.decode(numpy_msgs[-1])
+    for a, b in zip(decoded, want):
+        assert_bitwise(a.ravel(), b.ravel())
+
+
+def _run(method, kw, shapes, dtypes, steps):
+    comp = GradientCompressor(method, ['a', 'b', 'c', 'd'], shapes, dtypes,
+                              **kw)
+    return [comp.compress(gs, ss).copy() for gs, ss in steps], comp
