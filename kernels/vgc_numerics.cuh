@@ -87,15 +87,17 @@ template <typename F> VGC_FN bool vgc_criterion(F r, F v, F alpha) {
 template <typename F> VGC_FN F vgc_decay(F v, F zeta) { return v * zeta; }
 
 /* One step of Fig. "Basic" up to the criterion.  Returns whether the element
- * is selected; decays v of unselected elements.  The state of selected
- * elements is reset by the caller after quantization (the set that is sent
- * depends on the tensor's maximum, Sec. 4.2). */
+ * is selected.  v is decayed for every element: the caller resets r and v of
+ * the selected elements after quantization (the set that is sent depends on
+ * the tensor's maximum, Sec. 4.2), so only unselected elements keep the
+ * decayed v, as in the figure; a selected element that cannot be represented
+ * and is kept (keep_unrepresentable) keeps it too, like an unselected one. */
 template <typename F>
 VGC_FN bool vgc_basic_select(F g, F s, F alpha, F zeta, F &r, F &v) {
     r = vgc_accumulate(r, g);
     v = vgc_accumulate(v, s);
     bool sel = vgc_criterion(r, v, alpha);
-    if (!sel) v = vgc_decay(v, zeta);
+    v = vgc_decay(v, zeta);
     return sel;
 }
 

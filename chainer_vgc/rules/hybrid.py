@@ -71,14 +71,17 @@ class Hybrid(base.CompressionRule):
             return sign
         r += grad.astype(dt, copy=False)
         v += sqsum.astype(dt, copy=False)
-        mag = numpy.abs(r)
-        sent = (mag > tau) & (r * r > alpha * v)
-        positive = r > 0
-        sign = numpy.where(sent, numpy.where(positive, 1, -1), 0).astype(
-            numpy.int8)
-        r[:] = numpy.where(sent, numpy.where(positive, r - tau, r + tau), r)
-        corrected = v - 2 * mag * tau + tau * tau
-        v[:] = numpy.where(sent, numpy.where(corrected > 0, corrected, 0), v)
+        # candidates first (|r| > tau is rare), then the criterion on them
+        index = numpy.nonzero(numpy.abs(r) > tau)[0]
+        ri, vi = r[index], v[index]
+        index, ri, vi = (a[ri * ri > alpha * vi] for a in (index, ri, vi))
+        positive = ri > 0
+        sign = numpy.zeros(r.shape, dtype=numpy.int8)
+        sign[index] = numpy.where(positive, 1, -1)
+        mag = numpy.abs(ri)
+        r[index] = numpy.where(positive, ri - tau, ri + tau)
+        corrected = vi - 2 * mag * tau + tau * tau
+        v[index] = numpy.where(corrected > 0, corrected, 0)
         v *= zeta
         return sign
 

@@ -35,8 +35,11 @@ class Strom(base.CompressionRule):
             kernels.get_kernel('vgc_strom_step')(grad, tau, r, sign)
             return sign
         r += grad.astype(r.dtype, copy=False)
-        sign = ((r > tau).astype(numpy.int8) - (r < -tau).astype(numpy.int8))
-        r -= sign.astype(r.dtype) * tau
+        index = numpy.nonzero(numpy.abs(r) > tau)[0]
+        positive = r[index] > 0
+        sign = numpy.zeros(r.shape, dtype=numpy.int8)
+        sign[index] = numpy.where(positive, 1, -1)
+        r[index] = numpy.where(positive, r[index] - tau, r[index] + tau)
         return sign
 
     def compress(self, tensor_id, grad, sqsum, state):

@@ -48,9 +48,10 @@ class VGC(base.CompressionRule):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
 
     def select(self, grad, sqsum, state):
-        """Accumulate, apply the criterion, decay v of unselected elements.
+        """Accumulate, apply the criterion (eq. 4), decay v.
 
-        Returns the boolean mask of selected elements.
+        Returns the boolean mask of selected elements; :meth:`compress`
+        resets their r and v.
         """
         r, v = state['r'], state['v']
         alpha, zeta = r.dtype.type(self.alpha), r.dtype.type(self.zeta)
@@ -63,7 +64,7 @@ class VGC(base.CompressionRule):
         r += grad.astype(r.dtype, copy=False)
         v += sqsum.astype(v.dtype, copy=False)
         sel = r * r > alpha * v
-        numpy.multiply(v, zeta, out=v, where=~sel)
+        v *= zeta  # selected elements are reset (or kept) by compress()
         return sel
 
     def compress(self, tensor_id, grad, sqsum, state):
@@ -84,12 +85,8 @@ class VGC(base.CompressionRule):
         else:
             words, ok = codec.pow2_encode(values, index, e_k)
         sent = index[ok]
-        if self.keep_unrepresentable:
-            kept = index[~ok]
-            v[kept] = v[kept] * v.dtype.type(self.zeta)
-            reset = sent
-        else:
-            reset = index
+        # v is already decayed: a kept element continues like an unselected
+        reset = sent if self.keep_unrepresentable else index
         r[reset] = 0
         v[reset] = 0
         if sent.size == 0:

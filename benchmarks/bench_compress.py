@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Compress + encode time vs a memory copy of the same bytes, in one run.
+
+Runs GradientCompressor over N float32 parameters (default 25M, split into
+VGG-like tensors) on the NumPy path and times one full step (accumulate,
+criterion, decay, quantize, pack into the message) against numpy.copyto of
+the gradient bytes.  Prints the median of --repeat runs and the ratio.
+"""
+
+import argparse
+import os
+import platform
+import time
+
+import numpy
+
+from chainer_vgc import GradientCompressor
+
+
+def shapes_for(total):
+    """VGG-like tensor sizes adding up to ``total`` elements."""
+    sizes, left, k = [], total, 0
+    pattern = [1728, 36864, 64, 73728, 147456, 128, 294912, 589824, 256,
+               1179648, 2359296, 512]
+    while left > 0:
+        n = min(left, pattern[k % len(pattern)] * (1 + k // len(pattern)))
+        sizes.append(n)
+        left -= n
+        k += 1
+    return [(n,) for n in sizes]
+
+
+def median_time(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(numpy.median(times))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--params', type=int, default=25_000_000)
+    p.add_argument('--repeat', type=int, default=5)
+    p.add_argument('--methods', default='vgc,hybrid,strom')
+    p.add_argument('--draws', type=int, default=4)
+    p.add_argument('--warmup', type=int, default=20)
+    args = p.parse_args()
+    shapes = shapes_for(args.params)
+    rng = numpy.random.default_rng(0)
+    # minibatch gradients: a small per-element mean plus the noise of a
+    # batch of B = 64 examples (per-example std 1e-2); s is the expected
+    # sum_z (grad_z / B)**2.  Steps cycle through --draws noise draws.
+    batch, sigma = 64, 1e-2
+    mus = [rng.normal(0, 2e-4, s).astype(numpy.float32) for s in shapes]
+    sqs = [(mu * mu + sigma ** 2) / batch for mu in mus]
+    draws = [[mu + rng.normal(0, sigma / batch ** 0.5, mu.shape).astype(
+        numpy.float32) for mu in mus] for _ in range(args.draws)]
+    grads = draws[0]
+    src = numpy.concatenate([g.ravel() for g in grads])
+    dst = numpy.empty_like(src)
+    copy_t = median_time(lambda: numpy.copyto(dst, src), args.repeat)
+    print('machine: {} cores, {}, numpy {}, python {}'.format(
+        os.cpu_count(), platform.processor() or platform.machine(),
+        numpy.__version__, platform.python_version()))
+    print('{:,} float32 parameters in {} tensors ({:.0f} MB)'.format(
+        args.params, len(shapes), src.nbytes / 1e6))
+    print('numpy.copyto of the gradient bytes: {:.1f} ms'.format(
+        copy_t * 1e3))
+    print('| method | compress+encode ms | x copyto | density sent | '
+          'body bytes |')
+    print('|---|---:|---:|---:|---:|')
+    for method in args.methods.split(','):
+        kw = {'vgc': dict(alpha=2.0), 'hybrid': dict(alpha=2.0, tau=1e-2),
+              'strom': dict(tau=1e-2)}.get(method, {})
+        comp = GradientCompressor(method, [str(i) for i in range(len(shapes))],
+                                  shapes, [numpy.float32] * len(shapes), **kw)
+        for k in range(args.warmup):  # allocate state, reach steady state
+            comp.compress(draws[k % len(draws)], sqs)
+        times, sent = [], []
+        for k in range(args.repeat):
+            g = draws[k % len(draws)]
+            t0 = time.perf_counter()
+            comp.compress(g, sqs)
+            times.append(time.perf_counter() - t0)
+            sent.append(comp.last_sent)
+        t = float(numpy.median(times))
+        print('| {} | {:.1f} | {:.1f} | {:.2%} | {:,.0f} |'.format(
+            method, t * 1e3, t / copy_t, numpy.mean(sent) / args.params,
+            4 * numpy.mean(sent)))
+
+
+if __name__ == '__main__':
+    main()
