@@ -222,3 +222,38 @@ def _run(method, kw, shapes, dtypes, steps):
     comp = GradientCompressor(method, ['a', 'b', 'c', 'd'], shapes, dtypes,
                               **kw)
     return [comp.compress(gs, ss).copy() for gs, ss in steps], comp
+
+
+@pytest.mark.parametrize('dtype', [F16, F32, F64])
+def test_edge_tensors_through_both_paths(request, dtype):
+    """All-zero tensor, subnormal-only tensor, maximum exactly a power of
+    two, mid-points: NumPy path and kernel path send the same words, and the
+    decoded values are what the paper's quantizer gives."""
+    tiny = numpy.finfo(dtype).tiny
+    tensors = [
+        numpy.zeros(5, dtype),
+        numpy.full(4, tiny / 4, dtype) if dtype != F16 else
+        numpy.zeros(4, dtype),
+        numpy.array([8.0, -6.0, 5.9, 0.75, 1 / 16, -1 / 32, 1 / 64],
+                    dtype),
+        numpy.array([1.5, -3.0, 0.046875, 0.0], dtype),
+    ]
+    shapes = [t.shape for t in tensors]
+    zeros = [numpy.zeros(s, dtype) for s in shapes]
+    msgs = []
+    for use_kernels in (False, True):
+        if use_kernels:
+            request.getfixturevalue('kernel_backend')
+        comp = GradientCompressor('vgc', list('abcd'), shapes,
+                                  [dtype] * 4, alpha=1.0)
+        msgs.append(comp.compress(tensors, zeros).copy())
+        out = comp.decode(msgs[-1])
+        assert (out[0] == 0).all() and (out[1] == 0).all()
+        # 8 = 2**3 is the maximum: e_k = 3; 6 -> 8 (tie 1.5*4 rounds up,
+        # truncated to 2**e_k); 5.9 -> 4; 0.75 -> 1; 1/16 -> d = 7;
+        # 1/32 and 1/64 have d > 7 and are not sent
+        assert out[2].tolist() == [8, -8, 4, 1, 1 / 16, 0, 0]
+        # max 3 -> e_k = 1; 1.5 -> 2; 0.046875 = 1.5 * 2**-5 -> 2**-4 (d 5)
+        assert out[3].tolist() == [2, -2, 1 / 16, 0]
+        assert (comp.state(2)['r'] == 0).all()  # dropped by d > 7 (paper)
+    assert_bitwise(msgs[0], msgs[1])
