@@ -1,17 +1,84 @@
-"""Per-sample statistics: v += sum_z (grad_z / B)**2 (paper Sec. 4.1, Fig.
-"Basic").
+"""Per-sample statistics: s = sum_z (grad_z / B)**2 (paper Sec. 4.1, Fig.
+"Basic"; Sec. 5: "common deep learning libraries do not support access to
+gradients of each sample").
 
-The variance term needs, for every parameter element, the sum over the
-minibatch of the squared per-example contributions to the minibatch gradient.
-:func:`bruteforce_sqsum` computes it exactly for any model by one backward
-pass per example (slow: B backward passes; it is the reference and generic
-fallback).  The model must not couple examples (no batch normalization in
-training mode) and must be deterministic (dropout off or seeded alike).
+:class:`PerSampleSquares` computes, during an ordinary backward pass, for
+every parameter the sum over the minibatch of the squared per-example
+contributions to the minibatch gradient.  It is a Chainer ``FunctionHook``
+that looks at each function node that consumes a parameter, with the node's
+input data x and output gradient gy (which already carries the 1/B of a mean
+loss), and forms the per-example contributions from Chainer's own primitives:
+
+* ``Linear`` (``F.linear``, any ``n_batch_axes``): weight
+  ``gy_z^T x_z``, bias ``sum gy_z``.  With one row per example the exact
+  shortcut ``(gy**2)^T (x**2)`` is used;
+* ``Convolution2D`` (stride, pad, dilate, groups, with/without bias): the
+  per-example weight gradient contracts only the spatial axes of
+  ``im2col(x_z)`` with ``gy_z`` (a batched matmul), then squares and sums
+  over the batch.  ``(gy**2)^T (x**2)`` would be wrong here;
+* ``Deconvolution2D``: the same with ``im2col(gy_z)`` and ``x_z``;
+* ``BatchNormalization`` (training mode): BN couples the examples through
+  the batch mean and variance, so "per-example gradient" is defined as the
+  example's slice of the batch gradient: ``sum_{h,w} gy_z * x_hat_z`` for
+  gamma and ``sum_{h,w} gy_z`` for beta, with x_hat normalized by the batch
+  statistics.  The slices add up to the batch gradient;
+* ``EmbedID`` (with ``ignore_label``): per example, the rows of the tokens
+  it contains, combined by word id before squaring.
+
+A parameter used by several function nodes (shared weights, RNN-style
+reuse) has its per-example contributions of all uses added *before*
+squaring; those uses are kept until the backward pass ends and then
+combined chunk by chunk.
+
+Examples: the first axis of the functions' inputs.  A function whose input
+has ``k * B`` rows (``n_batch_axes > 1``, or ``x.reshape(B * T, -1)`` of an
+example-major ``(B, T, ...)`` array) is read as B contiguous groups of k rows;
+time-major layouts would mix examples, so pass ``batch_size`` and keep the
+batch axis first.
+
+Memory: per-example intermediates are formed for chunks of examples so that
+each stays under ``max_memory`` bytes (default 256 MiB; at least one example
+per chunk).  Results do not depend on the chunk size beyond floating-point
+summation order.
+
+A parameter consumed by any other function gets no silent wrong answer:
+``uncovered='error'`` (default) raises :class:`UncoveredParameterError`
+listing them before the backward pass; ``uncovered='bruteforce'`` computes
+them exactly by one backward pass per example (:func:`bruteforce_sqsum`;
+slow; needs ``loss_fn`` and ``batch``).
+
+Results are in the residual state dtype (float32 for float16 parameters) on
+the parameter's device; a parameter that gets no gradient gives None.
+Everything is written with ``xp`` array calls, so the same code runs on
+NumPy and CuPy arrays.
 """
+
+import chainer
+from chainer import backend as chainer_backend
+from chainer.functions.connection import convolution_2d as _conv
+from chainer.functions.connection import deconvolution_2d as _deconv
+from chainer.functions.connection import embed_id as _embed
+from chainer.functions.connection import linear as _linear
+from chainer.functions.normalization import batch_normalization as _bn
+from chainer.utils import conv as conv_utils
+import numpy
+
+from chainer_vgc import backend
+
+#: default bound of the extra memory of per-example intermediates (bytes)
+DEFAULT_MAX_MEMORY = 256 * 2 ** 20
+
+
+class UncoveredParameterError(ValueError):
+    """Parameters consumed by functions PerSampleSquares cannot handle."""
 
 
 def bruteforce_sqsum(loss_fn, params, *batch):
     """Exact sum_z (grad_z f / B)**2 by per-example backward passes.
+
+    The reference, and the generic fallback.  The model must not couple
+    examples (no batch normalization in training mode) and must be
+    deterministic (dropout off or seeded alike).
 
     Args:
         loss_fn: ``loss_fn(*arrays)`` -> scalar Variable, the *mean* loss of
@@ -20,9 +87,8 @@ def bruteforce_sqsum(loss_fn, params, *batch):
         batch: arrays whose first axis is the batch (B examples).
 
     Returns:
-        list of arrays (None for a parameter that gets no gradient), each the
-        parameter's shape, in the parameter's dtype.  Parameter gradients are
-        left cleared.
+        list of arrays (None for a parameter that gets no gradient), in the
+        state dtype.  Parameter gradients are left cleared.
     """
     n = len(batch[0])
     if n == 0:
@@ -37,14 +103,411 @@ def bruteforce_sqsum(loss_fn, params, *batch):
         for k, p in enumerate(params):
             if p.grad is None:
                 continue
-            sq = p.grad * p.grad
-            acc[k] = sq if acc[k] is None else acc[k] + sq
+            g = p.grad.astype(backend.state_dtype(p.dtype))
+            acc[k] = g * g if acc[k] is None else acc[k] + g * g
     for p in params:
         p.cleargrad()
     return acc
 
 
 def model_params(link):
-    """(names, params) of a link in the stable order used everywhere."""
+    """(names, params) of a link, sorted by name: the order used everywhere
+    (the same on every worker)."""
     pairs = sorted(link.namedparams(), key=lambda kv: kv[0])
     return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+# ---- per-function handlers ---------------------------------------------------
+
+class _Use(object):
+    """One use of a parameter by a function node, at backward time.
+
+    ``rows``: leading size of the function's example axis.  Subclasses give
+    ``per_example(r0, r1)`` (contributions of rows r0..r1-1, shape
+    ``(r1 - r0,) + param.shape``) and ``row_bytes`` (bytes per row of that);
+    ``sqsum(group, max_memory)`` may be overridden by an exact shortcut.
+    """
+
+    rows = 0
+    row_bytes = 1
+
+    def __init__(self, xp, dtype):
+        self.xp = xp
+        self.dtype = dtype
+
+    def per_example(self, r0, r1):
+        raise NotImplementedError
+
+    def examples(self, z0, z1, group):
+        """Contributions of examples z0..z1-1 (groups of ``group`` rows)."""
+        g = self.per_example(z0 * group, z1 * group)
+        if group > 1:
+            g = g.reshape((z1 - z0, group) + g.shape[1:]).sum(axis=1)
+        return g
+
+    def sqsum(self, group, max_memory):
+        b = self.rows // group
+        step = _chunk(max_memory, self.row_bytes * group)
+        acc = None
+        for z0 in range(0, b, step):
+            g = self.examples(z0, min(b, z0 + step), group)
+            part = (g * g).sum(axis=0)
+            acc = part if acc is None else acc + part
+        return acc
+
+
+def _chunk(max_memory, bytes_per_item):
+    return max(1, int(max_memory // max(1, bytes_per_item)))
+
+
+def _as(a, dtype):
+    return a.astype(dtype, copy=False)
+
+
+class _LinearW(_Use):
+    def __init__(self, xp, dtype, x, gy):
+        super(_LinearW, self).__init__(xp, dtype)
+        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
+        self.rows = x.shape[0]
+        self.row_bytes = gy.shape[1] * x.shape[1] * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        return self.gy[r0:r1, :, None] * self.x[r0:r1, None, :]
+
+    def sqsum(self, group, max_memory):
+        if group > 1:
+            return super(_LinearW, self).sqsum(group, max_memory)
+        # one row per example: (gy_z x_z^T)**2 = gy_z**2 (x_z**2)^T, exactly
+        step = _chunk(max_memory, (self.x.shape[1] + self.gy.shape[1])
+                      * self.dtype.itemsize)
+        acc = None
+        for r0 in range(0, self.rows, step):
+            gy, x = self.gy[r0:r0 + step], self.x[r0:r0 + step]
+            part = (gy * gy).T.dot(x * x)
+            acc = part if acc is None else acc + part
+        return acc
+
+
+class _SumOverPositions(_Use):
+    """Bias-like parameters: per-example sum of gy (times x_hat for BN
+    gamma) over every axis but the example axis and the parameter axes."""
+
+    def __init__(self, xp, dtype, gy, axes, factor=None):
+        super(_SumOverPositions, self).__init__(xp, dtype)
+        self.gy = _as(gy, dtype)
+        self.factor = factor
+        self.axes = tuple(a for a in axes if a != 0)
+        self.rows = gy.shape[0]
+        self.row_bytes = gy[0].size * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        g = self.gy[r0:r1]
+        if self.factor is not None:
+            g = g * self.factor[r0:r1]
+        return g.sum(axis=self.axes) if self.axes else g
+
+
+class _ConvW(_Use):
+    """Convolution2D (``transposed=False``: im2col of x, contracted with gy)
+    and Deconvolution2D (``transposed=True``: im2col of gy, contracted with
+    x).  Only the spatial axes are contracted, per example."""
+
+    def __init__(self, xp, dtype, fn, x, gy, w_shape, transposed):
+        super(_ConvW, self).__init__(xp, dtype)
+        self.fn, self.w_shape, self.transposed = fn, w_shape, transposed
+        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
+        self.rows = x.shape[0]
+        img, other = (gy, x) if transposed else (x, gy)
+        kh, kw = w_shape[2:]
+        col = img.shape[1] * kh * kw * other.shape[2] * other.shape[3]
+        self.row_bytes = (col + int(numpy.prod(w_shape))
+                          + other[0].size) * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        fn, xp = self.fn, self.xp
+        x, gy = self.x[r0:r1], self.gy[r0:r1]
+        img, other = (gy, x) if self.transposed else (x, gy)
+        kh, kw = self.w_shape[2:]
+        kwargs = dict(cover_all=bool(fn.cover_all), dy=fn.dy, dx=fn.dx,
+                      out_h=other.shape[2], out_w=other.shape[3])
+        im2col = (conv_utils.im2col_cpu if xp is numpy
+                  else conv_utils.im2col_gpu)
+        col = im2col(img, kh, kw, fn.sy, fn.sx, fn.ph, fn.pw, **kwargs)
+        n, groups = r1 - r0, fn.groups
+        hw = other.shape[2] * other.shape[3]
+        # (n, G, C_img/G * kh * kw, hw) and (n, G, C_other/G, hw)
+        col = col.reshape(n, groups, -1, hw)
+        oth = other.reshape(n, groups, -1, hw)
+        g = xp.matmul(oth, col.transpose(0, 1, 3, 2))
+        return g.reshape((n,) + tuple(self.w_shape))
+
+
+class _EmbedW(_Use):
+    def __init__(self, xp, dtype, ids, gy, w_shape, ignore_label):
+        super(_EmbedW, self).__init__(xp, dtype)
+        self.ids, self.gy = ids, _as(gy, dtype)
+        self.w_shape, self.ignore = w_shape, ignore_label
+        self.rows = ids.shape[0]
+        self.row_bytes = int(numpy.prod(w_shape)) * dtype.itemsize
+
+    def _tokens(self, r0, r1, group):
+        ids = self.ids[r0:r1].reshape(r1 - r0, -1)
+        gy = self.gy[r0:r1].reshape(ids.shape + (self.w_shape[1],))
+        example = self.xp.repeat(self.xp.arange(r1 - r0) // group,
+                                 ids.shape[1]).reshape(ids.shape)
+        keep = (ids != self.ignore) if self.ignore is not None else None
+        if keep is not None:
+            ids, gy, example = ids[keep], gy[keep], example[keep]
+        return ids.reshape(-1), gy.reshape(-1, self.w_shape[1]), \
+            example.reshape(-1)
+
+    def per_example(self, r0, r1):
+        ids, gy, example = self._tokens(r0, r1, 1)
+        out = self.xp.zeros((r1 - r0,) + tuple(self.w_shape), self.dtype)
+        _scatter_add(self.xp, out, (example, ids), gy)
+        return out
+
+    def sqsum(self, group, max_memory):
+        # sparse: combine each example's tokens by word id, square, scatter
+        xp = self.xp
+        per_token = (self.gy[0].size // max(1, self.ids[0].size) + 2) * 8
+        tokens_per_row = max(1, self.ids[0].size)
+        step = _chunk(max_memory, per_token * tokens_per_row * group) * group
+        acc = xp.zeros(self.w_shape, self.dtype)
+        for r0 in range(0, self.rows, step):
+            r1 = min(self.rows, r0 + step)
+            ids, gy, example = self._tokens(r0, r1, group)
+            if ids.size == 0:
+                continue
+            key = example.astype(numpy.int64) * self.w_shape[0] + ids
+            uniq, inverse = xp.unique(key, return_inverse=True)
+            summed = xp.zeros((uniq.size, self.w_shape[1]), self.dtype)
+            _scatter_add(xp, summed, inverse.reshape(-1), gy)
+            _scatter_add(xp, acc, uniq % self.w_shape[0], summed * summed)
+        return acc
+
+
+def _scatter_add(xp, out, index, values):
+    if xp is numpy:
+        numpy.add.at(out, index, values)
+    else:  # pragma: no cover - GPU only
+        import cupyx
+        cupyx.scatter_add(out, index, values)
+
+
+def _uses_of(fn, k, in_data, gy, dtype, xp):
+    """The _Use for input k of function node fn, or None if unsupported."""
+    if isinstance(fn, _linear.LinearFunction):
+        x = in_data[0]
+        if k == 1:
+            return _LinearW(xp, dtype, x, gy)
+        if k == 2:
+            return _SumOverPositions(xp, dtype, gy, ())
+    elif isinstance(fn, _conv.Convolution2DFunction):
+        if k == 1:
+            return _ConvW(xp, dtype, fn, in_data[0], gy, in_data[1].shape,
+                          transposed=False)
+        if k == 2:
+            return _SumOverPositions(xp, dtype, gy, (2, 3))
+    elif isinstance(fn, _deconv.Deconvolution2DFunction):
+        if k == 1:
+            return _ConvW(xp, dtype, fn, in_data[0], gy, in_data[1].shape,
+                          transposed=True)
+        if k == 2:
+            return _SumOverPositions(xp, dtype, gy, (2, 3))
+    elif isinstance(fn, _bn.BatchNormalization):
+        axes = tuple(fn.axis)
+        if k == 1:
+            x = _as(in_data[0], dtype)
+            x_hat = (x - _as(fn.mean, dtype)[fn.expander]) * _as(
+                fn.inv_std, dtype)[fn.expander]
+            return _SumOverPositions(xp, dtype, gy, axes, factor=x_hat)
+        if k == 2:
+            return _SumOverPositions(xp, dtype, gy, axes)
+    elif isinstance(fn, _embed.EmbedIDFunction):
+        if k == 1:
+            return _EmbedW(xp, dtype, in_data[0], gy, fn._w_shape,
+                           fn.ignore_label)
+    return None
+
+
+def _supported(fn, k):
+    if isinstance(fn, (_linear.LinearFunction, _conv.Convolution2DFunction,
+                       _deconv.Deconvolution2DFunction)):
+        return k in (1, 2)
+    if isinstance(fn, _bn.BatchNormalization):
+        return k in (1, 2) and 0 in tuple(fn.axis or (0,))
+    if isinstance(fn, _embed.EmbedIDFunction):
+        return k == 1
+    return False
+
+
+# ---- the hook ----------------------------------------------------------------
+
+class PerSampleSquares(chainer.FunctionHook):
+    """Per-sample sums of squared gradients of a link's parameters.
+
+    Args:
+        target: a :class:`chainer.Link` (all its parameters, in
+            :func:`model_params` order) or a list of ``(name, param)``.
+        max_memory: bound in bytes of each per-example intermediate.
+        uncovered: ``'error'`` or ``'bruteforce'`` (see the module doc).
+        batch_size: number of examples B; by default the smallest leading
+            size among the functions' inputs.
+
+    Use :meth:`backward` instead of ``loss.backward()``; it returns the
+    list of sums (aligned with :attr:`names`) and leaves the usual
+    gradients in ``param.grad``.
+    """
+
+    name = 'PerSampleSquares'
+
+    def __init__(self, target, max_memory=DEFAULT_MAX_MEMORY,
+                 uncovered='error', batch_size=None):
+        if isinstance(target, chainer.Link):
+            self.names, self.params = model_params(target)
+        else:
+            pairs = list(target)
+            self.names = [n for n, _ in pairs]
+            self.params = [p for _, p in pairs]
+        if uncovered not in ('error', 'bruteforce'):
+            raise ValueError("uncovered must be 'error' or 'bruteforce', got "
+                             '{!r}'.format(uncovered))
+        if not max_memory > 0:
+            raise ValueError('max_memory must be a positive number of bytes, '
+                             'got {!r}'.format(max_memory))
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError('batch_size must be >= 1, got {!r}'.format(
+                batch_size))
+        self.max_memory = max_memory
+        self.uncovered = uncovered
+        self.batch_size = batch_size
+        self.sqsums = [None] * len(self.params)
+
+    # -- graph inspection --
+    def _scan(self, loss):
+        """Function nodes that consume each parameter: {index: [(fn, k)]}."""
+        index = {id(p.node): i for i, p in enumerate(self.params)}
+        uses = {}
+        seen = set()
+        stack = [loss.creator_node] if loss.creator_node is not None else []
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            for k, node in enumerate(fn.inputs):
+                i = index.get(id(node))
+                if i is not None:
+                    uses.setdefault(i, []).append((fn, k))
+                elif node.creator_node is not None:
+                    stack.append(node.creator_node)
+        return uses
+
+    def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
+        """Run ``loss.backward(**backward_kwargs)`` and compute the sums.
+
+        ``loss_fn`` and ``batch`` are needed only for
+        ``uncovered='bruteforce'`` (see :func:`bruteforce_sqsum`).
+        """
+        uses = self._scan(loss)
+        uncovered = sorted(i for i, us in uses.items()
+                           if not all(_supported(fn, k) for fn, k in us))
+        brute = {}
+        if uncovered:
+            listing = ', '.join('{} (used by {})'.format(
+                self.names[i], ', '.join(sorted({type(fn).__name__
+                                                 for fn, _ in uses[i]})))
+                for i in uncovered)
+            if self.uncovered == 'error':
+                raise UncoveredParameterError(
+                    'per-sample statistics are not implemented for: {}. Use '
+                    "uncovered='bruteforce' (exact, one backward pass per "
+                    'example) or exclude these parameters'.format(listing))
+            if loss_fn is None or not len(batch):
+                raise ValueError(
+                    "uncovered='bruteforce' needs loss_fn and batch to "
+                    'recompute per-example losses for: ' + listing)
+            saved = [None if p.grad is None else p.grad.copy()
+                     for p in self.params]
+            res = bruteforce_sqsum(loss_fn, [self.params[i]
+                                             for i in uncovered], *batch)
+            for p, g in zip(self.params, saved):
+                p.grad = g
+            brute = dict(zip(uncovered, res))
+        self._uses = {i: us for i, us in uses.items() if i not in brute}
+        self._single = {i for i, us in self._uses.items() if len(us) == 1}
+        self._pending = {}
+        self._by_fn = {}
+        for i, us in self._uses.items():
+            for fn, k in us:
+                self._by_fn.setdefault(id(fn), []).append((i, k))
+        self._b = self._batch_size(batch)
+        self.sqsums = [None] * len(self.params)
+        self._results = {}
+        try:
+            with self:
+                loss.backward(**backward_kwargs)
+            for i, use_list in self._pending.items():
+                self._results[i] = self._combine(use_list, self._b)
+        finally:
+            self._by_fn = {}
+            self._pending = {}
+        for i, p in enumerate(self.params):
+            if i in brute:
+                self.sqsums[i] = brute[i]
+            elif i in self._results:
+                self.sqsums[i] = self._results[i]
+            elif p.grad is not None and i in uses:
+                self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
+                    p.dtype))
+        return self.sqsums
+
+    def _batch_size(self, batch):
+        if self.batch_size is not None:
+            return int(self.batch_size)
+        if len(batch):
+            return len(batch[0])
+        # the smallest leading size of the inputs of the covered functions
+        rows = [fn.inputs[0].shape[0] for us in self._uses.values()
+                for fn, _ in us if len(fn.inputs[0].shape)]
+        return min(rows) if rows else 1
+
+    def _group(self, rows, b, fn):
+        if rows % b:
+            raise ValueError(
+                '{} has {} rows on its example axis, not a multiple of the '
+                'batch size {}; pass batch_size= and keep the batch axis '
+                'first'.format(type(fn).__name__, rows, b))
+        return rows // b
+
+    # -- hook --
+    def backward_postprocess(self, function, in_data, out_grad):
+        entries = self._by_fn.get(id(function))
+        if not entries or out_grad[0] is None:
+            return
+        gy = out_grad[0]
+        xp = chainer_backend.get_array_module(gy)
+        for i, k in entries:
+            dtype = backend.state_dtype(self.params[i].dtype)
+            use = _uses_of(function, k, in_data, gy, dtype, xp)
+            group = self._group(use.rows, self._b, function)
+            if i in self._single:  # done now: nothing is kept
+                self._results[i] = use.sqsum(group, self.max_memory)
+            else:  # shared: combined per example when backward is over
+                self._pending.setdefault(i, []).append((use, group))
+
+    def _combine(self, use_list, b):
+        """Sum of squares of per-example contributions added over uses."""
+        row_bytes = sum(u.row_bytes * g for u, g in use_list)
+        step = _chunk(self.max_memory, row_bytes)
+        acc = None
+        for z0 in range(0, b, step):
+            z1 = min(b, z0 + step)
+            total = None
+            for use, g in use_list:
+                part = use.examples(z0, z1, g)
+                total = part if total is None else total + part
+            part = (total * total).sum(axis=0)
+            acc = part if acc is None else acc + part
+        return acc
