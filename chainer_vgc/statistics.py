@@ -352,8 +352,9 @@ class PerSampleSquares(chainer.FunctionHook):
             :func:`model_params` order) or a list of ``(name, param)``.
         max_memory: bound in bytes of each per-example intermediate.
         uncovered: ``'error'`` or ``'bruteforce'`` (see the module doc).
-        batch_size: number of examples B; by default the smallest leading
-            size among the functions' inputs.
+        batch_size: number of examples B; by default ``len(batch[0])`` if
+            :meth:`backward` gets ``batch``, else the smallest leading size
+            among the graph's input arrays (data, labels).
 
     Use :meth:`backward` instead of ``loss.backward()``; it returns the
     list of sums (aligned with :attr:`names`) and leaves the usual
@@ -390,6 +391,7 @@ class PerSampleSquares(chainer.FunctionHook):
         index = {id(p.node): i for i, p in enumerate(self.params)}
         uses = {}
         seen = set()
+        self._leaf_rows = []
         stack = [loss.creator_node] if loss.creator_node is not None else []
         while stack:
             fn = stack.pop()
@@ -402,6 +404,8 @@ class PerSampleSquares(chainer.FunctionHook):
                     uses.setdefault(i, []).append((fn, k))
                 elif node.creator_node is not None:
                     stack.append(node.creator_node)
+                elif len(node.shape):
+                    self._leaf_rows.append(node.shape[0])
         return uses
 
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
@@ -468,10 +472,9 @@ class PerSampleSquares(chainer.FunctionHook):
             return int(self.batch_size)
         if len(batch):
             return len(batch[0])
-        # the smallest leading size of the inputs of the covered functions
-        rows = [fn.inputs[0].shape[0] for us in self._uses.values()
-                for fn, _ in us if len(fn.inputs[0].shape)]
-        return min(rows) if rows else 1
+        # the smallest leading size among the graph's inputs (leaves that
+        # are not parameters), e.g. the data and the labels
+        return min(self._leaf_rows) if self._leaf_rows else 1
 
     def _group(self, rows, b, fn):
         if rows % b:

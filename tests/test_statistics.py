@@ -1,0 +1,376 @@
+"""PerSampleSquares against brute force (one backward per example) and, for
+batch-coupled models, against per-example slices of the batch backward
+computed with Chainer's own functions."""
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chainer_vgc.models import MLP
+from chainer_vgc.models import VGG
+from chainer_vgc.statistics import PerSampleSquares
+from chainer_vgc.statistics import UncoveredParameterError
+from chainer_vgc.statistics import bruteforce_sqsum
+from chainer_vgc.statistics import model_params
+
+RTOL = {numpy.float64: 1e-5, numpy.float32: 1e-3}
+
+
+def check(model, loss_fn, batch, dtype, **kw):
+    """Component vs brute force; also checks grads are the plain ones."""
+    names, params = model_params(model)
+    want = bruteforce_sqsum(loss_fn, params, *batch)
+    model.cleargrads()
+    loss_fn(*batch).backward()
+    plain = [None if p.grad is None else p.grad.copy() for p in params]
+    model.cleargrads()
+    got = PerSampleSquares(model, **kw).backward(loss_fn(*batch),
+                                                 loss_fn=loss_fn, batch=batch)
+    for name, p, g, w, pg in zip(names, params, got, want, plain):
+        if w is None:
+            assert g is None, name
+            continue
+        assert g.shape == p.shape and g.dtype == w.dtype, name
+        numpy.testing.assert_allclose(g, w, rtol=RTOL[dtype],
+                                      atol=RTOL[dtype] * abs(w).max() * 1e-3,
+                                      err_msg=name)
+        numpy.testing.assert_array_equal(p.grad, pg, err_msg=name)
+    return got
+
+
+@pytest.fixture(params=[numpy.float64, numpy.float32])
+def dtype(request):
+    with chainer.using_config('dtype', request.param):
+        yield request.param
+
+
+def _data(rng, dtype, b, *shape):
+    return rng.normal(size=(b,) + shape).astype(dtype)
+
+
+# ---- models without batch coupling: brute force oracle ------------------------
+
+@given(b=st.integers(1, 6), n_in=st.integers(1, 6),
+       hidden=st.lists(st.integers(1, 7), min_size=1, max_size=2),
+       seed=st.integers(0, 1000))
+def test_mlp(b, n_in, hidden, seed):
+    rng = numpy.random.default_rng(seed)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(seed)
+        model = MLP(hidden, 3)
+        x = _data(rng, numpy.float64, b, n_in)
+        t = rng.integers(0, 3, b).astype(numpy.int32)
+        check(model, lambda x, t: F.softmax_cross_entropy(model(x), t),
+              (x, t), numpy.float64)
+
+
+class ConvNet(chainer.Chain):
+    def __init__(self, stride, pad, dilate, groups, nobias):
+        super(ConvNet, self).__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(4, 6, 3, stride=stride, pad=pad,
+                                      dilate=dilate, groups=groups,
+                                      nobias=nobias)
+            self.c2 = L.Convolution2D(6, 4, (2, 3), pad=(pad, 1),
+                                      groups=groups)
+            self.d1 = L.Deconvolution2D(4, 6, 3, stride=stride, pad=pad,
+                                        groups=groups, nobias=nobias)
+            self.d2 = L.Deconvolution2D(6, 2, 2, stride=(1, 2),
+                                        dilate=dilate)
+            self.out = L.Linear(None, 3)
+
+    def forward(self, x):
+        h = F.relu(self.c2(F.relu(self.c1(x))))
+        h = F.tanh(self.d2(F.relu(self.d1(h))))
+        return self.out(h)
+
+
+@given(b=st.integers(1, 4), stride=st.integers(1, 2), pad=st.integers(0, 2),
+       dilate=st.integers(1, 2), groups=st.sampled_from([1, 2]),
+       nobias=st.booleans(), size=st.integers(7, 10),
+       seed=st.integers(0, 1000))
+def test_convolution_and_deconvolution_options(b, stride, pad, dilate,
+                                               groups, nobias, size, seed):
+    rng = numpy.random.default_rng(seed)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(seed)
+        model = ConvNet(stride, pad, dilate, groups, nobias)
+        x = _data(rng, numpy.float64, b, 4, size, size)
+        t = rng.integers(0, 3, b).astype(numpy.int32)
+        check(model, lambda x, t: F.softmax_cross_entropy(model(x), t),
+              (x, t), numpy.float64)
+
+
+def test_cnn_float32(dtype):
+    rng = numpy.random.default_rng(0)
+    numpy.random.seed(0)
+    model = ConvNet(2, 1, 2, 2, False)
+    x = _data(rng, dtype, 5, 4, 9, 9)
+    t = rng.integers(0, 3, 5).astype(numpy.int32)
+    check(model, lambda x, t: F.softmax_cross_entropy(model(x), t), (x, t),
+          dtype)
+
+
+class EmbedNet(chainer.Chain):
+    def __init__(self, vocab, dim, ignore_label):
+        super(EmbedNet, self).__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, dim, ignore_label=ignore_label)
+            self.out = L.Linear(dim, 3)
+
+    def forward(self, ids):
+        return self.out(F.sum(self.embed(ids), axis=1))
+
+
+@pytest.mark.parametrize('ignore_label', [None, -1])
+def test_embed_id_with_repeated_tokens(dtype, ignore_label):
+    rng = numpy.random.default_rng(1)
+    numpy.random.seed(1)
+    model = EmbedNet(7, 4, ignore_label)
+    ids = rng.integers(0, 7, (6, 5)).astype(numpy.int32)
+    ids[:, 1] = ids[:, 0]  # the same word twice in an example
+    if ignore_label is not None:
+        ids[::2, 3] = ignore_label
+    t = rng.integers(0, 3, 6).astype(numpy.int32)
+    check(model, lambda i, t: F.softmax_cross_entropy(model(i), t),
+          (ids, t), dtype)
+
+
+class SharedNet(chainer.Chain):
+    """RNN-style reuse: the recurrent Linear is applied T times; the
+    embedding matrix is also the output layer (tied weights)."""
+
+    def __init__(self, vocab=6, dim=4):
+        super(SharedNet, self).__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, dim)
+            self.rec = L.Linear(dim, dim)
+            self.inp = L.Linear(dim, dim, nobias=True)
+
+    def forward(self, ids):
+        h = None
+        for t in range(ids.shape[1]):
+            e = self.inp(self.embed(ids[:, t]))
+            h = F.tanh(e if h is None else e + self.rec(h))
+        return F.linear(h, self.embed.W)
+
+
+def test_shared_weights_add_before_squaring(dtype):
+    rng = numpy.random.default_rng(2)
+    numpy.random.seed(2)
+    model = SharedNet()
+    ids = rng.integers(0, 6, (5, 4)).astype(numpy.int32)
+    t = rng.integers(0, 6, 5).astype(numpy.int32)
+    got = check(model, lambda i, t: F.softmax_cross_entropy(model(i), t),
+                (ids, t), dtype)
+    # squaring each use separately would give a different (wrong) answer
+    assert all(g is not None for g in got)
+
+
+def test_linear_n_batch_axes(dtype):
+    """F.linear reshapes (B, T, in) to (B*T, in): rows are grouped by
+    example (B comes from the batch given to backward)."""
+    rng = numpy.random.default_rng(3)
+    numpy.random.seed(3)
+    lin = L.Linear(3, 2)
+
+    def loss(x):
+        return F.sum(F.tanh(lin(x, n_batch_axes=2))) / len(x)
+    x = _data(rng, dtype, 4, 5, 3)
+    lin(x, n_batch_axes=2)
+    check(lin, loss, (x,), dtype)
+
+
+# ---- batch normalization and the Appendix D network --------------------------
+
+class SliceOracle(chainer.FunctionHook):
+    """Records each function's inputs/output gradient during a batch
+    backward, then recomputes per-example contributions by applying
+    Chainer's own functions to single examples (conv/linear) or the
+    definition with batch statistics computed here (BN)."""
+
+    name = 'SliceOracle'
+
+    def __init__(self):
+        self.records = []
+
+    def backward_postprocess(self, function, in_data, out_grad):
+        self.records.append((function, in_data, out_grad[0]))
+
+    def sums(self, params):
+        node_index = {id(p.node): i for i, p in enumerate(params)}
+        out = [None] * len(params)
+        for fn, in_data, gy in self.records:
+            ks = [k for k, n in enumerate(fn.inputs) if id(n) in node_index]
+            for k in ks:
+                i = node_index[id(fn.inputs[k])]
+                per_ex = [self._one(fn, in_data, gy, k, z)
+                          for z in range(len(gy))]
+                sq = sum(g * g for g in per_ex)
+                out[i] = sq if out[i] is None else out[i] + sq
+        return out
+
+    @staticmethod
+    def _one(fn, in_data, gy, k, z):
+        name = type(fn).__name__
+        x = in_data[0][z:z + 1]
+        if name == 'BatchNormalization':
+            xs = in_data[0].astype(numpy.float64)
+            axes = tuple(fn.axis)
+            mean = xs.mean(axis=axes, keepdims=True)
+            var = xs.var(axis=axes, keepdims=True)
+            x_hat = ((xs - mean) / numpy.sqrt(var + fn.eps))[z:z + 1]
+            g = gy[z:z + 1].astype(numpy.float64)
+            sub = tuple(a for a in axes)
+            return (g * x_hat).sum(axis=sub) if k == 1 else g.sum(axis=sub)
+        w = chainer.Variable(in_data[1])
+        b = chainer.Variable(numpy.zeros(gy.shape[1], gy.dtype))
+        if name == 'Convolution2DFunction':
+            y = F.convolution_2d(x, w, b, stride=(fn.sy, fn.sx),
+                                 pad=(fn.ph, fn.pw), cover_all=fn.cover_all,
+                                 dilate=(fn.dy, fn.dx), groups=fn.groups)
+        elif name == 'LinearFunction':
+            y = F.linear(x, w, b)
+        else:
+            raise AssertionError(name)
+        gw, gb = chainer.grad([y], [w, b], grad_outputs=[gy[z:z + 1]])
+        return (gw if k == 1 else gb).array.astype(numpy.float64)
+
+
+def test_vgg_appendix_d_against_per_example_slices():
+    rng = numpy.random.default_rng(4)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(4)
+        model = VGG(width=1 / 16, dropout=False)
+        x = _data(rng, numpy.float64, 3, 3, 32, 32)
+        t = rng.integers(0, 10, 3).astype(numpy.int32)
+        model(x)
+        names, params = model_params(model)
+        oracle = SliceOracle()
+        with oracle:
+            F.softmax_cross_entropy(model(x), t).backward()
+        want = oracle.sums(params)
+        model.cleargrads()
+        got = PerSampleSquares(model).backward(
+            F.softmax_cross_entropy(model(x), t))
+    assert len(names) == 13 + 13 * 2 + 1 + 2 + 2  # conv W, BN, fc1, bn, fc2
+    for name, g, w in zip(names, got, want):
+        assert w is not None, name
+        numpy.testing.assert_allclose(g, w, rtol=1e-5,
+                                      atol=1e-12 * abs(w).max(),
+                                      err_msg=name)
+
+
+def test_batch_normalization_slices_add_up_to_batch_gradient(dtype):
+    """The documented BN definition: slices of the batch gradient.  Their
+    sum is the batch gradient; their squares are what we return."""
+    rng = numpy.random.default_rng(5)
+    bn = L.BatchNormalization(3)
+    x = _data(rng, dtype, 6, 3, 4, 4)
+    w = _data(rng, dtype, 6, 3, 4, 4)
+
+    def loss():
+        return F.sum(bn(x) * w) / 6
+    oracle = SliceOracle()
+    bn.cleargrads()
+    with oracle:
+        loss().backward()
+    want = oracle.sums([bn.gamma, bn.beta])
+    (rec,) = [r for r in oracle.records
+              if type(r[0]).__name__ == 'BatchNormalization']
+    per_ex_beta = [oracle._one(rec[0], rec[1], rec[2], 2, z)
+                   for z in range(6)]
+    numpy.testing.assert_allclose(sum(per_ex_beta).ravel(), bn.beta.grad,
+                                  rtol=RTOL[dtype])
+    bn.cleargrads()
+    got = PerSampleSquares([('gamma', bn.gamma), ('beta', bn.beta)]
+                           ).backward(loss())
+    for g, w_ in zip(got, want):
+        numpy.testing.assert_allclose(g, w_.ravel(), rtol=RTOL[dtype])
+
+
+# ---- memory chunks, options, errors ------------------------------------------
+
+def test_result_does_not_depend_on_chunk_size():
+    rng = numpy.random.default_rng(6)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(6)
+        model = SharedNet()
+        cnn = ConvNet(1, 1, 1, 2, False)
+        ids = rng.integers(0, 6, (7, 3)).astype(numpy.int32)
+        x = _data(rng, numpy.float64, 7, 4, 8, 8)
+        results = []
+        for mem in (1, 4096, 2 ** 30):
+            out = []
+            for m, loss in ((model, lambda: F.sum(model(ids) ** 2) / 7),
+                            (cnn, lambda: F.sum(cnn(x) ** 2) / 7)):
+                m.cleargrads()
+                out += PerSampleSquares(m, max_memory=mem).backward(loss())
+            results.append(out)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            numpy.testing.assert_allclose(a, b, rtol=1e-12, atol=0)
+
+
+class MatmulNet(chainer.Chain):
+    def __init__(self):
+        super(MatmulNet, self).__init__()
+        with self.init_scope():
+            self.W = chainer.Parameter(chainer.initializers.Normal(), (3, 2))
+            self.lin = L.Linear(2, 2)
+            self.unused = L.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(F.matmul(x, self.W))
+
+
+def test_uncovered_parameters_error_or_bruteforce():
+    rng = numpy.random.default_rng(7)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(7)
+        model = MatmulNet()
+        x = _data(rng, numpy.float64, 4, 3)
+
+        def loss_fn(x):
+            return F.sum(model(x) ** 2) / len(x)
+        model.cleargrads()
+        with pytest.raises(UncoveredParameterError,
+                           match=r"/W \(used by MatMul\).*bruteforce"):
+            PerSampleSquares(model).backward(loss_fn(x))
+        assert model.W.grad is None  # refused before any backward
+        got = check(model, loss_fn, (x,), numpy.float64,
+                    uncovered='bruteforce')
+        assert model.W.grad is not None  # the usual gradient is there
+        names, _ = model_params(model)
+        assert got[names.index('/unused/W')] is None  # no gradient: None
+        model.cleargrads()
+        with pytest.raises(ValueError, match='needs loss_fn and batch'):
+            PerSampleSquares(model, uncovered='bruteforce').backward(
+                loss_fn(x))
+
+
+def test_bad_arguments_and_batch_axis_mismatch():
+    lin = L.Linear(3, 2)
+    with pytest.raises(ValueError, match='uncovered'):
+        PerSampleSquares(lin, uncovered='ignore')
+    with pytest.raises(ValueError, match='max_memory'):
+        PerSampleSquares(lin, max_memory=0)
+    x = numpy.ones((6, 3), numpy.float32)
+    with pytest.raises(ValueError, match='not a multiple of the batch size 4'):
+        PerSampleSquares(lin, batch_size=4).backward(F.sum(lin(x)))
+
+
+def test_float16_parameters_give_float32_sums():
+    rng = numpy.random.default_rng(8)
+    with chainer.using_config('dtype', numpy.float16):
+        numpy.random.seed(8)
+        model = MLP((5,), 3)
+        x = _data(rng, numpy.float16, 4, 6)
+        model(x)
+        got = PerSampleSquares(model).backward(F.sum(model(x)) / 4)
+    for g in got:
+        assert g.dtype == numpy.float32 and (g >= 0).all() and g.any()
