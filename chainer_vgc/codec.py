@@ -17,16 +17,17 @@ from the header:
 ``FMT_RAW`` (quantization off, ``none``)
     ``a`` = flags (bit 0: dense, no index words; bit 1: float64 values);
     body: ``count`` index words (unless dense), then the values as float32
-    (1 word) or float64 (2 words).
+    (1 word) or float64 (2 words, copied out on decode for alignment).
 ``FMT_QSGD``
     ``a`` = number of bucket records, ``b`` = ``levels << 24 | bucket_size``;
-    body: records ``bucket_id, count, float32 scale`` then ``count`` words
+    body: records ``bucket_id, count, float64 scale`` then ``count`` words
     ``sign(1) | level(8) | offset-in-bucket(23)``; value =
     ``sign * level * scale``.
 
 :func:`unpack` checks every field against the receiving model (tensor ids,
-counts, body lengths, indices, levels) and raises :class:`WireFormatError`
-instead of reading out of bounds.
+counts, body lengths, exponents and scales, indices in range and strictly
+increasing, levels, finite values) and raises :class:`WireFormatError`
+instead of reading out of bounds or decoding garbage.
 """
 
 import collections
@@ -49,6 +50,7 @@ RAW_DENSE = 1
 RAW_FLOAT64 = 2
 QSGD_OFFSET_BITS = 23
 MAX_QSGD_BUCKET = 1 << QSGD_OFFSET_BITS
+QSGD_RECORD_WORDS = 4  # bucket id, count, float64 scale
 LOG2_ZERO = -(1 << 30)  # same sentinel as VGC_LOG2_ZERO in the kernels
 
 _TRAITS = {
@@ -141,7 +143,11 @@ def pow2_decode(words, e_k, scale, dtype):
     scale = dtype.type(numpy.float32(scale))
     xp = backend.get_array_module(words)
     if backend.is_cupy(xp):
-        return kernels.get_kernel('vgc_pow2_decode')(words, e_k, scale)
+        # S appears only on a scalar: CuPy needs the outputs to deduce it
+        index = xp.empty(words.shape, dtype=numpy.int64)
+        value = xp.empty(words.shape, dtype=dtype)
+        return kernels.get_kernel('vgc_pow2_decode')(words, e_k, scale,
+                                                     index, value)
     index = (words & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64)
     d = ((words >> numpy.uint32(INDEX_BITS)) & numpy.uint32(7)).astype(
         numpy.int64)
@@ -186,16 +192,17 @@ def qsgd_group(tensor_id, level, negative, scales, bucket_size, levels):
     """Pack QSGD levels (0..levels) of one tensor, bucket by bucket.
 
     ``level``/``negative`` are per element (flattened tensor), ``scales`` the
-    per-bucket ``norm / levels`` (float32).
+    per-bucket ``norm / levels`` (sent as float64).
     """
     xp = backend.get_array_module(level)
     nz = xp.nonzero(level)[0]
     bucket = nz // bucket_size
     offset = (nz - bucket * bucket_size).astype(numpy.uint32)
     ids, counts = _run_lengths(bucket, xp)
-    records = xp.stack([ids.astype(numpy.uint32), counts.astype(numpy.uint32),
-                        scales[ids].astype(numpy.float32).view(numpy.uint32)],
-                       axis=1).reshape(-1)
+    records = xp.concatenate(
+        [ids.astype(numpy.uint32)[:, None], counts.astype(numpy.uint32)[:, None],
+         scales[ids].astype(numpy.float64).view(numpy.uint32).reshape(-1, 2)],
+        axis=1).reshape(-1)
     words = ((negative[nz].astype(numpy.uint32) << numpy.uint32(31))
              | (level[nz].astype(numpy.uint32) << numpy.uint32(
                  QSGD_OFFSET_BITS))
@@ -258,9 +265,15 @@ def unpack(message, sizes, dtypes):
         if g.fmt == FMT_POW2:
             e_k = int(numpy.uint32(g.a).view(numpy.int32))
             scale = numpy.uint32(g.b).view(numpy.float32)
-            if not numpy.isfinite(scale):
-                raise WireFormatError(_where(g) + 'scale is not finite')
+            fi = numpy.finfo(dtype)
+            if not (numpy.isfinite(scale) and scale > 0
+                    and fi.minexp <= e_k <= fi.maxexp - 1):
+                raise WireFormatError(_where(g) + 'exponent {} or scale {} '
+                                      'out of range for {}'.format(
+                                          e_k, scale, dtype))
             index, value = pow2_decode(body, e_k, scale, dtype)
+            if not bool(xp.isfinite(value).all() and (value != 0).all()):
+                raise WireFormatError(_where(g) + 'values out of range')
         elif g.fmt == FMT_RAW:
             index, value = _raw_decode(body, g, size, xp)
             value = value.astype(dtype, copy=False)
@@ -343,7 +356,7 @@ def _walk(m, sizes):
             bucket = b & 0xFFFFFF
             if a == 0 or a > count or bucket == 0 or (b >> 24) == 0:
                 raise WireFormatError(_where(g) + 'bad QSGD header')
-            length = 3 * a + count
+            length = QSGD_RECORD_WORDS * a + count
         else:
             raise WireFormatError(_where(g) + 'unknown format {}'.format(fmt))
         if pos + length > m.size:
@@ -366,20 +379,25 @@ def _raw_decode(body, g, size, xp):
         index = body[:count].astype(numpy.int64)
         vals = body[count:]
     dtype = numpy.float64 if g.a & RAW_FLOAT64 else numpy.float32
-    return index, xp.ascontiguousarray(vals).view(dtype)
+    # copy: a float64 view must start on an 8-byte boundary (GPUs fault on
+    # misaligned loads) and the body may start at any word
+    value = vals.copy().view(dtype)
+    if not bool(xp.isfinite(value).all()):
+        raise WireFormatError(_where(g) + 'non-finite value')
+    return index, value
 
 
 def _qsgd_decode(body, g, size, dtype, xp):
     n_rec = g.a
     levels, bucket = g.b >> 24, g.b & 0xFFFFFF
-    rec = body[:3 * n_rec].reshape(n_rec, 3)
-    words = body[3 * n_rec:]
+    rec = body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec, QSGD_RECORD_WORDS)
+    words = body[QSGD_RECORD_WORDS * n_rec:]
     host = backend.to_numpy(rec)
     ids, counts = host[:, 0].astype(numpy.int64), host[:, 1].astype(numpy.int64)
-    scales = host[:, 2].copy().view(numpy.float32)
+    scales = numpy.ascontiguousarray(host[:, 2:]).view(numpy.float64)[:, 0]
     if (int(counts.sum()) != g.count or (counts == 0).any()
-            or (numpy.diff(ids) <= 0).any()
-            or ids[-1] * bucket >= size or not numpy.isfinite(scales).all()):
+            or (numpy.diff(ids) <= 0).any() or ids[-1] * bucket >= size
+            or not (numpy.isfinite(scales) & (scales > 0)).all()):
         raise WireFormatError(_where(g) + 'bad QSGD bucket records')
     offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
     level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
@@ -388,15 +406,20 @@ def _qsgd_decode(body, g, size, dtype, xp):
         raise WireFormatError(_where(g) + 'QSGD offset or level out of range')
     per_word = xp.asarray(numpy.repeat(numpy.arange(n_rec), counts))
     index = xp.asarray(ids)[per_word] * bucket + offset
-    mag = level.astype(dtype) * xp.asarray(scales.astype(dtype))[per_word]
+    mag = level * xp.asarray(scales)[per_word]
     value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-    return index, value
+    return index, value.astype(dtype)
 
 
 def _check_index(index, size, g):
+    """Indices must be in range and strictly increasing (senders emit them
+    sorted and unique; a duplicate would silently lose an addition)."""
     if index.size and int(index.max()) >= size:
         raise WireFormatError(_where(g) + 'index {} out of range for a tensor '
                               'of {} elements'.format(int(index.max()), size))
+    if index.size > 1 and not bool((index[1:] > index[:-1]).all()):
+        raise WireFormatError(_where(g) + 'indices not strictly increasing '
+                              '(duplicate or unsorted)')
 
 
 def _f32_bits(x):

@@ -134,8 +134,15 @@ class GradientCompressor(object):
                 self.states[i] = self.rule.init_state(self.sizes[i],
                                                       self.dtypes[i], xp)
             flat_s = None if s is None else s.reshape(-1)
-            group = self.rule.compress(i, g.reshape(-1), flat_s,
-                                       self.states[i])
+            with numpy.errstate(over='ignore', invalid='ignore'):
+                group = self.rule.compress(i, g.reshape(-1), flat_s,
+                                           self.states[i])
+            for key, arr in self.states[i].items():
+                if not bool(xp.isfinite(arr).all()):
+                    raise FloatingPointError(
+                        'the accumulated {} of parameter {!r} overflowed '
+                        '{} (finite gradients too large to sum); scale the '
+                        'loss down'.format(key, self.names[i], arr.dtype))
             if group is not None:
                 groups.append(group)
         message = codec.pack(groups, xp)
@@ -151,9 +158,10 @@ class GradientCompressor(object):
                 len(self.sizes), len(outs)))
         return codec.decode_into(message, outs, self.sizes)
 
-    def decode(self, message, xp=numpy):
+    def decode(self, message):
         """The dense update a message carries: list of arrays in the state
-        dtypes, zero where nothing was sent."""
+        dtypes, on the message's device, zero where nothing was sent."""
+        xp = backend.get_array_module(message)
         outs = [xp.zeros(shape, dtype=backend.state_dtype(dt))
                 for shape, dt in zip(self.shapes, self.dtypes)]
         self.decode_into(message, outs)

@@ -3,7 +3,7 @@
 
 One worker trains the same MLP once per method on generated data (10 classes
 of Gaussian clusters).  Each step: forward/backward, per-sample sums of
-squares (exact, per-example backward passes), compress -> one uint32 message
+squares (exact, chainer_vgc.statistics.PerSampleSquares), compress -> one uint32 message
 -> decode -> Adam update with the decoded gradient.  Prints, per method, the
 test accuracy, the compression ratio (parameters / average elements sent,
 the paper's definition) and the bytes a step puts on the wire vs dense.
@@ -18,7 +18,7 @@ import chainer.links as L
 import numpy
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc.statistics import bruteforce_sqsum
+from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import model_params
 
 METHODS = [
@@ -57,6 +57,7 @@ def train(method, kw, data, steps, batch, seed=0):
     comp = GradientCompressor(method, names, [p.shape for p in params],
                               [p.dtype for p in params], **kw)
     rng = numpy.random.default_rng(seed)
+    stats = PerSampleSquares(model)
 
     def loss_fn(xb, tb):
         return F.softmax_cross_entropy(model(xb), tb)
@@ -65,10 +66,12 @@ def train(method, kw, data, steps, batch, seed=0):
     for _ in range(steps):
         idx = rng.integers(0, len(x), batch)
         xb, tb = x[idx], t[idx]
-        sq = (bruteforce_sqsum(loss_fn, params, xb, tb)
-              if comp.rule.needs_sqsum else None)
         model.cleargrads()
-        loss_fn(xb, tb).backward()
+        if comp.rule.needs_sqsum:
+            sq = stats.backward(loss_fn(xb, tb), batch=(xb,))
+        else:
+            sq = None
+            loss_fn(xb, tb).backward()
         message = comp.compress([p.grad for p in params], sq)
         for p, update in zip(params, comp.decode(message)):
             p.grad[...] = update
@@ -84,7 +87,7 @@ def train(method, kw, data, steps, batch, seed=0):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--steps', type=int, default=300)
+    p.add_argument('--steps', type=int, default=1500)
     p.add_argument('--batchsize', type=int, default=32)
     args = p.parse_args()
     data = make_data(numpy.random.default_rng(0), 20000, 2000)

@@ -56,17 +56,28 @@ def parse_params(text):
     return out
 
 
+def _deduce(params, args):
+    """Bind type placeholders as CuPy does: from array arguments only
+    (CuPy treats scalars, NumPy scalars included, as untyped)."""
+    binding = {}
+    for (typ, name), a in zip(params, args):
+        if typ not in _CONCRETE and isinstance(a, numpy.ndarray):
+            binding.setdefault(typ, a.dtype)
+    for typ, name in params:
+        if typ not in _CONCRETE and typ not in binding:
+            raise TypeError('type placeholder {} (parameter {}) cannot be '
+                            'deduced: CuPy needs an array argument of that '
+                            'type'.format(typ, name))
+    return binding
+
+
 def _resolve(spec, args):
     """Bind placeholders to dtypes; returns (params, dtypes, is_array)."""
     params = parse_params(spec.in_params) + parse_params(spec.out_params)
     if len(args) != len(params):
         raise TypeError('expected {} arguments, got {}'.format(
             len(params), len(args)))
-    binding = {}
-    for (typ, name), a in zip(params, args):
-        if typ not in _CONCRETE and isinstance(a, (numpy.ndarray,
-                                                   numpy.generic)):
-            binding.setdefault(typ, a.dtype)
+    binding = _deduce(params, args)
     dtypes, is_array = [], []
     for (typ, name), a in zip(params, args):
         dtypes.append(numpy.dtype(_CONCRETE[typ]) if typ in _CONCRETE
@@ -159,13 +170,14 @@ class HostKernels(object):
 
     @staticmethod
     def _allocate(spec, inputs):
-        binding = {}
+        in_params = parse_params(spec.in_params)
         size = 0
-        for (typ, _), a in zip(parse_params(spec.in_params), inputs):
-            if isinstance(a, (numpy.ndarray, numpy.generic)):
-                binding.setdefault(typ, a.dtype)
+        for a in inputs:
             if isinstance(a, numpy.ndarray) and a.ndim:
                 size = a.size
+        binding = _deduce(in_params + [
+            p for p in parse_params(spec.out_params)
+            if p[0] in _CONCRETE], list(inputs) + [None] * 8)
         return tuple(numpy.empty(size, dtype=_CONCRETE.get(typ) or
                                  binding[typ])
                      for typ, _ in parse_params(spec.out_params))

@@ -238,6 +238,8 @@ def test_fuzzed_messages_never_read_out_of_bounds():
                                          and d.index.max() <
                                          sizes[d.tensor_id])
             assert d.index.size == d.value.size
+            assert (numpy.diff(d.index) > 0).all()
+            assert numpy.isfinite(d.value).all()
     assert detected == truncated == 100  # every truncation is detected
 
 
@@ -247,3 +249,28 @@ def test_decode_into_requires_contiguous_outputs():
     out = numpy.zeros((4, 2), numpy.float32)[:, 0]
     with pytest.raises(ValueError, match='contiguous'):
         codec.decode_into(msg, [out])
+
+
+def test_corrupt_fields_that_would_decode_silently_are_rejected():
+    x = numpy.array([0.5, -3.0, 7.0, 0.25], numpy.float32)
+    words, ok = codec.pow2_encode(x, numpy.array([1, 4, 6, 9]), 2)
+    good = codec.pack([codec.pow2_group(0, words[ok], 2)])
+    sizes, dtypes = [10], [numpy.float32]
+    assert codec.unpack(good, sizes, dtypes)[0].index.tolist() == [1, 4, 6, 9]
+    for e_k in (200, -200, 0x80000000):
+        bad = good.copy()
+        bad[2 + 3] = numpy.uint32(e_k & 0xFFFFFFFF)  # header word a = e_k
+        with pytest.raises(WireFormatError, match='exponent'):
+            codec.unpack(bad, sizes, dtypes)
+    bad = good.copy()
+    bad[-1] = (bad[-1] & numpy.uint32(0xF0000000)) | numpy.uint32(6)
+    with pytest.raises(WireFormatError, match='strictly increasing'):
+        codec.unpack(bad, sizes, dtypes)
+    bad = good.copy()
+    bad[2 + 4] = numpy.float32(numpy.nan).view(numpy.uint32)  # scale
+    with pytest.raises(WireFormatError, match='scale'):
+        codec.unpack(bad, sizes, dtypes)
+    raw = codec.pack([codec.raw_group(0, numpy.array([2, 3]),
+                                      numpy.array([1.0, numpy.inf]), 10)])
+    with pytest.raises(WireFormatError, match='non-finite'):
+        codec.unpack(raw, sizes, [numpy.float64])

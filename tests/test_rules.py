@@ -188,7 +188,7 @@ def test_qsgd_matches_reference(seed, n, bits, bucket, dtype):
     for start in range(0, n, bucket):
         block = range(start, min(n, start + bucket))
         norm = math.sqrt(math.fsum(gs[i] ** 2 for i in block))
-        scale = float(numpy.float32(norm / levels))
+        scale = norm / levels
         for i in block:
             x = abs(gs[i]) / norm * levels if norm else 0.0
             lo = math.floor(x)
@@ -389,3 +389,31 @@ def test_criterion_and_threshold_are_strict():
         zero = numpy.zeros(1, numpy.float32)
         assert comp.decode(comp.compress([tau * one], [zero]))[0][0] == 0
         assert comp.decode(comp.compress([tau * one], [zero]))[0][0] == tau
+
+
+def test_state_overflow_is_an_error_naming_the_parameter():
+    big = numpy.full(3, 3e38, numpy.float32)
+    for method in ('vgc', 'hybrid', 'strom'):
+        comp = GradientCompressor(method, ['fc/W'], [(3,)], [numpy.float32])
+        with numpy.errstate(over='raise'):  # our arithmetic must not trip
+            with pytest.raises(FloatingPointError,
+                               match="'fc/W' overflowed float32"):
+                for _ in range(5):
+                    comp.compress([big], [big])
+
+
+def test_qsgd_keeps_extreme_magnitudes():
+    """Norms and scales in float64: huge float32 and huge/tiny float64
+    gradients survive (bucket [v, -v]: level 10 or 11 of 15, times
+    norm / 15 with norm = v * sqrt(2))."""
+    for dtype, value in ((numpy.float32, 1e30), (numpy.float64, 1e100),
+                         (numpy.float64, 1e-50)):
+        g = numpy.array([value, -value, 0.0], dtype)
+        comp = GradientCompressor('qsgd', ['p'], [(3,)], [dtype], bits=4,
+                                  bucket=2, seed=0)
+        out = comp.decode(comp.compress([g]))[0]
+        assert comp.last_sent == 2 and out[2] == 0
+        assert out[0] > 0 > out[1]
+        for got in numpy.abs(out[:2]):
+            level = got / (float(value) * 2 ** 0.5 / 15)
+            assert min(abs(level - 10), abs(level - 11)) < 1e-5, level

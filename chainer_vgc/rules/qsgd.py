@@ -41,22 +41,25 @@ class QSGD(base.CompressionRule):
         return self._rngs[key]
 
     def quantize(self, grad, dtype):
-        """Returns (level int64, negative bool, per-bucket float32 scale)."""
+        """Returns (level int64, negative bool, per-bucket float64 scale).
+
+        Norms and scales are computed in float64, so neither large float32
+        gradients (squares overflow) nor float64 ones lose their bucket.
+        """
         xp = backend.get_array_module(grad)
-        g = grad.astype(dtype, copy=False)
+        g = grad.astype(numpy.float64)
         n, b = g.size, self.bucket
         nb = -(-n // b)
-        padded = xp.zeros(nb * b, dtype=dtype)
+        padded = xp.zeros(nb * b, dtype=numpy.float64)
         padded[:n] = g
         norms = xp.sqrt((padded.reshape(nb, b) ** 2).sum(axis=1))
         norm = xp.repeat(norms, b)[:n]
         u = self._rng(xp).random(n, dtype=dtype)
         safe = xp.where(norm > 0, norm, 1)
-        scaled = xp.abs(g) / safe * dtype.type(self.levels)
+        scaled = xp.abs(g) / safe * self.levels
         level = xp.floor(scaled + u).astype(numpy.int64)
         level = xp.clip(xp.where(norm > 0, level, 0), 0, self.levels)
-        scales = (norms / dtype.type(self.levels)).astype(numpy.float32)
-        return level, xp.signbit(g), scales
+        return level, xp.signbit(g), norms / self.levels
 
     def compress(self, tensor_id, grad, sqsum, state):
         dtype = backend.state_dtype(grad.dtype)
