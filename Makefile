@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_compress.py
+	$(PY) benchmarks/bench_statistics.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
