@@ -11,6 +11,9 @@ of squares), :mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
 """
 
 from chainer_vgc.codec import WireFormatError  # NOQA
+from chainer_vgc.communicator import create_communicator  # NOQA
+from chainer_vgc.communicator import VGCCommunicator  # NOQA
+from chainer_vgc.optimizer import create_multi_node_optimizer  # NOQA
 from chainer_vgc.compressor import GradientCompressor  # NOQA
 from chainer_vgc.rules import create_rule  # NOQA
 from chainer_vgc.rules import RULES  # NOQA

@@ -1,0 +1,261 @@
+"""ChainerMN glue: a communicator that averages compressed gradients.
+
+``multi_node_mean_grad`` runs the data flow of one step on every rank:
+gradients (+ per-sample statistics) -> rule -> codec -> one uint32 message
+-> allgatherv (paper Sec. 4.3: each worker sends its elements to every other
+worker, nothing is re-compressed) -> decode every rank's message -> sum
+(indices may overlap) -> multiply by 1/size (as ChainerMN's naive
+communicator does) -> ``param.grad``.
+
+The per-sample statistics come from the user's ordinary backward pass when
+the optimizer is wrapped by :func:`create_multi_node_optimizer`.
+"""
+
+import chainer
+from chainermn.communicators import mpi_communicator_base
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc import transport
+from chainer_vgc.compressor import GradientCompressor
+from chainer_vgc.rules import create_rule
+from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
+from chainer_vgc.statistics import PerSampleSquares
+from chainer_vgc.statistics import model_params
+
+
+class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
+    """ChainerMN communicator exchanging compressed gradients.
+
+    Args:
+        mpi_comm: an mpi4py communicator.
+        method: ``'vgc'``, ``'hybrid'``, ``'strom'``, ``'qsgd'``, ``'none'``.
+        allgatherv: ``'ring'`` (pipelined ring on point-to-point calls) or
+            ``'mpi'`` (``MPI_Allgatherv``).
+        chunk_words: pipelining chunk of the ring, in 32-bit words.
+        max_memory, uncovered: passed to
+            :class:`~chainer_vgc.statistics.PerSampleSquares`.
+        **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
+            ``bucket``, ``seed``, ``quantize``, ...).
+    """
+
+    def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
+                 chunk_words=transport.DEFAULT_CHUNK_WORDS,
+                 max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
+                 **hyperparams):
+        super(VGCCommunicator, self).__init__(mpi_comm)
+        if allgatherv not in transport.ALLGATHERV:
+            raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
+                             .format(allgatherv))
+        if int(chunk_words) < 1:
+            raise ValueError('chunk_words must be >= 1, got {!r}'.format(
+                chunk_words))
+        self.method = method
+        self.hyperparams = dict(hyperparams)
+        self.rule = create_rule(method, **hyperparams)
+        self.allgatherv_method = allgatherv
+        self.chunk_words = int(chunk_words)
+        self.max_memory = max_memory
+        self.uncovered = uncovered
+        self.compressor = None
+        self._names = None
+        self._stats = None
+        self._sqsums = None
+        #: figures of the last step (aggregated over ranks)
+        self.last = {}
+        #: running totals since construction (or the last reset)
+        self.totals = {'steps': 0, 'elements': 0, 'bytes': 0,
+                       'dense_bytes': 0}
+
+    def split(self, color, key):
+        return self.__class__(
+            mpi_comm=self.mpi_comm.Split(color, key), method=self.method,
+            allgatherv=self.allgatherv_method, chunk_words=self.chunk_words,
+            max_memory=self.max_memory, uncovered=self.uncovered,
+            **self.hyperparams)
+
+    @property
+    def needs_sqsum(self):
+        return self.rule.needs_sqsum
+
+    # -- statistics ---------------------------------------------------------
+    def statistics(self, model):
+        """The PerSampleSquares hook for ``model`` (kept between steps)."""
+        names, _ = model_params(model)
+        if self._stats is None or self._stats.names != names:
+            self._stats = PerSampleSquares(model, max_memory=self.max_memory,
+                                           uncovered=self.uncovered)
+        return self._stats
+
+    def set_sqsums(self, sqsums):
+        """Per-sample sums of squares for the next multi_node_mean_grad,
+        aligned with ``model_params(model)``."""
+        self._sqsums = sqsums
+
+    # -- set-up and consistency ---------------------------------------------
+    def setup(self, model):
+        """Build the compressor for ``model`` and check that every rank has
+        the same model (names, shapes, dtypes) and the same method.
+
+        Raises ValueError on every rank otherwise.  Called by the first
+        :meth:`multi_node_mean_grad` and before loading state.
+        """
+        names, params = model_params(model)
+        if any(p.array is None for p in params):
+            missing = [n for n, p in zip(names, params) if p.array is None]
+            raise ValueError('parameters {} are not initialized; run a '
+                             'forward pass before the first update'.format(
+                                 missing))
+        if self._names == names and self.compressor is not None:
+            return
+        signature = (repr(self.rule), self.allgatherv_method,
+                     [(n, tuple(p.shape), str(p.dtype))
+                      for n, p in zip(names, params)])
+        everyone = self.mpi_comm.allgather(signature)
+        diffs = [r for r, sig in enumerate(everyone) if sig != everyone[0]]
+        if diffs:
+            label, mine, theirs = _first_difference(everyone[0],
+                                                    everyone[diffs[0]])
+            raise ValueError(
+                'chainer_vgc: ranks {} differ from rank 0 in {}: rank 0 has '
+                '{} but rank {} has {}. Every rank must build the same model '
+                'and communicator'.format(diffs, label, mine, diffs[0],
+                                          theirs))
+        self.compressor = GradientCompressor(
+            self.rule, names, [p.shape for p in params],
+            [p.dtype for p in params])
+        for i, p in enumerate(params):
+            self.compressor.states[i] = self.rule.init_state(
+                p.size, p.dtype, p.xp)
+        self._names = names
+
+    # -- the step -----------------------------------------------------------
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        self.setup(model)
+        names, params = model_params(model)
+        comp = self.compressor
+        sqsums, self._sqsums = self._sqsums, None
+        if comp.rule.needs_sqsum and sqsums is None:
+            raise RuntimeError(
+                "method {!r} needs per-sample statistics of this step's "
+                'backward pass: make the optimizer with '
+                'chainer_vgc.create_multi_node_optimizer and pass the loss '
+                'function to optimizer.update (StandardUpdater does), or run '
+                'comm.statistics(model).backward(loss) and '
+                'comm.set_sqsums(...) instead of loss.backward()'.format(
+                    self.method))
+        grads = [p.grad for p in params]
+        if sqsums is not None:
+            sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
+        if zero_fill:  # as ChainerMN: a missing gradient counts as zeros
+            if sqsums is not None:
+                sqsums = [p.xp.zeros_like(p.array) if g is None else s
+                          for p, g, s in zip(params, grads, sqsums)]
+            grads = [p.xp.zeros_like(p.array) if g is None else g
+                     for p, g in zip(params, grads)]
+        message = comp.compress(grads, sqsums)
+        xp = backend.get_array_module(message)
+        gathered, counts = transport.allgatherv(
+            self.mpi_comm, backend.to_numpy(message),
+            method=self.allgatherv_method,
+            **({'chunk_words': self.chunk_words}
+               if self.allgatherv_method == 'ring' else {}))
+        blocks = [xp.asarray(b) for b in transport.split_blocks(gathered,
+                                                                counts)]
+        sums = self._sum_messages(blocks, params, xp)
+        scale = 1.0 / self.size
+        for p, g, total in zip(params, grads, sums):
+            if total is None:
+                continue
+            if g is None and not zero_fill and not bool((total != 0).any()):
+                continue  # nobody sent anything for a gradient-less param
+            mean = total.astype(p.dtype)
+            mean *= scale
+            p.grad = mean
+        self._report(blocks, counts)
+
+    def _sum_messages(self, blocks, params, xp):
+        sizes = self.compressor.sizes
+        dtypes = [backend.state_dtype(p.dtype) for p in params]
+        if self.method == 'none':
+            # dense: a rank-order pairwise tree, the order of MPI's recursive
+            # doubling, so that 2^k ranks reproduce a dense allreduce bit
+            # for bit (two ranks: any order does)
+            per_rank = []
+            for block in blocks:
+                outs = [xp.zeros(p.shape, dtype=d)
+                        for p, d in zip(params, dtypes)]
+                codec.decode_into(block, outs, sizes)
+                per_rank.append(outs)
+            while len(per_rank) > 1:
+                nxt = [[a + b for a, b in zip(per_rank[k], per_rank[k + 1])]
+                       for k in range(0, len(per_rank) - 1, 2)]
+                if len(per_rank) % 2:
+                    nxt.append(per_rank[-1])
+                per_rank = nxt
+            return per_rank[0]
+        outs = [xp.zeros(p.shape, dtype=d) for p, d in zip(params, dtypes)]
+        for block in blocks:
+            codec.decode_into(block, outs, sizes)
+        return outs
+
+    def _report(self, blocks, counts):
+        n = self.compressor.n_params
+        p = len(blocks)
+        elements = sum(codec.message_count(b) for b in blocks)
+        wire = 4 * int(numpy.sum(counts))
+        per_rank = elements / p
+        self.last = {
+            'vgc/compression': n / per_rank if per_rank else float('inf'),
+            'vgc/density': per_rank / n if n else 0.0,
+            'vgc/bytes': wire / p,
+        }
+        self.totals['steps'] += 1
+        self.totals['elements'] += elements
+        self.totals['bytes'] += wire
+        self.totals['dense_bytes'] += 4 * n * p
+        chainer.reporter.report(self.last)
+
+    # -- residual state: part of the run ------------------------------------
+    def serialize_state(self, model, serializer):
+        """Save or load this rank's residual state (r, v) for ``model``."""
+        self.setup(model)
+        for name, state in zip(self.compressor.names,
+                               self.compressor.states):
+            for key in sorted(state):
+                value = serializer(name.lstrip('/') + '/' + key, state[key])
+                if value is not None and value is not state[key]:
+                    state[key][...] = value
+
+
+def _first_difference(a, b):
+    labels = ('method', 'allgatherv')
+    for label, x, y in zip(labels, a[:2], b[:2]):
+        if x != y:
+            return label, x, y
+    pa, pb = a[2], b[2]
+    for x, y in zip(pa, pb):
+        if x != y:
+            return 'a parameter', x, y
+    return 'the number of parameters', len(pa), len(pb)
+
+
+def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
+                        abort_on_exception=True, **kwargs):
+    """A :class:`VGCCommunicator` on ``mpi_comm`` (default COMM_WORLD).
+
+    ``abort_on_exception`` installs ChainerMN's global except hook, so an
+    uncaught exception on one rank aborts the whole job instead of leaving
+    the others waiting in a collective.
+    """
+    if mpi_comm is None:
+        from mpi4py import MPI
+        mpi_comm = MPI.COMM_WORLD
+    if abort_on_exception:
+        import sys
+        from chainermn import global_except_hook
+        if sys.excepthook is not global_except_hook._global_except_hook:
+            global_except_hook.add_hook()
+    return VGCCommunicator(mpi_comm, method=method, allgatherv=allgatherv,
+                           **kwargs)

@@ -1,0 +1,222 @@
+"""Run under mpiexec: VGCCommunicator against ChainerMN's naive communicator
+and against the invariants of the paper.  Prints 'communicator OK'."""
+
+import sys
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import chainermn
+import numpy
+from mpi4py import MPI
+
+import chainer_vgc
+from chainer_vgc.statistics import model_params
+
+comm_world = MPI.COMM_WORLD
+
+
+class Net(chainer.Chain):
+    """Small MLP with a float16 layer and a layer that gets no gradient."""
+
+    def __init__(self, half=False):
+        super(Net, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 16)
+            self.l2 = L.Linear(16, 3)
+            self.unused = L.Linear(3, 2)
+            if half:
+                self.h = L.Linear(3, 3)
+                for p in self.h.params():
+                    p.array = p.array.astype(numpy.float16)
+        self.half = half
+
+    def forward(self, x):
+        y = self.l2(F.relu(self.l1(x)))
+        if self.half:
+            y = y + F.cast(self.h(F.cast(y, numpy.float16)), numpy.float32)
+        return y
+
+
+def make(seed=0, half=False):
+    numpy.random.seed(seed)
+    model = L.Classifier(Net(half))
+    model(numpy.zeros((1, 6), numpy.float32), numpy.zeros(1, numpy.int32))
+    return model
+
+
+def data(step, n=16):
+    rng = numpy.random.default_rng(1000 * step + comm_world.rank)
+    x = rng.normal(size=(n, 6)).astype(numpy.float32)
+    t = (x[:, 0] + x[:, 1] > 0).astype(numpy.int32) + (x[:, 2] > 1)
+    return x, t.astype(numpy.int32)
+
+
+def train(comm, steps, model=None, optimizer=None, create=None, obs=None):
+    """``steps`` updates; ``obs`` (dict) receives the last observation."""
+    model = model or make()
+    create = create or chainer_vgc.create_multi_node_optimizer
+    opt = create(optimizer or chainer.optimizers.Adam(), comm).setup(model)
+    reporter = chainer.reporter.Reporter()
+    reporter.add_observer('main', model)
+    for step in range(steps):
+        with reporter.scope(obs if obs is not None else {}):
+            opt.update(model, *data(step))
+    return model
+
+
+def params_of(model):
+    return [p.array.copy() for _, p in sorted(model.namedparams())]
+
+
+def check_none_equals_naive():
+    """method='none': 20 Adam steps give exactly the naive run's params."""
+    naive = chainermn.create_communicator('naive', comm_world)
+    ours = chainer_vgc.create_communicator('none', comm_world)
+    a = train(naive, 21, create=chainermn.create_multi_node_optimizer)
+    b = train(ours, 21)
+    for (name, pa), pb in zip(sorted(a.namedparams()), params_of(b)):
+        assert (pa.array == pb).all(), name
+    # ranks agree
+    for arr in params_of(b):
+        assert (comm_world.bcast(arr) == arr).all()
+
+
+def check_vgc_alpha_tiny_equals_mean_gradient():
+    """vgc with (effectively) alpha = 0 and quantization off sends every
+    nonzero element: the mean gradient equals naive's (up to summation
+    order of 4 ranks)."""
+    comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=1e-30,
+                                           quantize=False)
+    naive = chainermn.create_communicator('naive', comm_world)
+    model = make()
+    names, params = model_params(model)
+    x, t = data(0)
+    model.cleargrads()
+    sq = comm.statistics(model).backward(model(x, t), batch=(x,))
+    grads = [None if p.grad is None else p.grad.copy() for p in params]
+    comm.set_sqsums(sq)
+    comm.multi_node_mean_grad(model)
+    ours = [None if p.grad is None else p.grad.copy() for p in params]
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.copy()
+    naive.multi_node_mean_grad(model)
+    for name, p, o in zip(names, params, ours):
+        if p.grad is None:
+            assert o is None, name
+            continue
+        numpy.testing.assert_allclose(o, p.grad, rtol=1e-6, atol=1e-9,
+                                      err_msg=name)
+    assert comm.last['vgc/compression'] < 1.5
+
+
+def check_conservation_across_ranks():
+    """quantize=False: sum of mean gradients over steps = mean over ranks of
+    (sum of local gradients - local residual)."""
+    comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=2.0,
+                                           quantize=False)
+    model = make()
+    names, params = model_params(model)
+    applied = [numpy.zeros(p.shape) for p in params]
+    local = [numpy.zeros(p.shape) for p in params]
+    for step in range(60):
+        x, t = data(step)
+        model.cleargrads()
+        comm.set_sqsums(comm.statistics(model).backward(model(x, t),
+                                                        batch=(x,)))
+        for acc, p in zip(local, params):
+            if p.grad is not None:
+                acc += p.grad
+        comm.multi_node_mean_grad(model)
+        for acc, p in zip(applied, params):
+            if p.grad is not None:
+                acc += p.grad
+    sent_any = False
+    for name, a, loc, st in zip(names, applied, local,
+                                comm.compressor.states):
+        want = (loc - st['r'].reshape(loc.shape)) / comm_world.size
+        want = comm_world.allreduce(want)
+        numpy.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-5,
+                                      err_msg=name)
+        sent_any = sent_any or bool(a.any())
+    assert sent_any
+    assert comm.totals['elements'] > 0
+
+
+def check_empty_sends_mixed_dtypes_and_no_grads():
+    """Nothing selected anywhere (huge alpha): no hang, zero gradients;
+    float16 parameters; a link with no gradient (zero_fill=True, the
+    default, gives zeros as in ChainerMN; zero_fill=False keeps None, see
+    check_vgc_alpha_tiny_equals_mean_gradient)."""
+    comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=1e12)
+    model = make(half=True)
+    obs = {}
+    train(comm, 5, model=model, obs=obs)
+    names, params = model_params(model)
+    for name, p in zip(names, params):  # zero_fill=True: zeros, as naive
+        assert p.grad is not None and not p.grad.any(), name
+    assert model.predictor.h.W.dtype == numpy.float16
+    assert comm.totals['elements'] == 0
+    assert obs['vgc/compression'] == float('inf')
+    # and some real traffic with every method, float16 included
+    for method, kw in (('vgc', {}), ('hybrid', dict(tau=0.001)),
+                       ('strom', dict(tau=0.001)), ('qsgd', dict(seed=1)),
+                       ('none', {})):
+        comm = chainer_vgc.create_communicator(method, comm_world, **kw)
+        obs = {}
+        model = train(comm, 4, model=make(half=True), obs=obs)
+        for key in ('vgc/compression', 'vgc/density', 'vgc/bytes'):
+            assert numpy.isfinite(obs[key]), (method, key)
+        assert comm.totals['elements'] > 0, method
+        for arr in params_of(model):
+            assert numpy.isfinite(arr).all()
+            assert (comm_world.bcast(arr) == arr).all(), method
+
+
+def check_split_and_bcast():
+    comm = chainer_vgc.create_communicator('hybrid', comm_world, tau=0.01)
+    sub = comm.split(comm.rank % 2, comm.rank)
+    assert isinstance(sub, chainer_vgc.VGCCommunicator)
+    assert sub.method == 'hybrid' and sub.rule.tau == 0.01
+    value = comm.bcast_obj('hello' if comm.rank == 0 else None)
+    assert value == 'hello'
+
+
+def check_mismatched_models_fail_on_every_rank():
+    comm = chainer_vgc.create_communicator('vgc', comm_world)
+    model = make()
+    if comm.rank == comm.size - 1 and comm.size > 1:
+        model.predictor.add_link('extra', L.Linear(2, 2))
+        model.predictor.extra(numpy.zeros((1, 2), numpy.float32))
+    x, t = data(0)
+    model.cleargrads()
+    comm.set_sqsums(comm.statistics(model).backward(model(x, t),
+                                                    batch=(x,)))
+    try:
+        comm.multi_node_mean_grad(model)
+    except ValueError as e:
+        assert 'differ from rank 0' in str(e), str(e)
+        ok = True
+    else:
+        ok = comm.size == 1
+    assert all(comm_world.allgather(ok))
+
+
+CHECKS = [check_none_equals_naive, check_vgc_alpha_tiny_equals_mean_gradient,
+          check_conservation_across_ranks,
+          check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
+          check_mismatched_models_fail_on_every_rank]
+
+
+def main():
+    names = sys.argv[1:] or [c.__name__ for c in CHECKS]
+    for check in CHECKS:
+        if check.__name__ in names:
+            check()
+            comm_world.Barrier()
+    if comm_world.rank == 0:
+        print('communicator OK at p={}'.format(comm_world.size))
+
+
+if __name__ == '__main__':
+    main()
