@@ -62,6 +62,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self._names = None
         self._stats = None
         self._sqsums = None
+        self._loaded_state = None
         #: figures of the last step (aggregated over ranks)
         self.last = {}
         #: running totals since construction (or the last reset)
@@ -129,6 +130,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             self.compressor.states[i] = self.rule.init_state(
                 p.size, p.dtype, p.xp)
         self._names = names
+        if self._loaded_state is not None:
+            self._install_loaded_state(params)
 
     # -- the step -----------------------------------------------------------
     def multi_node_mean_grad(self, model, zero_fill=False):
@@ -219,14 +222,51 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
-        """Save or load this rank's residual state (r, v) for ``model``."""
+        """Save or load this rank's residual state (r, v) for ``model``.
+
+        Loading may happen before the model's parameters are initialized
+        (trainer snapshots load the optimizer before the model), so loaded
+        arrays are kept and installed by :meth:`setup`.
+        """
+        names, _ = model_params(model)
+        keys = sorted(self.rule.init_state(0, numpy.float32, numpy))
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            loaded = {}
+            for name in names:
+                loaded[name] = {}
+                for key in keys:
+                    arr = serializer(_state_key(name, key), None)
+                    if arr is None:
+                        raise ValueError(
+                            'the snapshot has no residual state {!r} of '
+                            'parameter {!r} (was it saved with method {!r}?)'
+                            .format(key, name, self.method))
+                    loaded[name][key] = arr
+            self._loaded_state = loaded
+            self.compressor = None  # installed by the next setup()
+            return
         self.setup(model)
         for name, state in zip(self.compressor.names,
                                self.compressor.states):
-            for key in sorted(state):
-                value = serializer(name.lstrip('/') + '/' + key, state[key])
-                if value is not None and value is not state[key]:
-                    state[key][...] = value
+            for key in keys:
+                serializer(_state_key(name, key), state[key])
+
+    def _install_loaded_state(self, params):
+        loaded, self._loaded_state = self._loaded_state, None
+        for i, (name, p) in enumerate(zip(self.compressor.names, params)):
+            for key, arr in loaded[name].items():
+                state = self.compressor.states[i][key]
+                if arr.size != state.size:
+                    raise ValueError(
+                        'residual state {!r} of parameter {!r} has {} '
+                        'elements in the snapshot, the model has {}'.format(
+                            key, name, arr.size, state.size))
+                state[...] = p.xp.asarray(arr).reshape(state.shape).astype(
+                    state.dtype)
+
+
+def _state_key(name, key):
+    return name.lstrip('/') + '/' + key
 
 
 def _first_difference(a, b):

@@ -8,6 +8,7 @@ works unchanged.  The compressor's residual state is part of the optimizer's
 serialized state (trainer snapshots).
 """
 
+import chainer
 from chainermn import optimizers as _mn_optimizers
 
 
@@ -32,6 +33,9 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
             else:
                 loss.backward(loss_scale=scale)
             del loss
+        if self.__dict__.get('_resumed'):
+            object.__setattr__(self, '_resumed', False)
+            self.is_changed(target)
         if self.is_changed(target):
             self.communicator.bcast_data(target)
             if hasattr(comm, 'set_sqsums'):
@@ -45,6 +49,11 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
         comm = self.communicator
         if hasattr(comm, 'serialize_state'):
             comm.serialize_state(self.target, serializer['vgc_state'])
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            # resumed: every rank loaded the same parameters, so the next
+            # update is an update, not the initial broadcast (the model may
+            # be loaded after the optimizer: record it at the next update)
+            object.__setattr__(self, '_resumed', True)
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,

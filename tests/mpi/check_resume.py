@@ -1,0 +1,56 @@
+"""Run under mpiexec: trainer runs for the resume test.
+
+    check_resume.py straight N OUT   # N iterations, save params
+    check_resume.py half N OUT       # N/2 iterations, per-rank snapshot
+    check_resume.py resume N OUT     # new process: load snapshot, go to N
+
+Each rank writes OUT/params_<mode>_rank<r>.npz.
+"""
+
+import os
+import sys
+
+import chainer
+from chainer import training
+from chainer.training import extensions
+import chainer.links as L
+import numpy
+
+import chainer_vgc
+from chainer_vgc.models import MLP
+
+
+def main():
+    mode, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
+    comm = chainer_vgc.create_communicator(method, alpha=1.0)
+    numpy.random.seed(0)
+    model = L.Classifier(MLP((12,), 3))
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.Adam(), comm).setup(model)
+    rng = numpy.random.default_rng(comm.rank)
+    x = rng.normal(size=(400, 6)).astype(numpy.float32)
+    t = ((x[:, 0] > 0).astype(numpy.int32) + (x[:, 1] > 0.5)).astype(
+        numpy.int32)
+    it = chainer.iterators.SerialIterator(
+        chainer.datasets.TupleDataset(x, t), 16, shuffle=False)
+    updater = training.StandardUpdater(it, opt)
+    stop = n // 2 if mode == 'half' else n
+    trainer = training.Trainer(updater, (stop, 'iteration'), out=out)
+    snap = 'snapshot_rank{}'.format(comm.rank)
+    if mode == 'half':
+        trainer.extend(extensions.snapshot(filename=snap),
+                       trigger=(stop, 'iteration'))
+    if mode == 'resume':
+        chainer.serializers.load_npz(os.path.join(out, snap), trainer)
+    trainer.run()
+    numpy.savez(os.path.join(out, 'params_{}_rank{}.npz'.format(
+        mode, comm.rank)), **{name: p.array for name, p in
+                              model.namedparams()})
+    if comm.rank == 0:
+        print('resume run OK: {} to iteration {}'.format(
+            mode, updater.iteration))
+
+
+if __name__ == '__main__':
+    main()
