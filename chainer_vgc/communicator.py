@@ -164,8 +164,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             method=self.allgatherv_method,
             **({'chunk_words': self.chunk_words}
                if self.allgatherv_method == 'ring' else {}))
-        blocks = [xp.asarray(b) for b in transport.split_blocks(gathered,
-                                                                counts)]
+        blocks = [xp.asarray(b) for b in gathered]
         sums = self._sum_messages(blocks, params, xp)
         scale = 1.0 / self.size
         for p, g, total in zip(params, grads, sums):

@@ -79,7 +79,8 @@ def bruteforce_sqsum(loss_fn, params, *batch):
 
     The reference, and the generic fallback.  The model must not couple
     examples (no batch normalization in training mode) and must be
-    deterministic (dropout off or seeded alike).
+    deterministic (dropout off or seeded alike).  Gradients are taken with
+    ``chainer.grad``, so no parameter's ``.grad`` is touched.
 
     Args:
         loss_fn: ``loss_fn(*arrays)`` -> scalar Variable, the *mean* loss of
@@ -89,7 +90,7 @@ def bruteforce_sqsum(loss_fn, params, *batch):
 
     Returns:
         list of arrays (None for a parameter that gets no gradient), in the
-        state dtype.  Parameter gradients are left cleared.
+        state dtype.
     """
     n = len(batch[0])
     if n == 0:
@@ -97,17 +98,13 @@ def bruteforce_sqsum(loss_fn, params, *batch):
     params = list(params)
     acc = [None] * len(params)
     for z in range(n):
-        for p in params:
-            p.cleargrad()
         loss = loss_fn(*[a[z:z + 1] for a in batch]) / n
-        loss.backward()
-        for k, p in enumerate(params):
-            if p.grad is None:
+        grads = chainer.grad([loss], params)
+        for k, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
                 continue
-            g = p.grad.astype(backend.state_dtype(p.dtype))
+            g = g.array.astype(backend.state_dtype(p.dtype))
             acc[k] = g * g if acc[k] is None else acc[k] + g * g
-    for p in params:
-        p.cleargrad()
     return acc
 
 
@@ -293,6 +290,43 @@ class _EmbedW(_Use):
         return acc
 
 
+def _array_ids(arrays):
+    return {id(a) for a in arrays}
+
+
+def _derived_from(array, ids):
+    """Whether ``array`` is one of the arrays ``ids`` or a view of one."""
+    while array is not None:
+        if id(array) in ids:
+            return True
+        array = getattr(array, 'base', None)
+    return False
+
+
+def _example_major(node, b):
+    """Whether a node's k*b rows are b contiguous groups, one per example:
+    a chain of reshapes (F.reshape, F.linear's n_batch_axes) of something
+    whose first axis is the batch, or a C-order view of such an array."""
+    while node.creator_node is not None:
+        creator = node.creator_node
+        if type(creator).__name__ != 'Reshape':
+            return False
+        node = creator.inputs[0]
+        if len(node.shape) and node.shape[0] == b:
+            return True
+    data = node.data
+    while data is not None:
+        base = getattr(data, 'base', None)
+        if base is None:
+            return False
+        if (getattr(base, 'ndim', 0) and base.shape[0] == b
+                and getattr(data.flags, 'c_contiguous', False)
+                and base.flags.c_contiguous):
+            return True
+        data = base
+    return False
+
+
 def _scatter_add(xp, out, index, values):
     if xp is numpy:
         numpy.add.at(out, index, values)
@@ -358,9 +392,8 @@ class PerSampleSquares(chainer.FunctionHook):
             :func:`model_params` order) or a list of ``(name, param)``.
         max_memory: bound in bytes of each per-example intermediate.
         uncovered: ``'error'`` or ``'bruteforce'`` (see the module doc).
-        batch_size: number of examples B; by default ``len(batch[0])`` if
-            :meth:`backward` gets ``batch``, else the smallest leading size
-            among the graph's input arrays (data, labels).
+        batch_size: number of examples B; else ``len(batch[0])`` of the
+            ``batch`` given to :meth:`backward` (one of the two is needed).
 
     Use :meth:`backward` instead of ``loss.backward()``; it returns the
     list of sums (aligned with :attr:`names`) and leaves the usual
@@ -390,6 +423,8 @@ class PerSampleSquares(chainer.FunctionHook):
         self.uncovered = uncovered
         self.batch_size = batch_size
         self.sqsums = [None] * len(self.params)
+        self._in_backward = False
+        self._by_fn = {}
 
     # -- graph inspection --
     def _scan(self, loss):
@@ -397,70 +432,59 @@ class PerSampleSquares(chainer.FunctionHook):
         index = {id(p.node): i for i, p in enumerate(self.params)}
         uses = {}
         seen = set()
-        self._leaf_rows = []
+        self._graph_functions = []
         stack = [loss.creator_node] if loss.creator_node is not None else []
         while stack:
             fn = stack.pop()
             if id(fn) in seen:
                 continue
             seen.add(id(fn))
+            self._graph_functions.append(fn)
             for k, node in enumerate(fn.inputs):
                 i = index.get(id(node))
                 if i is not None:
                     uses.setdefault(i, []).append((fn, k))
                 elif node.creator_node is not None:
                     stack.append(node.creator_node)
-                elif len(node.shape):
-                    self._leaf_rows.append(node.shape[0])
         return uses
 
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
         """Run ``loss.backward(**backward_kwargs)`` and compute the sums.
 
-        ``loss_fn`` and ``batch`` are needed only for
-        ``uncovered='bruteforce'`` (see :func:`bruteforce_sqsum`).
+        ``batch``: the minibatch arrays (first axis = examples); gives B and
+        lets the rows each function sees be traced to examples.
+        ``loss_fn`` is needed only for ``uncovered='bruteforce'`` (see
+        :func:`bruteforce_sqsum`).
         """
         uses = self._scan(loss)
+        b = self._batch_size(batch)
+        batch_ids = _array_ids(batch)
         uncovered = sorted(i for i, us in uses.items()
                            if not all(_supported(fn, k) for fn, k in us))
         brute = {}
         if uncovered:
-            listing = ', '.join('{} (used by {})'.format(
-                self.names[i], ', '.join(sorted({type(fn).__name__
-                                                 for fn, _ in uses[i]})))
-                for i in uncovered)
-            if self.uncovered == 'error':
-                raise UncoveredParameterError(
-                    'per-sample statistics are not implemented for: {}. Use '
-                    "uncovered='bruteforce' (exact, one backward pass per "
-                    'example) or exclude these parameters'.format(listing))
-            if loss_fn is None or not len(batch):
-                raise ValueError(
-                    "uncovered='bruteforce' needs loss_fn and batch to "
-                    'recompute per-example losses for: ' + listing)
-            saved = [None if p.grad is None else p.grad.copy()
-                     for p in self.params]
-            res = bruteforce_sqsum(loss_fn, [self.params[i]
-                                             for i in uncovered], *batch)
-            for p, g in zip(self.params, saved):
-                p.grad = g
-            brute = dict(zip(uncovered, res))
+            brute = self._bruteforce(uncovered, uses, loss_fn, batch)
         self._uses = {i: us for i, us in uses.items() if i not in brute}
+        for i, us in self._uses.items():
+            for fn, _ in us:
+                self._check_rows(fn, i, b, batch_ids)
         self._single = {i for i, us in self._uses.items() if len(us) == 1}
         self._pending = {}
         self._by_fn = {}
         for i, us in self._uses.items():
             for fn, k in us:
                 self._by_fn.setdefault(id(fn), []).append((i, k))
-        self._b = self._batch_size(batch)
+        self._b = b
         self.sqsums = [None] * len(self.params)
         self._results = {}
         try:
+            self._in_backward = True
             with self:
                 loss.backward(**backward_kwargs)
             for i, use_list in self._pending.items():
                 self._results[i] = self._combine(use_list, self._b)
         finally:
+            self._in_backward = False
             self._by_fn = {}
             self._pending = {}
         for i, p in enumerate(self.params):
@@ -469,18 +493,75 @@ class PerSampleSquares(chainer.FunctionHook):
             elif i in self._results:
                 self.sqsums[i] = self._results[i]
             elif p.grad is not None and i in uses:
+                # reached, but no gradient flowed through any use
                 self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
                     p.dtype))
         return self.sqsums
+
+    def __enter__(self):
+        if not getattr(self, '_in_backward', False):
+            raise TypeError('use PerSampleSquares.backward(loss, batch=...) '
+                            'instead of registering the hook with "with"')
+        return super(PerSampleSquares, self).__enter__()
+
+    def _bruteforce(self, uncovered, uses, loss_fn, batch):
+        listing = ', '.join('{} (used by {})'.format(
+            self.names[i], ', '.join(sorted({type(fn).__name__
+                                             for fn, _ in uses[i]})))
+            for i in uncovered)
+        if self.uncovered == 'error':
+            raise UncoveredParameterError(
+                'per-sample statistics are not implemented for: {}. Use '
+                "uncovered='bruteforce' (exact, one backward pass per "
+                'example) or exclude these parameters'.format(listing))
+        if loss_fn is None or not len(batch):
+            raise ValueError(
+                "uncovered='bruteforce' needs loss_fn and batch to recompute "
+                'per-example losses for: ' + listing)
+        coupled = sorted({type(fn).__name__ for fn in self._graph_functions
+                          if isinstance(fn, _bn.BatchNormalization)})
+        if coupled:
+            raise ValueError(
+                "uncovered='bruteforce' recomputes each example alone, which "
+                'is not exact with {} in training mode (it couples the '
+                'examples); uncovered parameters: {}'.format(
+                    ', '.join(coupled), listing))
+        res = bruteforce_sqsum(loss_fn, [self.params[i] for i in uncovered],
+                               *batch)
+        return dict(zip(uncovered, res))
+
+    def _check_rows(self, fn, i, b, batch_ids):
+        """Refuse inputs whose rows cannot be attributed to examples."""
+        node = fn.inputs[0]
+        rows = node.shape[0] if len(node.shape) else 0
+        where = '{} (input of {} for parameter {})'.format(
+            tuple(node.shape), type(fn).__name__, self.names[i])
+        if rows == 0 or rows % b:
+            raise ValueError(
+                '{}: {} rows on the example axis, not a multiple of the '
+                'batch size {}; pass batch=/batch_size= and keep the batch '
+                'axis first'.format(where, rows, b))
+        if rows != b and not _example_major(node, b):
+            raise ValueError(
+                '{}: {} rows for {} examples, and they do not come from an '
+                'example-major reshape of the batch (e.g. a concatenation or '
+                'a time-major layout); per-example contributions are '
+                'undefined'.format(where, rows, b))
+        if (batch_ids and node.creator_node is None and node.data is not None
+                and not _derived_from(node.data, batch_ids)):
+            raise ValueError(
+                '{}: the input is a constant array, not minibatch data; '
+                'per-example contributions are undefined'.format(where))
 
     def _batch_size(self, batch):
         if self.batch_size is not None:
             return int(self.batch_size)
         if len(batch):
             return len(batch[0])
-        # the smallest leading size among the graph's inputs (leaves that
-        # are not parameters), e.g. the data and the labels
-        return min(self._leaf_rows) if self._leaf_rows else 1
+        raise ValueError(
+            'PerSampleSquares needs the number of examples: pass batch=(x, '
+            '...) to backward() or batch_size= to the constructor (guessing '
+            'it from the graph can merge examples silently)')
 
     def _group(self, rows, b, fn):
         if rows % b:

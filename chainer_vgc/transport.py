@@ -27,8 +27,8 @@ try:
 except ImportError:  # pragma: no cover - mpi4py is a dependency
     MPI = None
 
-#: default pipelining chunk (words): 64 KiB
-DEFAULT_CHUNK_WORDS = 16384
+#: default pipelining chunk (words): 256 KiB
+DEFAULT_CHUNK_WORDS = 65536
 _TAG = 0x5647
 
 
@@ -42,27 +42,31 @@ def exchange_counts(comm, count):
 def ring_schedule(counts, chunk_words):
     """Words each rank sends in each round of the pipelined ring.
 
-    Returns a list of per-round arrays ``s`` where rank r sends ``s[r]``
+    Returns a list of per-round tuples ``s`` where rank r sends ``s[r]``
     words to rank r+1 (and so receives ``s[r-1]`` from rank r-1).  A rank
     forwards only words it already holds, at most ``chunk_words`` a round.
+    If no rank can send, every block is empty (the words held sum to the
+    words sent), so the loop ends: no round is ever empty for all ranks.
     """
-    counts = numpy.asarray(counts, dtype=numpy.int64)
-    p = counts.size
-    total = int(counts.sum())
-    length = total - numpy.roll(counts, -1)  # stream length: all but r+1's
-    sent = numpy.zeros(p, dtype=numpy.int64)
-    received = numpy.zeros(p, dtype=numpy.int64)
-    rounds = []
+    counts = [int(c) for c in counts]
+    p = len(counts)
     if p < 2:
-        return rounds
-    while (sent < length).any():
-        avail = numpy.minimum(counts + received, length)
-        s = numpy.minimum(chunk_words, avail - sent)
-        # progress: if no rank can send, sum(counts) == 0 (see module doc)
-        assert s.any(), 'ring schedule stalled'
-        sent += s
-        received += numpy.roll(s, 1)
+        return []
+    total = sum(counts)
+    length = [total - counts[(r + 1) % p] for r in range(p)]
+    sent = [0] * p
+    held = list(counts)  # own block + received so far
+    rounds = []
+    while True:
+        s = tuple(min(chunk_words, min(held[r], length[r]) - sent[r])
+                  for r in range(p))
+        if not any(s):
+            break
+        for r in range(p):
+            sent[r] += s[r]
+            held[r] += s[r - 1]
         rounds.append(s)
+    assert sent == length, 'ring schedule stalled'
     return rounds
 
 
@@ -70,7 +74,10 @@ def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
                     counts=None):
     """Pipelined ring allgatherv of uint32 blocks.
 
-    Returns ``(recvbuf, counts)``: all blocks concatenated in rank order.
+    Returns ``(blocks, counts)``: ``blocks[i]`` is rank i's block.  The
+    blocks are views into one buffer laid out in ring order (own block, then
+    r-1, r-2, ...), which is exactly the stream this rank sends on, so
+    nothing is copied after the exchange.
     """
     if int(chunk_words) < 1:
         raise ValueError('chunk_words must be >= 1, got {!r}'.format(
@@ -79,42 +86,44 @@ def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)
     p, r = comm.size, comm.rank
-    displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]])
-    total = int(counts.sum())
-    recvbuf = numpy.empty(total, dtype=numpy.uint32)
-    recvbuf[displs[r]:displs[r] + counts[r]] = sendbuf
-    if p == 1:
-        return recvbuf, counts
-    # stream = own block, then the blocks of r-1, r-2, ..., r+1 as received
-    stream = numpy.empty(total, dtype=numpy.uint32)
     own = int(counts[r])
+    if sendbuf.size != own:
+        raise ValueError('sendbuf has {} words but counts[{}] = {}'.format(
+            sendbuf.size, r, own))
+    stream = numpy.empty(int(counts.sum()), dtype=numpy.uint32)
     stream[:own] = sendbuf
     left, right = (r - 1) % p, (r + 1) % p
     sent = received = 0
     for s in ring_schedule(counts, int(chunk_words)):
-        n_send, n_recv = int(s[r]), int(s[left])
-        reqs = []
-        if n_recv:
-            reqs.append(comm.Irecv(
-                [stream[own + received:own + received + n_recv],
-                 MPI.UINT32_T], source=left, tag=_TAG))
-        if n_send:
-            reqs.append(comm.Isend([stream[sent:sent + n_send],
-                                    MPI.UINT32_T], dest=right, tag=_TAG))
-        MPI.Request.Waitall(reqs)
+        n_send, n_recv = s[r], s[left]
+        # both sides follow the same schedule, so every send has its
+        # receive; a rank that only sends or only receives cannot close a
+        # cycle of blocking sends (its neighbour receives from it)
+        out = [stream[sent:sent + n_send], MPI.UINT32_T]
+        into = [stream[own + received:own + received + n_recv],
+                MPI.UINT32_T]
+        if n_send and n_recv:
+            comm.Sendrecv(out, dest=right, sendtag=_TAG, recvbuf=into,
+                          source=left, recvtag=_TAG)
+        elif n_send:
+            comm.Send(out, dest=right, tag=_TAG)
+        elif n_recv:
+            comm.Recv(into, source=left, tag=_TAG)
         sent += n_send
         received += n_recv
-    pos = own
-    for k in range(1, p):
+    blocks = [None] * p
+    pos = 0
+    for k in range(p):
         src = (r - k) % p
         n = int(counts[src])
-        recvbuf[displs[src]:displs[src] + n] = stream[pos:pos + n]
+        blocks[src] = stream[pos:pos + n]
         pos += n
-    return recvbuf, counts
+    return blocks, counts
 
 
 def mpi_allgatherv(comm, sendbuf, counts=None):
-    """MPI's own Allgatherv; same result as :func:`ring_allgatherv`."""
+    """MPI's own Allgatherv; same ``(blocks, counts)`` as
+    :func:`ring_allgatherv`."""
     sendbuf = _as_words(sendbuf)
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)
@@ -123,7 +132,7 @@ def mpi_allgatherv(comm, sendbuf, counts=None):
     comm.Allgatherv([sendbuf, MPI.UINT32_T],
                     [recvbuf, counts.tolist(), displs.tolist(),
                      MPI.UINT32_T])
-    return recvbuf, counts
+    return split_blocks(recvbuf, counts), counts
 
 
 ALLGATHERV = {'ring': ring_allgatherv, 'mpi': mpi_allgatherv}
@@ -140,7 +149,7 @@ def allgatherv(comm, sendbuf, method='ring', **kwargs):
 
 
 def split_blocks(recvbuf, counts):
-    """The per-rank blocks of a gathered buffer."""
+    """The per-rank blocks of a buffer gathered in rank order."""
     bounds = numpy.concatenate([[0], numpy.cumsum(counts)])
     return [recvbuf[bounds[i]:bounds[i + 1]] for i in range(len(counts))]
 

@@ -165,10 +165,8 @@ def test_shared_weights_add_before_squaring(dtype):
     model = SharedNet()
     ids = rng.integers(0, 6, (5, 4)).astype(numpy.int32)
     t = rng.integers(0, 6, 5).astype(numpy.int32)
-    got = check(model, lambda i, t: F.softmax_cross_entropy(model(i), t),
-                (ids, t), dtype)
-    # squaring each use separately would give a different (wrong) answer
-    assert all(g is not None for g in got)
+    check(model, lambda i, t: F.softmax_cross_entropy(model(i), t),
+          (ids, t), dtype)
 
 
 def test_linear_n_batch_axes(dtype):
@@ -256,7 +254,7 @@ def test_vgg_appendix_d_against_per_example_slices():
         want = oracle.sums(params)
         model.cleargrads()
         got = PerSampleSquares(model).backward(
-            F.softmax_cross_entropy(model(x), t))
+            F.softmax_cross_entropy(model(x), t), batch=(x, t))
     assert len(names) == 13 + 13 * 2 + 1 + 2 + 2  # conv W, BN, fc1, bn, fc2
     for name, g, w in zip(names, got, want):
         assert w is not None, name
@@ -287,8 +285,8 @@ def test_batch_normalization_slices_add_up_to_batch_gradient(dtype):
     numpy.testing.assert_allclose(sum(per_ex_beta).ravel(), bn.beta.grad,
                                   rtol=RTOL[dtype])
     bn.cleargrads()
-    got = PerSampleSquares([('gamma', bn.gamma), ('beta', bn.beta)]
-                           ).backward(loss())
+    got = PerSampleSquares([('gamma', bn.gamma), ('beta', bn.beta)],
+                           batch_size=6).backward(loss())
     for g, w_ in zip(got, want):
         numpy.testing.assert_allclose(g, w_.ravel(), rtol=RTOL[dtype])
 
@@ -309,7 +307,8 @@ def test_result_does_not_depend_on_chunk_size():
             for m, loss in ((model, lambda: F.sum(model(ids) ** 2) / 7),
                             (cnn, lambda: F.sum(cnn(x) ** 2) / 7)):
                 m.cleargrads()
-                out += PerSampleSquares(m, max_memory=mem).backward(loss())
+                out += PerSampleSquares(m, max_memory=mem,
+                                        batch_size=7).backward(loss())
             results.append(out)
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -340,7 +339,7 @@ def test_uncovered_parameters_error_or_bruteforce():
         model.cleargrads()
         with pytest.raises(UncoveredParameterError,
                            match=r"/W \(used by MatMul\).*bruteforce"):
-            PerSampleSquares(model).backward(loss_fn(x))
+            PerSampleSquares(model).backward(loss_fn(x), batch=(x,))
         assert model.W.grad is None  # refused before any backward
         got = check(model, loss_fn, (x,), numpy.float64,
                     uncovered='bruteforce')
@@ -350,7 +349,7 @@ def test_uncovered_parameters_error_or_bruteforce():
         model.cleargrads()
         with pytest.raises(ValueError, match='needs loss_fn and batch'):
             PerSampleSquares(model, uncovered='bruteforce').backward(
-                loss_fn(x))
+                loss_fn(x), batch=(x,))
 
 
 def test_bad_arguments_and_batch_axis_mismatch():
@@ -365,12 +364,83 @@ def test_bad_arguments_and_batch_axis_mismatch():
 
 
 def test_float16_parameters_give_float32_sums():
+    """float16 model vs the float64 oracle on the same weights."""
     rng = numpy.random.default_rng(8)
     with chainer.using_config('dtype', numpy.float16):
         numpy.random.seed(8)
         model = MLP((5,), 3)
         x = _data(rng, numpy.float16, 4, 6)
         model(x)
-        got = PerSampleSquares(model).backward(F.sum(model(x)) / 4)
-    for g in got:
-        assert g.dtype == numpy.float32 and (g >= 0).all() and g.any()
+        got = PerSampleSquares(model).backward(F.sum(model(x)) / 4,
+                                               batch=(x,))
+    model64 = model.copy(mode='copy')
+    for p in model64.params():
+        p.array = p.array.astype(numpy.float64)
+    _, params64 = model_params(model64)
+    want = bruteforce_sqsum(lambda x: F.sum(model64(x)) / len(x), params64,
+                            x.astype(numpy.float64))
+    for g, w in zip(got, want):
+        assert g.dtype == numpy.float32
+        numpy.testing.assert_allclose(g, w, rtol=2e-2, atol=1e-3 * w.max())
+
+
+def test_batch_size_is_required():
+    lin = L.Linear(3, 2)
+    x = numpy.ones((4, 3), numpy.float32)
+    with pytest.raises(ValueError, match='needs the number of examples'):
+        PerSampleSquares(lin).backward(F.sum(lin(x)))
+
+
+def test_rows_that_are_not_examples_are_refused():
+    """A constant table and a batch-axis concatenation (Siamese) feeding a
+    covered function: per-example contributions are undefined -> error."""
+    rng = numpy.random.default_rng(9)
+    lin = L.Linear(3, 2)
+    x = _data(rng, numpy.float32, 4, 3)
+    table = _data(rng, numpy.float32, 4, 3)  # 4 rows, not examples
+    with pytest.raises(ValueError, match='constant array'):
+        PerSampleSquares(lin).backward(F.sum(lin(table) * F.sum(lin(x))),
+                                       batch=(x,))
+    x2 = _data(rng, numpy.float32, 4, 3)
+    with pytest.raises(ValueError, match='do not come from an example-major'):
+        PerSampleSquares(lin).backward(F.sum(lin(F.concat([x, x2], axis=0))),
+                                       batch=(x, x2))
+    # a time-major transpose before merging the axes is refused too
+    seq = _data(rng, numpy.float32, 4, 5, 3)
+    with pytest.raises(ValueError, match='example-major'):
+        h = F.reshape(F.transpose(seq, (1, 0, 2)), (20, 3))
+        PerSampleSquares(lin).backward(F.sum(lin(h)), batch=(seq,))
+
+
+def test_bruteforce_refuses_batch_normalization_in_training():
+    class Net(chainer.Chain):
+        def __init__(self):
+            super(Net, self).__init__()
+            with self.init_scope():
+                self.bn = L.BatchNormalization(3)
+                self.S = chainer.Parameter(numpy.ones((3, 2), numpy.float32))
+
+        def forward(self, x):
+            return F.matmul(self.bn(x), self.S)
+    net = Net()
+    x = numpy.random.default_rng(10).normal(size=(5, 3)).astype(
+        numpy.float32)
+    with pytest.raises(ValueError, match='BatchNormalization in training'):
+        PerSampleSquares(net, uncovered='bruteforce').backward(
+            F.sum(net(x)), loss_fn=lambda x: F.sum(net(x)), batch=(x,))
+
+
+def test_hook_cannot_be_used_as_a_plain_context():
+    lin = L.Linear(3, 2)
+    hook = PerSampleSquares(lin)
+    with pytest.raises(TypeError, match='backward'):
+        with hook:
+            pass
+
+
+def test_zero_gradient_through_every_use_gives_zeros():
+    lin = L.Linear(3, 2)
+    x = numpy.ones((4, 3), numpy.float32)
+    (w, b) = PerSampleSquares([('W', lin.W), ('b', lin.b)]).backward(
+        F.sum(lin(x) * 0), batch=(x,))
+    assert w.shape == (2, 3) and not w.any() and not b.any()

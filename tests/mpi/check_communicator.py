@@ -202,7 +202,37 @@ def check_mismatched_models_fail_on_every_rank():
     assert all(comm_world.allgather(ok))
 
 
-CHECKS = [check_none_equals_naive, check_vgc_alpha_tiny_equals_mean_gradient,
+def check_trainer_reports():
+    """LogReport sees the per-step keys and CompressionReport's totals."""
+    from chainer import training
+    from chainer.training import extensions
+    from chainer_vgc.extensions import CompressionReport
+    from chainer_vgc.extensions import REPORT_KEYS
+    import tempfile
+    comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+    model = make()
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.Adam(), comm).setup(model)
+    x, t = data(0, 64)
+    it = chainer.iterators.SerialIterator(
+        chainer.datasets.TupleDataset(x, t), 8, shuffle=False)
+    out = tempfile.mkdtemp()
+    trainer = training.Trainer(training.StandardUpdater(it, opt), (6,
+                               'iteration'), out=out)
+    trainer.extend(extensions.LogReport(trigger=(2, 'iteration')))
+    trainer.extend(CompressionReport(comm, trigger=(2, 'iteration')))
+    trainer.run()
+    log = trainer.get_extension('LogReport').log
+    assert len(log) == 3
+    for key in REPORT_KEYS + ['vgc/total_compression', 'vgc/total_bytes',
+                              'vgc/dense_bytes']:
+        assert numpy.isfinite(log[-1][key]), key
+    assert log[-1]['vgc/total_bytes'] < log[-1]['vgc/dense_bytes']
+    everyone = comm_world.allgather(log[-1]['vgc/compression'])
+    assert len(set(everyone)) == 1  # aggregated over ranks: same value
+
+
+CHECKS = [check_none_equals_naive, check_trainer_reports, check_vgc_alpha_tiny_equals_mean_gradient,
           check_conservation_across_ranks,
           check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
           check_mismatched_models_fail_on_every_rank]
