@@ -28,6 +28,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_compress.py
 	$(PY) benchmarks/bench_statistics.py
+	$(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_allgatherv.py
+	$(VENV)/bin/mpiexec -n 4 $(PY) benchmarks/bench_allgatherv.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
