@@ -53,7 +53,11 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 chunk_words))
         self.method = method
         self.hyperparams = dict(hyperparams)
-        self.rule = create_rule(method, **hyperparams)
+        rule_args = dict(hyperparams)
+        if rule_args.get('seed') is not None:
+            # QSGD: independent rounding on every rank
+            rule_args['seed'] = int(rule_args['seed']) + self.rank
+        self.rule = create_rule(method, **rule_args)
         self.allgatherv_method = allgatherv
         self.chunk_words = int(chunk_words)
         self.max_memory = max_memory
@@ -110,7 +114,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                                  missing))
         if self._names == names and self.compressor is not None:
             return
-        signature = (repr(self.rule), self.allgatherv_method,
+        signature = ((self.method, sorted(self.hyperparams.items())),
+                     self.allgatherv_method,
                      [(n, tuple(p.shape), str(p.dtype))
                       for n, p in zip(names, params)])
         everyone = self.mpi_comm.allgather(signature)
