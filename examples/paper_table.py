@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""The grid of the paper's Table 1, on MNIST, with p simulated workers.
+
+    python examples/paper_table.py --workers 4 --epoch 1 --seeds 1
+
+Runs no compression, Strom (tau 0.001, 0.01, 0.1), VGC (alpha 1, 1.5, 2),
+hybrid (tau 0.01, 0.1; alpha 2) and QSGD (2 bit d=128, 3 bit d=512, 4 bit
+d=512), with Adam and with momentum SGD, each for ``--seeds`` seeds, with
+the p workers simulated in this process
+(:class:`chainer_vgc.simulation.SimulatedWorkers`, shown identical to an
+``mpiexec -n p`` run of train_mnist.py by tests/test_examples.py).  Writes
+``OUT/results.csv`` (every run), ``OUT/table.md`` (medians over seeds, in
+the layout of Table 1) and ``OUT/scatter.png`` (accuracy vs compression,
+log x, as the paper's Appendix C).
+"""
+
+import argparse
+import csv
+import os
+import time
+
+import chainer
+from chainer.dataset import convert
+import chainer.functions as F
+import numpy
+
+from chainer_vgc import datasets
+from chainer_vgc.extensions import run_summary
+from chainer_vgc.simulation import SimulatedWorkers
+import train_mnist
+
+GRID = [
+    ('no compression', 'none', {}),
+    ('Strom, tau=0.001', 'strom', dict(tau=0.001)),
+    ('Strom, tau=0.01', 'strom', dict(tau=0.01)),
+    ('Strom, tau=0.1', 'strom', dict(tau=0.1)),
+    ('our method, alpha=1', 'vgc', dict(alpha=1.0)),
+    ('our method, alpha=1.5', 'vgc', dict(alpha=1.5)),
+    ('our method, alpha=2.0', 'vgc', dict(alpha=2.0)),
+    ('hybrid, tau=0.01, alpha=2.0', 'hybrid', dict(tau=0.01, alpha=2.0)),
+    ('hybrid, tau=0.1, alpha=2.0', 'hybrid', dict(tau=0.1, alpha=2.0)),
+    ('QSGD (2bit, d=128)', 'qsgd', dict(bits=2, bucket=128)),
+    ('QSGD (3bit, d=512)', 'qsgd', dict(bits=3, bucket=512)),
+    ('QSGD (4bit, d=512)', 'qsgd', dict(bits=4, bucket=512)),
+]
+TINY = [GRID[0], GRID[4], GRID[5], GRID[6]]
+COLUMNS = ['optimizer', 'label', 'method', 'hyperparameters', 'seed',
+           'workers', 'iterations', 'accuracy', 'compression',
+           'bytes_per_rank', 'dense_bytes_per_rank', 'seconds']
+
+
+def simulate(method, kw, optimizer, seed, args, train):
+    """Train like ``mpiexec -n workers train_mnist.py`` would, in this
+    process; returns (model, SimulatedWorkers, iterations)."""
+    model = train_mnist.make_model(args.unit, seed)
+    opt, wd = train_mnist.make_optimizer(optimizer, args.lr,
+                                         args.weight_decay)
+    train_mnist.setup_optimizer(opt, wd, model)
+    sim = SimulatedWorkers(model, opt, args.workers, method, **kw)
+    iters = [datasets.iterator(
+        datasets.shard(train, w, args.workers, seed), args.batchsize, w, seed)
+        for w in range(args.workers)]
+    n_iter = args.iterations or args.epoch * len(iters[0].dataset) \
+        // args.batchsize
+    reporter = chainer.reporter.Reporter()
+    reporter.add_observer('main', model)
+    for _ in range(n_iter):
+        batches = [convert.concat_examples(it.next()) for it in iters]
+        with reporter.scope({}):
+            sim.update(model, batches)
+    return model, sim, n_iter
+
+
+def run(method, kw, optimizer, seed, args, train, test):
+    """One simulated training run; returns a CSV row (dict)."""
+    t0 = time.time()
+    kw = dict(kw, seed=seed) if method == 'qsgd' else dict(kw)
+    model, sim, n_iter = simulate(method, kw, optimizer, seed, args, train)
+    summary = run_summary(sim.totals, sim.compressor, args.workers)
+    return dict(
+        optimizer=optimizer, method=method, seed=seed,
+        hyperparameters=' '.join('{}={}'.format(k, v) for k, v in kw.items()
+                                 if k != 'seed'),
+        workers=args.workers, iterations=n_iter,
+        accuracy=accuracy(model.predictor, test),
+        compression=summary['vgc/total_compression'],
+        bytes_per_rank=summary['vgc/total_bytes'],
+        dense_bytes_per_rank=summary['vgc/dense_bytes'],
+        seconds=round(time.time() - t0, 1))
+
+
+def accuracy(predictor, test, batch=1000):
+    x, t = convert.concat_examples(test[:])
+    hits = 0
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        for i in range(0, len(x), batch):
+            y = predictor(x[i:i + batch])
+            hits += int((F.argmax(y, axis=1).array == t[i:i + batch]).sum())
+    return hits / len(x)
+
+
+def median_rows(rows):
+    """{(optimizer, label): (median accuracy, compression of that run)}.
+
+    As in the paper, the compression is the one of the run whose accuracy
+    is reported (the median run; lower middle for an even count)."""
+    out = {}
+    keys = sorted({(r['optimizer'], r['label']) for r in rows})
+    for key in keys:
+        runs = sorted((r for r in rows if (r['optimizer'], r['label']) ==
+                       key), key=lambda r: float(r['accuracy']))
+        mid = runs[(len(runs) - 1) // 2]
+        out[key] = (float(mid['accuracy']), float(mid['compression']))
+    return out
+
+
+def write_table(rows, grid, optimizers, path, setting):
+    med = median_rows(rows)
+    lines = ['Setting: ' + setting, '',
+             '| Method | ' + ' | '.join(
+                 '{0} Accuracy | {0} Compression'.format(o.capitalize())
+                 for o in optimizers) + ' |',
+             '|---|' + '---:|---:|' * len(optimizers)]
+    for label, _, _ in grid:
+        cells = []
+        for o in optimizers:
+            acc, comp = med.get((o, label), (float('nan'), float('nan')))
+            cells += ['{:.1f}'.format(100 * acc), '{:,.1f}'.format(comp)]
+        lines.append('| {} | {} |'.format(label, ' | '.join(cells)))
+    with open(path, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    return '\n'.join(lines)
+
+
+def write_plot(rows, optimizers, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(
+        5.5 * len(optimizers), 4), squeeze=False)
+    styles = {'none': ('black', 'o', 'no compression'),
+              'strom': ('tab:red', 's', 'Strom'),
+              'vgc': ('tab:blue', '^', 'variance (ours)'),
+              'hybrid': ('tab:green', 'D', 'hybrid'),
+              'qsgd': ('tab:orange', 'v', 'QSGD')}
+    for ax, o in zip(axes[0], optimizers):
+        for method, (color, marker, name) in styles.items():
+            pts = [(float(r['compression']), 100 * float(r['accuracy']))
+                   for r in rows if r['optimizer'] == o and
+                   r['method'] == method]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.scatter(xs, ys, c=color, marker=marker, label=name)
+        ax.set_xscale('log')
+        ax.set_xlabel('compression ratio (log)')
+        ax.set_ylabel('test accuracy (%)')
+        ax.set_title('MNIST MLP, {}'.format(o))
+        ax.grid(True, which='both', alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--workers', type=int, default=4)
+    p.add_argument('--epoch', type=int, default=1)
+    p.add_argument('--iterations', type=int, default=0,
+                   help='iterations per run (overrides --epoch)')
+    p.add_argument('--batchsize', type=int, default=32,
+                   help='minibatch per worker')
+    p.add_argument('--unit', type=int, default=200)
+    p.add_argument('--lr', type=float, default=0.05,
+                   help='momentum SGD learning rate')
+    p.add_argument('--weight-decay', type=float, default=0.0)
+    p.add_argument('--seeds', type=int, default=1)
+    p.add_argument('--optimizers', default='adam,momentum')
+    p.add_argument('--grid', choices=('full', 'tiny'), default='full')
+    p.add_argument('--out', default='result/paper_table')
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    grid = GRID if args.grid == 'full' else TINY
+    optimizers = args.optimizers.split(',')
+    train, test = datasets.get_mnist()
+    rows = []
+    path = os.path.join(args.out, 'results.csv')
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for o in optimizers:
+            for label, method, kw in grid:
+                for seed in range(args.seeds):
+                    row = dict(run(method, kw, o, seed, args, train, test),
+                               label=label)
+                    writer.writerow(row)
+                    f.flush()
+                    rows.append(row)
+                    print('{:<9} {:<30} seed {} acc {:.4f} compression '
+                          '{:>10,.1f} ({}s)'.format(
+                              o, label, seed, row['accuracy'],
+                              row['compression'], row['seconds']),
+                          flush=True)
+    setting = ('MNIST MLP 784-{0}-{0}-10, {1} simulated workers x batch '
+               '{2}, {3} iterations, median of {4} seed(s)'.format(
+                   args.unit, args.workers, args.batchsize,
+                   rows[0]['iterations'], args.seeds))
+    print(write_table(rows, grid, optimizers,
+                      os.path.join(args.out, 'table.md'), setting))
+    write_plot(rows, optimizers, os.path.join(args.out, 'scatter.png'))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Data-parallel training of the paper's VGG-like network (Appendix D) on
+CIFAR-10 with compressed gradient exchange (ChainerMN).
+
+    mpiexec -n 8 python examples/train_cifar.py --method vgc --alpha 2 \\
+        --optimizer momentum --gpu 0
+    mpiexec -n 2 python examples/train_cifar.py --synthetic --iterations 4
+
+CIFAR-10 is downloaded by Chainer (needs the network); ``--synthetic``
+generates CIFAR-shaped data for offline smoke runs.  The momentum SGD setting
+of the paper (Sec. 6.1): ``--lr 0.05`` times the number of workers, halved
+every 25 epochs, weight decay 5e-4 (``--paper-momentum`` sets all three).
+"""
+
+import argparse
+import os
+
+import chainer
+from chainer import training
+from chainer.training import extensions
+import chainer.links as L
+import chainermn
+import numpy
+
+import chainer_vgc
+from chainer_vgc import datasets
+from chainer_vgc.extensions import CompressionReport
+from chainer_vgc.extensions import run_summary
+from chainer_vgc.models import VGG
+from train_mnist import add_compression_args
+from train_mnist import print_summary
+from train_mnist import rule_kwargs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    add_compression_args(p)
+    p.add_argument('--optimizer', choices=('adam', 'momentum'),
+                   default='adam')
+    p.add_argument('--lr', type=float, default=None,
+                   help='momentum SGD learning rate (default 0.05 x workers)')
+    p.add_argument('--lr-halving', type=int, default=25,
+                   help='halve the momentum SGD learning rate every N epochs')
+    p.add_argument('--weight-decay', type=float, default=5e-4)
+    p.add_argument('--epoch', type=int, default=300)
+    p.add_argument('--iterations', type=int, default=0,
+                   help='stop after this many iterations (overrides --epoch)')
+    p.add_argument('--batchsize', type=int, default=64,
+                   help='minibatch per worker')
+    p.add_argument('--width', type=float, default=1.0,
+                   help='channel multiplier (1.0 = the paper network)')
+    p.add_argument('--synthetic', action='store_true',
+                   help='generated CIFAR-shaped data (offline)')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--out', default='result/cifar')
+    p.add_argument('--resume', default='',
+                   help='directory holding the snapshot_rank<r> files')
+    p.add_argument('--gpu', type=int, default=-1)
+    p.add_argument('--progress', action='store_true')
+    args = p.parse_args()
+
+    comm = chainer_vgc.create_communicator(
+        args.method, allgatherv=args.allgatherv, **rule_kwargs(args))
+    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
+    if args.gpu >= 0:
+        device.use()
+    if args.synthetic:
+        train, test = datasets.synthetic_cifar(seed=args.seed)
+    else:
+        try:
+            train, test = chainer.datasets.get_cifar10()
+        except Exception as e:
+            raise SystemExit('CIFAR-10 could not be downloaded ({}); use '
+                             '--synthetic for an offline run'.format(e))
+    numpy.random.seed(args.seed)
+    model = L.Classifier(VGG(10, width=args.width))
+    model(numpy.zeros((1, 3, 32, 32), numpy.float32),
+          numpy.zeros(1, numpy.int32))
+    model.to_device(device)
+    if args.optimizer == 'adam':
+        opt = chainer.optimizers.Adam()
+    else:
+        lr = args.lr if args.lr is not None else 0.05 * comm.size
+        opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+    optimizer = chainer_vgc.create_multi_node_optimizer(opt, comm)
+    optimizer.setup(model)
+    if args.weight_decay:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+
+    train = datasets.shard(train, comm.rank, comm.size, args.seed)
+    test = datasets.shard(test, comm.rank, comm.size, args.seed)
+    train_iter = datasets.iterator(train, args.batchsize, comm.rank,
+                                   args.seed)
+    test_iter = chainer.iterators.SerialIterator(test, 256, repeat=False,
+                                                 shuffle=False)
+    updater = training.StandardUpdater(train_iter, optimizer, device=device)
+    stop = ((args.iterations, 'iteration') if args.iterations
+            else (args.epoch, 'epoch'))
+    trainer = training.Trainer(updater, stop, out=args.out)
+    every = (max(1, args.iterations // 2), 'iteration') if args.iterations \
+        else (1, 'epoch')
+    if args.optimizer == 'momentum':
+        trainer.extend(extensions.ExponentialShift('lr', 0.5),
+                       trigger=(args.lr_halving, 'epoch'))
+    evaluator = chainermn.create_multi_node_evaluator(
+        extensions.Evaluator(test_iter, model, device=device), comm)
+    trainer.extend(evaluator, trigger=every)
+    trainer.extend(CompressionReport(comm), trigger=every)
+    trainer.extend(extensions.snapshot(
+        filename='snapshot_rank{}'.format(comm.rank)), trigger=every)
+    if comm.rank == 0:
+        trainer.extend(extensions.LogReport(trigger=every))
+        trainer.extend(extensions.PrintReport(
+            ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
+             'vgc/compression', 'vgc/total_compression', 'elapsed_time']))
+        trainer.extend(extensions.PlotReport(
+            ['main/accuracy', 'validation/main/accuracy'], x_key=every[1],
+            trigger=every, filename='accuracy.png'))
+        trainer.extend(extensions.PlotReport(
+            ['vgc/compression', 'vgc/total_compression'], x_key=every[1],
+            trigger=every, filename='compression.png'))
+        if args.progress:
+            trainer.extend(extensions.ProgressBar(update_interval=1))
+    if args.resume:
+        chainer.serializers.load_npz(os.path.join(
+            args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
+    trainer.run()
+    result = evaluator(trainer)
+    summary = run_summary(comm.totals, comm.compressor, comm.size)
+    if comm.rank == 0:
+        print_summary({
+            'method': args.method, 'hyperparameters': rule_kwargs(args),
+            'workers': comm.size,
+            'test_accuracy': float(result['validation/main/accuracy']),
+            'compression': summary['vgc/total_compression'],
+            'bytes_sent_per_rank': summary['vgc/total_bytes'],
+            'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes']})
+
+
+if __name__ == '__main__':
+    main()
