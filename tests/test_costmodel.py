@@ -1,0 +1,62 @@
+"""Sec. 5 cost model against values computed by hand."""
+
+import subprocess
+import sys
+
+import pytest
+
+from chainer_vgc import costmodel
+
+
+def test_hand_computed_example():
+    # N = 25e6 float32, p = 4, c = 100, 1 Gbit/s, m = 0:
+    # T_r = 2*3*25e6*32/4 / 1e9 = 1.2 s; T_v = 25e6*32*4/100 / 1e9 = 0.032 s
+    r = costmodel.cost(25e6, 4, 100, '1Gbit')
+    assert r.allreduce_s == pytest.approx(1.2)
+    assert r.allgatherv_s == pytest.approx(0.032)
+    assert r.speedup == pytest.approx(37.5)
+    assert r.speedup_bound == pytest.approx(2 * 3 * 100 / 16)  # = 37.5
+
+
+def test_chunk_term_and_bound():
+    # m = 1 MiB = 8388608 bits, p = 8, c = 1000, 10 Gbit/s, N = 1e7:
+    # T_r = 2*7*1e7*32/8 / 1e10 = 0.056
+    # T_v = (1e7*32*8/1000 + 7*8388608) / 1e10 = (2560000 + 58720256)/1e10
+    r = costmodel.cost(1e7, 8, 1000, '10Gbit', chunk_bits=8388608)
+    assert r.allreduce_s == pytest.approx(0.056)
+    assert r.allgatherv_s == pytest.approx(61280256 / 1e10)
+    assert r.speedup == pytest.approx(0.056 / (61280256 / 1e10))
+    assert r.speedup < r.speedup_bound == pytest.approx(2 * 7 * 1000 / 64)
+
+
+def test_linear_speedup_starts_at_c_over_p_half():
+    # bound 2(p-1)c/p^2 > 1  <=>  c > p^2 / (2(p-1)) ~ p/2
+    for p in (2, 4, 16):
+        c = p * p / (2 * (p - 1))
+        assert costmodel.cost(1e6, p, c, 1e9).speedup == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize('text,bits', [('1Gbit', 1e9), ('10gbit/s', 1e10),
+                                       ('100Mbit', 1e8), ('1e9', 1e9),
+                                       (2.5e9, 2.5e9)])
+def test_parse_bandwidth(text, bits):
+    assert costmodel.parse_bandwidth(text) == bits
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match='bandwidth'):
+        costmodel.parse_bandwidth('fast')
+    with pytest.raises(ValueError):
+        costmodel.cost(1e6, 0, 10, '1Gbit')
+    with pytest.raises(ValueError):
+        costmodel.cost(1e6, 4, 0, '1Gbit')
+
+
+def test_command_line():
+    out = subprocess.run(
+        [sys.executable, '-m', 'chainer_vgc.costmodel', '--params', '25e6',
+         '--workers', '4', '--compression', '100', '--bandwidth', '1Gbit'],
+        capture_output=True, text=True, check=True, timeout=60).stdout
+    assert 'T_r = 2(p-1)Ns*beta/p      = 1.2 s' in out
+    assert 'T_v <= (Nsp/c+(p-1)m)*beta = 0.032 s' in out
+    assert 'speedup T_r / T_v = 37.5' in out
