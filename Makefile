@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-core paper-table test bench venv clean
+.PHONY: demo demo-core paper-table test bench bench-network venv clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_statistics.py
 	$(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_allgatherv.py
 	$(VENV)/bin/mpiexec -n 4 $(PY) benchmarks/bench_allgatherv.py
+
+# needs root (network namespaces + tc); see benchmarks/bench_network.py
+bench-network: $(STAMP)
+	$(PY) benchmarks/bench_network.py --workers 4 --rates 1gbit,10gbit
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

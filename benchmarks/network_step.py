@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""One rank of the emulated-network benchmark (started by bench_network.py).
+
+Trains a model with a given exchange method for some steps and prints, on
+rank 0, one JSON line with the median step time, the median exchange time,
+the compression, the bytes this rank's interface sent/received (read from
+/sys/class/net inside its network namespace) and what was expected.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import chainermn
+import numpy
+from mpi4py import MPI
+
+import chainer_vgc
+from chainer_vgc.models import MLP
+from chainer_vgc.models import VGG
+
+
+def iface_bytes(iface):
+    if not iface:
+        return 0, 0
+    base = '/sys/class/net/{}/statistics/'.format(iface)
+    with open(base + 'tx_bytes') as f:
+        tx = int(f.read())
+    with open(base + 'rx_bytes') as f:
+        rx = int(f.read())
+    return tx, rx
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--method', default='vgc',
+                   help="'naive' (ChainerMN dense allreduce) or a "
+                   'chainer_vgc method')
+    p.add_argument('--alpha', type=float, default=2.0)
+    p.add_argument('--tau', type=float, default=0.01)
+    p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp')
+    p.add_argument('--units', type=int, default=2500)
+    p.add_argument('--batchsize', type=int, default=32)
+    p.add_argument('--warmup', type=int, default=4)
+    p.add_argument('--steps', type=int, default=8)
+    p.add_argument('--iface', default=os.environ.get('FI_TCP_IFACE', ''))
+    args = p.parse_args()
+
+    world = MPI.COMM_WORLD
+    if args.method == 'naive':
+        comm = chainermn.create_communicator('naive', world)
+        make_opt = chainermn.create_multi_node_optimizer
+    else:
+        kw = {'vgc': dict(alpha=args.alpha),
+              'hybrid': dict(alpha=args.alpha, tau=args.tau)}.get(
+                  args.method, {})
+        comm = chainer_vgc.create_communicator(args.method, world, **kw)
+        make_opt = chainer_vgc.create_multi_node_optimizer
+    numpy.random.seed(0)
+    rng = numpy.random.default_rng(world.rank)
+    if args.model == 'mlp':
+        model = L.Classifier(MLP((args.units,) * 3, 10))
+        x = rng.normal(size=(args.batchsize * 8, 1024)).astype(numpy.float32)
+    else:
+        model = L.Classifier(VGG(10))
+        x = rng.normal(size=(args.batchsize * 8, 3, 32, 32)).astype(
+            numpy.float32)
+    teacher = numpy.random.RandomState(1).normal(
+        size=(x[0].size, 10)).astype(numpy.float32)
+    t = (x.reshape(len(x), -1) @ teacher).argmax(axis=1).astype(numpy.int32)
+    model(x[:1], t[:1])
+    n_params = sum(q.size for q in model.params())
+    opt = make_opt(chainer.optimizers.MomentumSGD(lr=0.01), comm)
+    opt.setup(model)
+
+    exchange = []
+    inner = comm.multi_node_mean_grad
+
+    def timed_exchange(*a, **k):
+        t0 = time.perf_counter()
+        inner(*a, **k)
+        exchange.append(time.perf_counter() - t0)
+    comm.multi_node_mean_grad = timed_exchange
+
+    steps = []
+    before = None
+    for k in range(args.warmup + args.steps):
+        if k == args.warmup:
+            exchange.clear()
+            world.Barrier()
+            before = iface_bytes(args.iface)
+            totals = dict(getattr(comm, 'totals', {}))
+        i = (k * args.batchsize) % len(x)
+        world.Barrier()
+        t0 = time.perf_counter()
+        opt.update(model, x[i:i + args.batchsize], t[i:i + args.batchsize])
+        steps.append(time.perf_counter() - t0)
+    world.Barrier()
+    after = iface_bytes(args.iface)
+    steps = steps[args.warmup:]
+    tx, rx = after[0] - before[0], after[1] - before[1]
+    info = dict(rank=world.rank, step=float(numpy.median(steps)),
+                exchange=float(numpy.median(exchange)), tx=tx, rx=rx)
+    if args.method != 'naive':  # over the measured steps only
+        info['wire'] = comm.totals['bytes'] - totals['bytes']
+        info['elements'] = comm.totals['elements'] - totals['elements']
+        info['vgc_steps'] = comm.totals['steps'] - totals['steps']
+    everyone = world.gather(info)
+    if world.rank == 0:
+        pmax = max(everyone, key=lambda r: r['step'])
+        out = dict(method=args.method, workers=world.size, params=n_params,
+                   model=args.model, batchsize=args.batchsize,
+                   steps=args.steps, step_s=pmax['step'],
+                   exchange_s=max(r['exchange'] for r in everyone),
+                   tx_bytes_per_rank=sum(r['tx'] for r in everyone) /
+                   world.size / args.steps,
+                   rx_bytes_per_rank=sum(r['rx'] for r in everyone) /
+                   world.size / args.steps)
+        if args.method != 'naive':
+            elements = everyone[0]['elements'] / world.size  # per rank
+            out['compression'] = (n_params * everyone[0]['vgc_steps'] /
+                                  elements if elements else float('inf'))
+            out['wire_bytes_per_rank'] = everyone[0]['wire'] / \
+                everyone[0]['vgc_steps']
+        else:
+            out['compression'] = 1.0
+            out['wire_bytes_per_rank'] = 2 * (world.size - 1) * 4 * \
+                n_params / world.size
+        print('RESULT ' + json.dumps(out), flush=True)
+
+
+if __name__ == '__main__':
+    main()
