@@ -13,7 +13,6 @@ import os
 import time
 
 import chainer
-import chainer.functions as F
 import chainer.links as L
 import chainermn
 import numpy

@@ -70,8 +70,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         #: figures of the last step (aggregated over ranks)
         self.last = {}
         #: running totals since construction
-        self.totals = {'steps': 0, 'elements': 0, 'bytes': 0,
-                       'dense_bytes': 0}
+        self.totals = new_totals()
 
     def split(self, color, key):
         return self.__class__(
@@ -168,13 +167,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self._report(blocks)
 
     def _report(self, blocks):
-        self.last = step_figures(blocks, self.compressor.n_params)
-        for key, value in self.last.items():
-            if key.startswith('_'):
-                self.totals[key[1:]] += value
-        self.totals['steps'] += 1
-        chainer.reporter.report({k: v for k, v in self.last.items()
-                                 if not k.startswith('_')})
+        self.last = report_step(blocks, self.compressor.n_params,
+                                self.totals)
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -308,6 +302,25 @@ def step_figures(blocks, n_params):
         '_bytes': wire,
         '_dense_bytes': 2 * (p - 1) * 4 * n_params / p,
     }
+
+
+def new_totals():
+    """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
+    rank)."""
+    return {'steps': 0, 'elements': 0, 'bytes': 0, 'dense_bytes': 0}
+
+
+def report_step(blocks, n_params, totals):
+    """Add one exchange to ``totals``, report its figures with
+    ``chainer.reporter`` and return them."""
+    figures = step_figures(blocks, n_params)
+    for key, value in figures.items():
+        if key.startswith('_'):
+            totals[key[1:]] += value
+    totals['steps'] += 1
+    chainer.reporter.report({k: v for k, v in figures.items()
+                             if not k.startswith('_')})
+    return figures
 
 
 def _first_difference(a, b):

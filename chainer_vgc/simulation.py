@@ -11,8 +11,6 @@ applied.  As with ChainerMN's multi-node optimizer, the first step only
 the same parameters, bit for bit, as a real ``mpiexec`` run.
 """
 
-import chainer
-
 from chainer_vgc import communicator as _comm
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import create_rule
@@ -44,8 +42,7 @@ class SimulatedWorkers(object):
         self.stats = PerSampleSquares(model)
         self.steps = 0
         self.last = {}
-        self.totals = {'steps': 0, 'elements': 0, 'bytes': 0,
-                       'dense_bytes': 0}
+        self.totals = _comm.new_totals()
 
     @property
     def compressor(self):
@@ -76,10 +73,5 @@ class SimulatedWorkers(object):
                                   self.method == 'none')
         _comm.write_mean(self.params, grads, sums, self.size, self.zero_fill)
         self.optimizer.update()
-        self.last = _comm.step_figures(messages, self.compressor.n_params)
-        for key, value in self.last.items():
-            if key.startswith('_'):
-                self.totals[key[1:]] += value
-        self.totals['steps'] += 1
-        chainer.reporter.report({k: v for k, v in self.last.items()
-                                 if not k.startswith('_')})
+        self.last = _comm.report_step(messages, self.compressor.n_params,
+                                      self.totals)

@@ -22,7 +22,6 @@ import time
 import chainer
 from chainer.dataset import convert
 import chainer.functions as F
-import numpy
 
 from chainer_vgc import datasets
 from chainer_vgc.extensions import run_summary

@@ -19,15 +19,14 @@ import chainer
 from chainer import training
 from chainer.training import extensions
 import chainer.links as L
-import chainermn
 import numpy
 
 import chainer_vgc
 from chainer_vgc import datasets
-from chainer_vgc.extensions import CompressionReport
-from chainer_vgc.extensions import run_summary
 from chainer_vgc.models import VGG
 from train_mnist import add_compression_args
+from train_mnist import add_extensions
+from train_mnist import final_report
 from train_mnist import print_summary
 from train_mnist import rule_kwargs
 
@@ -103,39 +102,15 @@ def main():
     if args.optimizer == 'momentum':
         trainer.extend(extensions.ExponentialShift('lr', 0.5),
                        trigger=(args.lr_halving, 'epoch'))
-    evaluator = chainermn.create_multi_node_evaluator(
-        extensions.Evaluator(test_iter, model, device=device), comm)
-    trainer.extend(evaluator, trigger=every)
-    trainer.extend(CompressionReport(comm), trigger=every)
-    trainer.extend(extensions.snapshot(
-        filename='snapshot_rank{}'.format(comm.rank)), trigger=every)
-    if comm.rank == 0:
-        trainer.extend(extensions.LogReport(trigger=every))
-        trainer.extend(extensions.PrintReport(
-            ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
-             'vgc/compression', 'vgc/total_compression', 'elapsed_time']))
-        trainer.extend(extensions.PlotReport(
-            ['main/accuracy', 'validation/main/accuracy'], x_key=every[1],
-            trigger=every, filename='accuracy.png'))
-        trainer.extend(extensions.PlotReport(
-            ['vgc/compression', 'vgc/total_compression'], x_key=every[1],
-            trigger=every, filename='compression.png'))
-        if args.progress:
-            trainer.extend(extensions.ProgressBar(update_interval=1))
+    evaluator = add_extensions(trainer, comm, model, test_iter, device,
+                               every, every, args.progress)
     if args.resume:
         chainer.serializers.load_npz(os.path.join(
             args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
     trainer.run()
-    result = evaluator(trainer)
-    summary = run_summary(comm.totals, comm.compressor, comm.size)
+    report = final_report(evaluator, trainer, comm, args)
     if comm.rank == 0:
-        print_summary({
-            'method': args.method, 'hyperparameters': rule_kwargs(args),
-            'workers': comm.size,
-            'test_accuracy': float(result['validation/main/accuracy']),
-            'compression': summary['vgc/total_compression'],
-            'bytes_sent_per_rank': summary['vgc/total_bytes'],
-            'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes']})
+        print_summary(report)
 
 
 if __name__ == '__main__':

@@ -88,6 +88,51 @@ def setup_optimizer(opt, weight_decay, model):
     return opt
 
 
+def add_extensions(trainer, comm, model, test_iter, device, every, stop,
+                   progress):
+    """Multi-node evaluation, compression report and per-rank snapshots on
+    every rank; log, print and plots on rank 0.  Returns the evaluator."""
+    evaluator = chainermn.create_multi_node_evaluator(
+        extensions.Evaluator(test_iter, model, device=device), comm)
+    trainer.extend(evaluator, trigger=every)
+    trainer.extend(CompressionReport(comm), trigger=every)
+    trainer.extend(extensions.snapshot(
+        filename='snapshot_rank{}'.format(comm.rank)), trigger=stop)
+    if comm.rank == 0:
+        trainer.extend(extensions.LogReport(trigger=every))
+        trainer.extend(extensions.PrintReport(
+            ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
+             'vgc/compression', 'vgc/total_compression', 'elapsed_time']))
+        for keys, name in ((['main/loss', 'validation/main/loss'], 'loss'),
+                           (['main/accuracy', 'validation/main/accuracy'],
+                            'accuracy'),
+                           (['vgc/compression', 'vgc/total_compression'],
+                            'compression')):
+            trainer.extend(extensions.PlotReport(
+                keys, x_key=every[1], trigger=every,
+                filename=name + '.png'))
+        if progress:
+            trainer.extend(extensions.ProgressBar(update_interval=10))
+    return evaluator
+
+
+def final_report(evaluator, trainer, comm, args):
+    """Accuracy on the whole test set (all ranks evaluate) and the run's
+    compression and traffic."""
+    result = evaluator(trainer)
+    summary = run_summary(comm.totals, comm.compressor, comm.size)
+    return {
+        'method': args.method, 'hyperparameters': rule_kwargs(args),
+        'workers': comm.size, 'optimizer': args.optimizer,
+        'iterations': trainer.updater.iteration,
+        'test_accuracy': float(result['validation/main/accuracy']),
+        'compression': summary['vgc/total_compression'],
+        'bytes_sent_per_rank': summary['vgc/total_bytes'],
+        'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes'],
+        'parameters': comm.compressor.n_params,
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     add_compression_args(p)
@@ -136,47 +181,15 @@ def main():
     every = (max(1, args.iterations // 5), 'iteration') if args.iterations \
         else (1, 'epoch')
 
-    evaluator = chainermn.create_multi_node_evaluator(
-        extensions.Evaluator(test_iter, model, device=device), comm)
-    trainer.extend(evaluator, trigger=every)
-    trainer.extend(CompressionReport(comm), trigger=every)
-    trainer.extend(extensions.snapshot(
-        filename='snapshot_rank{}'.format(comm.rank)), trigger=stop)
-    if comm.rank == 0:
-        trainer.extend(extensions.LogReport(trigger=every))
-        trainer.extend(extensions.PrintReport(
-            ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
-             'vgc/compression', 'vgc/total_compression', 'elapsed_time']))
-        trainer.extend(extensions.PlotReport(
-            ['main/loss', 'validation/main/loss'], x_key=every[1],
-            trigger=every, filename='loss.png'))
-        trainer.extend(extensions.PlotReport(
-            ['main/accuracy', 'validation/main/accuracy'], x_key=every[1],
-            trigger=every, filename='accuracy.png'))
-        trainer.extend(extensions.PlotReport(
-            ['vgc/compression', 'vgc/total_compression'], x_key=every[1],
-            trigger=every, filename='compression.png'))
-        if args.progress:
-            trainer.extend(extensions.ProgressBar(update_interval=10))
+    evaluator = add_extensions(trainer, comm, model, test_iter, device,
+                               every, stop, args.progress)
     if args.resume:
         chainer.serializers.load_npz(os.path.join(
             args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
     trainer.run()
 
-    # final figures: accuracy on the whole test set, compression of the run
-    result = evaluator(trainer)
-    summary = run_summary(comm.totals, comm.compressor, comm.size)
+    report = final_report(evaluator, trainer, comm, args)
     if comm.rank == 0:
-        acc = float(result['validation/main/accuracy'])
-        report = {
-            'method': args.method, 'hyperparameters': rule_kwargs(args),
-            'workers': comm.size, 'optimizer': args.optimizer,
-            'iterations': updater.iteration, 'test_accuracy': acc,
-            'compression': summary['vgc/total_compression'],
-            'bytes_sent_per_rank': summary['vgc/total_bytes'],
-            'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes'],
-            'parameters': comm.compressor.n_params,
-        }
         with open(os.path.join(args.out, 'summary.json'), 'w') as f:
             json.dump(report, f, indent=1)
         numpy.savez(os.path.join(args.out, 'params.npz'),

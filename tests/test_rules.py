@@ -335,15 +335,16 @@ def test_nonfinite_gradient_names_parameter_and_keeps_state(method, bad):
         comp.compress([rng.normal(size=s).astype(numpy.float32)
                        for s in shapes],
                       [numpy.ones(s, numpy.float32) for s in shapes])
-    before = [None if st is None else {k: a.copy() for k, a in st.items()}
-              for st in comp.states]
+    before = [None if state is None else {k: a.copy()
+                                          for k, a in state.items()}
+              for state in comp.states]
     grads = [rng.normal(size=s).astype(numpy.float32) for s in shapes]
     grads[1][1, 0] = bad
     with pytest.raises(FloatingPointError, match="'fc/b'"):
         comp.compress(grads, [numpy.ones(s, numpy.float32) for s in shapes])
-    for b, st in zip(before, comp.states):
+    for b, state in zip(before, comp.states):
         for k in (b or {}):
-            assert (st[k] == b[k]).all()
+            assert (state[k] == b[k]).all()
 
 
 def test_bad_sqsum_and_shapes():
