@@ -185,6 +185,8 @@ def main():
                     help='MLP width: 1024-u-u-u-10 (2500: 15.1M params, '
                     'like the App. D VGG)')
     ap.add_argument('--steps', type=int, default=8)
+    ap.add_argument('--warmup', type=int, default=20,
+                    help='steps before timing (the residuals settle)')
     ap.add_argument('--alpha', type=float, default=2.0)
     ap.add_argument('--tau', type=float, default=0.01)
     ap.add_argument('--timeout', type=int, default=900,
@@ -220,7 +222,8 @@ def main():
             for method in args.methods.split(','):
                 script = ['--method', method, '--model', args.model,
                           '--units', str(args.units), '--steps',
-                          str(args.steps), '--alpha', str(args.alpha),
+                          str(args.steps), '--warmup', str(args.warmup),
+                          '--alpha', str(args.alpha),
                           '--tau', str(args.tau)]
                 cmd = plan.mpiexec(mpiexec, sys.executable, script)
                 if args.dry_run:

@@ -149,12 +149,12 @@ def pow2_decode(words, e_k, scale, dtype):
         return kernels.get_kernel('vgc_pow2_decode')(words, e_k, scale,
                                                      index, value)
     index = (words & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64)
-    d = ((words >> numpy.uint32(INDEX_BITS)) & numpy.uint32(7)).astype(
-        numpy.int64)
-    mag = numpy.ldexp(numpy.full(words.shape, scale, dtype=dtype),
-                      (e_k - d).astype(numpy.int32))
-    value = numpy.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-    return index, value.astype(dtype, copy=False)
+    # the top 4 bits (sign, d) select one of 16 values: one gather per word
+    mags = numpy.ldexp(numpy.full(8, scale, dtype=dtype),
+                       e_k - numpy.arange(8, dtype=numpy.int32))
+    table = numpy.concatenate([mags, -mags])
+    value = table[words >> numpy.uint32(INDEX_BITS)]
+    return index, value
 
 
 def pow2_group(tensor_id, words, e_k, scale=1.0):

@@ -274,7 +274,7 @@ def write_mean(params, grads, sums, size, zero_fill):
     for p, g, total in zip(params, grads, sums):
         if g is None and not zero_fill and not bool((total != 0).any()):
             continue  # nobody sent anything for a gradient-less param
-        mean = total.astype(p.dtype)
+        mean = total.astype(p.dtype, copy=False)  # total is ours to reuse
         mean *= scale
         p.grad = mean
 

@@ -47,6 +47,16 @@ class VGC(base.CompressionRule):
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
 
+    def _scratch(self, like):
+        """Two work arrays shaped like ``like``: views of buffers kept for
+        the largest parameter, so the hot path allocates nothing."""
+        bufs = self.__dict__.setdefault('_buffers', {})
+        pair = bufs.get(like.dtype)
+        if pair is None or pair[0].size < like.size:
+            pair = bufs[like.dtype] = (numpy.empty(like.size, like.dtype),
+                                       numpy.empty(like.size, like.dtype))
+        return pair[0][:like.size], pair[1][:like.size]
+
     def select(self, grad, sqsum, state):
         """Accumulate, apply the criterion (eq. 4), decay v.
 
@@ -63,7 +73,9 @@ class VGC(base.CompressionRule):
             return sel
         r += grad.astype(r.dtype, copy=False)
         v += sqsum.astype(v.dtype, copy=False)
-        sel = r * r > alpha * v
+        lhs, rhs = self._scratch(r)
+        numpy.multiply(r, r, out=lhs)
+        sel = numpy.greater(lhs, numpy.multiply(v, alpha, out=rhs))
         v *= zeta  # selected elements are reset (or kept) by compress()
         return sel
 
