@@ -105,16 +105,11 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         Raises ValueError on every rank otherwise.  Called by the first
         :meth:`multi_node_mean_grad` and before loading state.
         """
-        names, params = model_params(model)
-        if any(p.array is None for p in params):
-            missing = [n for n, p in zip(names, params) if p.array is None]
-            raise ValueError('parameters {} are not initialized; run a '
-                             'forward pass before the first update'.format(
-                                 missing))
+        names, params = _initialized(model)
         if self._names == names and self.compressor is not None:
             return
         signature = ((self.method, sorted(self.hyperparams.items())),
-                     self.allgatherv_method,
+                     (self.allgatherv_method, self.chunk_words),
                      [(n, tuple(p.shape), str(p.dtype))
                       for n, p in zip(names, params)])
         everyone = self.mpi_comm.allgather(signature)
@@ -140,9 +135,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     # -- the step -----------------------------------------------------------
     def multi_node_mean_grad(self, model, zero_fill=False):
         self.setup(model)
-        names, params = model_params(model)
+        _, all_params = model_params(model)
+        keep = [p.array is not None for p in all_params]
+        params = [p for p, k in zip(all_params, keep) if k]
         comp = self.compressor
         sqsums, self._sqsums = self._sqsums, None
+        if sqsums is not None:  # aligned with all parameters
+            sqsums = [s for s, k in zip(sqsums, keep) if k]
         if comp.rule.needs_sqsum and sqsums is None:
             raise RuntimeError(
                 "method {!r} needs per-sample statistics of this step's "
@@ -180,18 +179,21 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         """
         names, _ = model_params(model)
         keys = sorted(self.rule.init_state(0, numpy.float32, numpy))
+        self._serialize_run(serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             loaded = {}
             for name in names:
-                loaded[name] = {}
                 for key in keys:
-                    arr = serializer(_state_key(name, key), None)
-                    if arr is None:
-                        raise ValueError(
-                            'the snapshot has no residual state {!r} of '
-                            'parameter {!r} (was it saved with method {!r}?)'
-                            .format(key, name, self.method))
-                    loaded[name][key] = arr
+                    try:  # absent: the parameter was not initialized then
+                        arr = serializer(_state_key(name, key), None)
+                    except KeyError:
+                        arr = None
+                    if arr is not None:
+                        loaded.setdefault(name, {})[key] = arr
+            if keys and names and not loaded:
+                raise ValueError(
+                    'the snapshot has no residual state for method {!r} '
+                    '(was it saved with another method?)'.format(self.method))
             self._loaded_state = loaded
             self.compressor = None  # installed by the next setup()
             return
@@ -201,10 +203,20 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             for key in keys:
                 serializer(_state_key(name, key), state[key])
 
+    def _serialize_run(self, serializer):
+        """Run totals and the rule's own state (QSGD's generator)."""
+        for key in sorted(self.totals):
+            self.totals[key] = float(serializer('totals/' + key,
+                                                float(self.totals[key])))
+        extra = self.rule.get_extra_state()
+        for key in sorted(extra):
+            extra[key] = str(serializer('rule/' + key, extra[key]))
+        self.rule.set_extra_state(extra)
+
     def _install_loaded_state(self, params):
         loaded, self._loaded_state = self._loaded_state, None
         for i, (name, p) in enumerate(zip(self.compressor.names, params)):
-            for key, arr in loaded[name].items():
+            for key, arr in loaded.get(name, {}).items():
                 state = self.compressor.states[i][key]
                 if arr.size != state.size:
                     raise ValueError(
@@ -217,6 +229,16 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
 def _state_key(name, key):
     return name.lstrip('/') + '/' + key
+
+
+def _initialized(model):
+    """(names, params) of the initialized parameters, sorted by name.
+
+    As ChainerMN's communicators do, a lazily initialized parameter that has
+    not been initialized yet (no forward pass reached it) is left out."""
+    names, params = model_params(model)
+    pairs = [(n, p) for n, p in zip(names, params) if p.array is not None]
+    return [n for n, _ in pairs], [p for _, p in pairs]
 
 
 def local_gradients(params, sqsums, zero_fill):
@@ -307,7 +329,7 @@ def step_figures(blocks, n_params):
 def new_totals():
     """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
     rank)."""
-    return {'steps': 0, 'elements': 0, 'bytes': 0, 'dense_bytes': 0}
+    return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0}
 
 
 def report_step(blocks, n_params, totals):
@@ -324,7 +346,7 @@ def report_step(blocks, n_params, totals):
 
 
 def _first_difference(a, b):
-    labels = ('method', 'allgatherv')
+    labels = ('method', 'allgatherv and chunk_words')
     for label, x, y in zip(labels, a[:2], b[:2]):
         if x != y:
             return label, x, y

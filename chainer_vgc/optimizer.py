@@ -25,17 +25,21 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
                 target.zerograds()
             scale = self.actual_optimizer._loss_scale
             if getattr(comm, 'needs_sqsum', False):
-                batch = tuple(a for a in args if hasattr(a, 'shape'))
+                batch, loss_fn = _batch_of(lossfun, args, kwds)
                 sqsums = comm.statistics(target).backward(
-                    loss, loss_fn=lambda *a: lossfun(*a, **kwds),
-                    batch=batch, loss_scale=scale)
+                    loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
                 comm.set_sqsums(sqsums)
             else:
                 loss.backward(loss_scale=scale)
             del loss
-        if self.__dict__.get('_resumed'):
-            object.__setattr__(self, '_resumed', False)
-            self.is_changed(target)
+        if not self.__dict__.get('_first_update_done'):
+            # the first update broadcasts rank 0's parameters (ChainerMN),
+            # unless every rank resumed from its own snapshot; a collective
+            # decision, so ranks that did and did not load agree
+            object.__setattr__(self, '_first_update_done', True)
+            resumed = int(bool(self.__dict__.get('_resumed')))
+            if comm.mpi_comm.allreduce(resumed, op=_mpi_min()):
+                self.is_changed(target)  # record: no broadcast now
         if self.is_changed(target):
             self.communicator.bcast_data(target)
             if hasattr(comm, 'set_sqsums'):
@@ -50,10 +54,31 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
         if hasattr(comm, 'serialize_state'):
             comm.serialize_state(self.target, serializer['vgc_state'])
         if isinstance(serializer, chainer.serializer.Deserializer):
-            # resumed: every rank loaded the same parameters, so the next
-            # update is an update, not the initial broadcast (the model may
-            # be loaded after the optimizer: record it at the next update)
+            # resumed: if every rank loaded its snapshot, the next update
+            # is an update, not the initial broadcast (decided collectively
+            # at the first update; the model may be loaded after us)
             object.__setattr__(self, '_resumed', True)
+            object.__setattr__(self, '_first_update_done', False)
+
+
+def _mpi_min():
+    from mpi4py import MPI
+    return MPI.MIN
+
+
+def _batch_of(lossfun, args, kwds):
+    """The minibatch arrays of an update call and a loss function of them
+    (positional arrays, or keyword arrays as StandardUpdater passes a dict
+    batch)."""
+    batch = tuple(a for a in args if hasattr(a, 'shape'))
+    if batch or not kwds:
+        return batch, lambda *a: lossfun(*a, **kwds)
+    keys = [k for k, v in kwds.items() if hasattr(v, 'shape')]
+    rest = {k: v for k, v in kwds.items() if k not in keys}
+
+    def loss_fn(*arrays):
+        return lossfun(*args, **dict(rest, **dict(zip(keys, arrays))))
+    return tuple(kwds[k] for k in keys), loss_fn
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,

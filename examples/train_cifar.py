@@ -7,9 +7,10 @@ CIFAR-10 with compressed gradient exchange (ChainerMN).
     mpiexec -n 2 python examples/train_cifar.py --synthetic --iterations 4
 
 CIFAR-10 is downloaded by Chainer (needs the network); ``--synthetic``
-generates CIFAR-shaped data for offline smoke runs.  The momentum SGD setting
-of the paper (Sec. 6.1): ``--lr 0.05`` times the number of workers, halved
-every 25 epochs, weight decay 5e-4 (``--paper-momentum`` sets all three).
+generates CIFAR-shaped data for offline smoke runs.  Defaults follow Sec.
+6.1: weight decay 5e-4 (both optimizers), 300 epochs, batch 64 per worker;
+with ``--optimizer momentum`` the learning rate is 0.05 times the number of
+workers, halved every 25 epochs.
 """
 
 import argparse

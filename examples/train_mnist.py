@@ -102,12 +102,13 @@ def add_extensions(trainer, comm, model, test_iter, device, every, stop,
         trainer.extend(extensions.LogReport(trigger=every))
         trainer.extend(extensions.PrintReport(
             ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
-             'vgc/compression', 'vgc/total_compression', 'elapsed_time']))
+             'vgc/interval_compression', 'vgc/total_compression',
+             'elapsed_time']))
         for keys, name in ((['main/loss', 'validation/main/loss'], 'loss'),
                            (['main/accuracy', 'validation/main/accuracy'],
                             'accuracy'),
-                           (['vgc/compression', 'vgc/total_compression'],
-                            'compression')):
+                           (['vgc/interval_compression',
+                             'vgc/total_compression'], 'compression')):
             trainer.extend(extensions.PlotReport(
                 keys, x_key=every[1], trigger=every,
                 filename=name + '.png'))

@@ -37,7 +37,7 @@ def test_train_mnist_smoke(tmp_path):
     assert summary['workers'] == 2 and summary['iterations'] == 10
     log = json.load(open(os.path.join(out, 'log')))
     for key in ('main/loss', 'validation/main/accuracy', 'vgc/compression',
-                'vgc/total_compression'):
+                'vgc/interval_compression', 'vgc/total_compression'):
         assert numpy.isfinite(log[-1][key]), key
     for name in ('loss.png', 'accuracy.png', 'compression.png',
                  'snapshot_rank0', 'snapshot_rank1'):

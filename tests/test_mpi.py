@@ -66,11 +66,14 @@ def test_exception_on_one_rank_ends_the_job():
     assert elapsed < 30, elapsed
 
 
-@pytest.mark.parametrize('p', [2, 4])
-def test_snapshot_resume_is_bit_identical(tmp_path, p):
+@pytest.mark.parametrize('p,method', [(2, 'vgc'), (2, 'qsgd'),
+                                      (2, 'hybrid'), (4, 'vgc')])
+def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
+    """Parameters and the communicator's run totals (in params_*.npz)."""
     out = str(tmp_path)
     for mode in ('straight', 'half', 'resume'):
-        run_ok(p, 'check_resume.py', mode, 20, out, expect='resume run OK')
+        run_ok(p, 'check_resume.py', mode, 20, out, method,
+               expect='resume run OK')
     for r in range(p):
         straight = numpy.load(os.path.join(out, 'params_straight_rank{}.npz'
                                            .format(r)))

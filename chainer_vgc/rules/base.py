@@ -26,6 +26,14 @@ class CompressionRule(object):
         """Fresh per-parameter state: dict of flat arrays (may be empty)."""
         return {}
 
+    def get_extra_state(self):
+        """State of the rule itself (not per parameter) as {name: str},
+        saved with snapshots; empty for deterministic rules."""
+        return {}
+
+    def set_extra_state(self, state):
+        """Restore what :meth:`get_extra_state` returned."""
+
     def compress(self, tensor_id, grad, sqsum, state):
         """Update ``state`` in place; return a Group, or None if nothing is
         sent.  ``grad`` is the minibatch gradient sum_z grad_z / B, ``sqsum``

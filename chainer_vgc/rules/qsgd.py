@@ -10,6 +10,8 @@ No residual is kept.  The uniform draws come from a seedable generator
 the two streams differ).
 """
 
+import json
+
 import numpy
 
 from chainer_vgc import backend
@@ -39,6 +41,16 @@ class QSGD(base.CompressionRule):
             else:
                 self._rngs[key] = numpy.random.default_rng(self.seed)
         return self._rngs[key]
+
+    def get_extra_state(self):
+        """The CPU generator's state (JSON), so a resumed run draws the
+        same numbers."""
+        return {'numpy_rng': json.dumps(self._rng(numpy).bit_generator.state)}
+
+    def set_extra_state(self, state):
+        if 'numpy_rng' in state:
+            self._rng(numpy).bit_generator.state = json.loads(
+                state['numpy_rng'])
 
     def quantize(self, grad, dtype):
         """Returns (level int64, negative bool, per-bucket float64 scale).

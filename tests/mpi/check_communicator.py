@@ -180,6 +180,29 @@ def check_split_and_bcast():
     assert sub.method == 'hybrid' and sub.rule.tau == 0.01
     value = comm.bcast_obj('hello' if comm.rank == 0 else None)
     assert value == 'hello'
+    # gradients exchanged on the split communicator equal naive's there
+    none_sub = chainer_vgc.create_communicator('none', comm_world).split(
+        comm.rank % 2, comm.rank)
+    naive_sub = chainermn.create_communicator('naive', comm_world).split(
+        comm.rank % 2, comm.rank)
+    a = train(none_sub, 5)
+    b = train(naive_sub, 5, create=chainermn.create_multi_node_optimizer)
+    for pa, pb in zip(params_of(a), params_of(b)):
+        assert (pa == pb).all()
+    model = make()
+    naive_sub.bcast_data(model)  # inherited bcast_data keeps working
+    sub.bcast_data(model)
+
+
+def check_float16_none_equals_naive():
+    naive = chainermn.create_communicator('naive', comm_world)
+    ours = chainer_vgc.create_communicator('none', comm_world)
+    for opt in (chainer.optimizers.Adam, chainer.optimizers.MomentumSGD):
+        a = train(naive, 6, model=make(half=True), optimizer=opt(),
+                  create=chainermn.create_multi_node_optimizer)
+        b = train(ours, 6, model=make(half=True), optimizer=opt())
+        for pa, pb in zip(params_of(a), params_of(b)):
+            assert pa.dtype == pb.dtype and (pa == pb).all()
 
 
 def check_mismatched_models_fail_on_every_rank():
@@ -225,8 +248,11 @@ def check_trainer_reports():
     log = trainer.get_extension('LogReport').log
     assert len(log) == 3
     for key in REPORT_KEYS + ['vgc/total_compression', 'vgc/total_bytes',
-                              'vgc/dense_bytes']:
+                              'vgc/dense_bytes', 'vgc/interval_compression']:
         assert numpy.isfinite(log[-1][key]), key
+    # over an interval, the paper's ratio is 1 / mean density
+    assert abs(log[-1]['vgc/interval_compression'] *
+               log[-1]['vgc/density'] - 1) < 1e-9
     n = comm.compressor.n_params
     p = comm.size
     steps = comm.totals['steps']
@@ -237,7 +263,34 @@ def check_trainer_reports():
     assert len(set(everyone)) == 1  # aggregated over ranks: same value
 
 
-CHECKS = [check_none_equals_naive, check_trainer_reports, check_vgc_alpha_tiny_equals_mean_gradient,
+def check_dict_batch_and_lazy_unused_params():
+    """StandardUpdater with a DictDataset passes the batch as keywords;
+    a lazily initialized link that is never reached stays uninitialized."""
+    from chainer import training
+    comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+    numpy.random.seed(0)
+    net = Net()
+    with net.init_scope():
+        net.aux = L.Linear(None, 2)  # never called
+    model = L.Classifier(net, label_key='t')
+    x, t = data(0, 64)
+    model(x=x[:1], t=t[:1])
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.Adam(), comm).setup(model)
+    it = chainer.iterators.SerialIterator(
+        chainer.datasets.DictDataset(x=x, t=t), 8, shuffle=False)
+    trainer = training.Trainer(training.StandardUpdater(it, opt),
+                               (4, 'iteration'), out='/tmp')
+    trainer.run()
+    assert model.predictor.aux.W.array is None
+    assert comm.totals['steps'] == 3 and comm.totals['elements'] > 0
+    w = model.predictor.l1.W.array
+    assert (comm_world.bcast(w) == w).all()
+
+
+CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
+          check_dict_batch_and_lazy_unused_params,
+          check_trainer_reports, check_vgc_alpha_tiny_equals_mean_gradient,
           check_conservation_across_ranks,
           check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
           check_mismatched_models_fail_on_every_rank]

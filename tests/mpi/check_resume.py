@@ -23,7 +23,9 @@ from chainer_vgc.models import MLP
 def main():
     mode, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
-    comm = chainer_vgc.create_communicator(method, alpha=1.0)
+    kw = {'vgc': dict(alpha=1.0), 'hybrid': dict(tau=0.001),
+          'strom': dict(tau=0.001), 'qsgd': dict(seed=3)}.get(method, {})
+    comm = chainer_vgc.create_communicator(method, **kw)
     numpy.random.seed(0)
     model = L.Classifier(MLP((12,), 3))
     opt = chainer_vgc.create_multi_node_optimizer(
@@ -45,8 +47,9 @@ def main():
         chainer.serializers.load_npz(os.path.join(out, snap), trainer)
     trainer.run()
     numpy.savez(os.path.join(out, 'params_{}_rank{}.npz'.format(
-        mode, comm.rank)), **{name: p.array for name, p in
-                              model.namedparams()})
+        mode, comm.rank)), totals=numpy.array([comm.totals[k] for k in
+                                               sorted(comm.totals)]),
+        **{name: p.array for name, p in model.namedparams()})
     if comm.rank == 0:
         print('resume run OK: {} to iteration {}'.format(
             mode, updater.iteration))
