@@ -14,10 +14,8 @@ workers, halved every 25 epochs.
 """
 
 import argparse
-import os
 
 import chainer
-from chainer import training
 from chainer.training import extensions
 import chainer.links as L
 import numpy
@@ -28,7 +26,9 @@ from chainer_vgc.models import VGG
 from train_mnist import add_compression_args
 from train_mnist import add_extensions
 from train_mnist import final_report
+from train_mnist import make_trainer
 from train_mnist import print_summary
+from train_mnist import resume
 from train_mnist import rule_kwargs
 
 
@@ -88,26 +88,15 @@ def main():
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
             args.weight_decay))
 
-    train = datasets.shard(train, comm.rank, comm.size, args.seed)
-    test = datasets.shard(test, comm.rank, comm.size, args.seed)
-    train_iter = datasets.iterator(train, args.batchsize, comm.rank,
-                                   args.seed)
-    test_iter = chainer.iterators.SerialIterator(test, 256, repeat=False,
-                                                 shuffle=False)
-    updater = training.StandardUpdater(train_iter, optimizer, device=device)
-    stop = ((args.iterations, 'iteration') if args.iterations
-            else (args.epoch, 'epoch'))
-    trainer = training.Trainer(updater, stop, out=args.out)
-    every = (max(1, args.iterations // 2), 'iteration') if args.iterations \
-        else (1, 'epoch')
+    trainer, test_iter, stop, every = make_trainer(
+        args, comm, optimizer, train, test, device, test_batch=256,
+        reports=2)
     if args.optimizer == 'momentum':
         trainer.extend(extensions.ExponentialShift('lr', 0.5),
                        trigger=(args.lr_halving, 'epoch'))
     evaluator = add_extensions(trainer, comm, model, test_iter, device,
                                every, every, args.progress)
-    if args.resume:
-        chainer.serializers.load_npz(os.path.join(
-            args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
+    resume(args, comm, trainer)
     trainer.run()
     report = final_report(evaluator, trainer, comm, args)
     if comm.rank == 0:

@@ -88,6 +88,33 @@ def setup_optimizer(opt, weight_decay, model):
     return opt
 
 
+def make_trainer(args, comm, optimizer, train, test, device, test_batch,
+                 reports):
+    """This rank's shards, iterators, updater and trainer.  Returns
+    (trainer, test iterator, stop trigger, report trigger: every epoch, or
+    ``reports`` times in an ``--iterations`` run)."""
+    train = datasets.shard(train, comm.rank, comm.size, args.seed)
+    test = datasets.shard(test, comm.rank, comm.size, args.seed)
+    train_iter = datasets.iterator(train, args.batchsize, comm.rank,
+                                   args.seed)
+    test_iter = chainer.iterators.SerialIterator(test, test_batch,
+                                                 repeat=False, shuffle=False)
+    updater = training.StandardUpdater(train_iter, optimizer, device=device)
+    stop = ((args.iterations, 'iteration') if args.iterations
+            else (args.epoch, 'epoch'))
+    trainer = training.Trainer(updater, stop, out=args.out)
+    every = ((max(1, args.iterations // reports), 'iteration')
+             if args.iterations else (1, 'epoch'))
+    return trainer, test_iter, stop, every
+
+
+def resume(args, comm, trainer):
+    """Load this rank's snapshot from ``--resume DIR``, if given."""
+    if args.resume:
+        chainer.serializers.load_npz(os.path.join(
+            args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
+
+
 def add_extensions(trainer, comm, model, test_iter, device, every, stop,
                    progress):
     """Multi-node evaluation, compression report and per-rank snapshots on
@@ -169,24 +196,12 @@ def main():
         chainer_vgc.create_multi_node_optimizer(opt, comm), wd, model)
 
     train, test = datasets.get_mnist()
-    train = datasets.shard(train, comm.rank, comm.size, args.seed)
-    test = datasets.shard(test, comm.rank, comm.size, args.seed)
-    train_iter = datasets.iterator(train, args.batchsize, comm.rank,
-                                   args.seed)
-    test_iter = chainer.iterators.SerialIterator(test, 500, repeat=False,
-                                                 shuffle=False)
-    updater = training.StandardUpdater(train_iter, optimizer, device=device)
-    stop = ((args.iterations, 'iteration') if args.iterations
-            else (args.epoch, 'epoch'))
-    trainer = training.Trainer(updater, stop, out=args.out)
-    every = (max(1, args.iterations // 5), 'iteration') if args.iterations \
-        else (1, 'epoch')
-
+    trainer, test_iter, stop, every = make_trainer(
+        args, comm, optimizer, train, test, device, test_batch=500,
+        reports=5)
     evaluator = add_extensions(trainer, comm, model, test_iter, device,
                                every, stop, args.progress)
-    if args.resume:
-        chainer.serializers.load_npz(os.path.join(
-            args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
+    resume(args, comm, trainer)
     trainer.run()
 
     report = final_report(evaluator, trainer, comm, args)
