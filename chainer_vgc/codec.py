@@ -150,11 +150,18 @@ def pow2_decode(words, e_k, scale, dtype):
                                                      index, value)
     index = (words & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64)
     # the top 4 bits (sign, d) select one of 16 values: one gather per word
-    mags = numpy.ldexp(numpy.full(8, scale, dtype=dtype),
-                       e_k - numpy.arange(8, dtype=numpy.int32))
-    table = numpy.concatenate([mags, -mags])
-    value = table[words >> numpy.uint32(INDEX_BITS)]
+    value = pow2_table(e_k, scale, dtype)[words >> numpy.uint32(INDEX_BITS)]
     return index, value
+
+
+def pow2_table(e_k, scale, dtype):
+    """The 16 values a FMT_POW2 word can stand for, indexed by its top 4
+    bits (sign, d): ``sign * scale * 2**(e_k - d)`` in ``dtype``."""
+    dtype = numpy.dtype(dtype)
+    mags = numpy.ldexp(numpy.full(8, dtype.type(numpy.float32(scale)),
+                                  dtype=dtype),
+                       e_k - numpy.arange(8, dtype=numpy.int32))
+    return numpy.concatenate([mags, -mags])
 
 
 def pow2_group(tensor_id, words, e_k, scale=1.0):
@@ -271,9 +278,11 @@ def unpack(message, sizes, dtypes):
                 raise WireFormatError(_where(g) + 'exponent {} or scale {} '
                                       'out of range for {}'.format(
                                           e_k, scale, dtype))
-            index, value = pow2_decode(body, e_k, scale, dtype)
-            if not bool(xp.isfinite(value).all() and (value != 0).all()):
+            table = pow2_table(e_k, scale, dtype)
+            # every value is one of these 16: check them, not each value
+            if not (numpy.isfinite(table).all() and (table != 0).all()):
                 raise WireFormatError(_where(g) + 'values out of range')
+            index, value = pow2_decode(body, e_k, scale, dtype)
         elif g.fmt == FMT_RAW:
             index, value = _raw_decode(body, g, size, xp)
             value = value.astype(dtype, copy=False)
@@ -414,12 +423,13 @@ def _qsgd_decode(body, g, size, dtype, xp):
 def _check_index(index, size, g):
     """Indices must be in range and strictly increasing (senders emit them
     sorted and unique; a duplicate would silently lose an addition)."""
-    if index.size and int(index.max()) >= size:
-        raise WireFormatError(_where(g) + 'index {} out of range for a tensor '
-                              'of {} elements'.format(int(index.max()), size))
     if index.size > 1 and not bool((index[1:] > index[:-1]).all()):
         raise WireFormatError(_where(g) + 'indices not strictly increasing '
                               '(duplicate or unsorted)')
+    # increasing, so the last index is the largest
+    if index.size and int(index[-1]) >= size:
+        raise WireFormatError(_where(g) + 'index {} out of range for a tensor '
+                              'of {} elements'.format(int(index[-1]), size))
 
 
 def _f32_bits(x):

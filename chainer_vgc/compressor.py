@@ -168,9 +168,18 @@ class GradientCompressor(object):
 
 
 def _all_finite(a):
-    """No NaN/Inf in ``a``: two reductions, no temporary array (NaN makes
-    min and max NaN; an infinity shows up in one of them)."""
+    """No NaN/Inf in ``a``, without a temporary of its size.
+
+    A finite sum of squares (one BLAS dot) proves it; otherwise (a NaN, an
+    infinity, or finite values whose squares overflow) min and max decide:
+    NaN makes both NaN and an infinity shows up in one of them.
+    """
     if a.size == 0:
         return True
+    flat = a.reshape(-1)
+    if a.dtype in (numpy.float32, numpy.float64):
+        with numpy.errstate(over='ignore', invalid='ignore'):
+            if numpy.isfinite(flat.dot(flat)):
+                return True
     return bool(numpy.isfinite(float(a.min())) and
                 numpy.isfinite(float(a.max())))
