@@ -563,14 +563,6 @@ class PerSampleSquares(chainer.FunctionHook):
             '...) to backward() or batch_size= to the constructor (guessing '
             'it from the graph can merge examples silently)')
 
-    def _group(self, rows, b, fn):
-        if rows % b:
-            raise ValueError(
-                '{} has {} rows on its example axis, not a multiple of the '
-                'batch size {}; pass batch_size= and keep the batch axis '
-                'first'.format(type(fn).__name__, rows, b))
-        return rows // b
-
     # -- hook --
     def backward_postprocess(self, function, in_data, out_grad):
         entries = self._by_fn.get(id(function))
@@ -581,7 +573,7 @@ class PerSampleSquares(chainer.FunctionHook):
         for i, k in entries:
             dtype = backend.state_dtype(self.params[i].dtype)
             use = _uses_of(function, k, in_data, gy, dtype, xp)
-            group = self._group(use.rows, self._b, function)
+            group = use.rows // self._b  # a multiple: see _check_rows
             if i in self._single:  # done now: nothing is kept
                 self._results[i] = use.sqsum(group, self.max_memory)
             else:  # shared: combined per example when backward is over
