@@ -10,6 +10,7 @@ costs).  Prints medians and the ratios ring/MPI and allreduce/ring.
 """
 
 import argparse
+import os
 import platform
 import time
 
@@ -40,8 +41,8 @@ def main():
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     if comm.rank == 0:
-        print('p={} ranks, {}, MPI: {}, python {}, chunk {} words'.format(
-            comm.size, platform.machine(),
+        print('p={} ranks on {} cores, {}, MPI: {}, python {}, chunk {} '
+              'words'.format(comm.size, os.cpu_count(), platform.machine(),
             MPI.Get_library_version().splitlines()[0].strip(),
             platform.python_version(), args.chunk_words))
         print('| bytes/rank | ring ms | MPI Allgatherv ms | Allreduce ms | '
