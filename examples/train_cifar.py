@@ -25,11 +25,12 @@ from chainer_vgc import datasets
 from chainer_vgc.models import VGG
 from train_mnist import add_compression_args
 from train_mnist import add_extensions
+from train_mnist import add_run_args
 from train_mnist import final_report
 from train_mnist import make_trainer
 from train_mnist import print_summary
 from train_mnist import resume
-from train_mnist import rule_kwargs
+from train_mnist import start
 
 
 def main():
@@ -42,28 +43,14 @@ def main():
     p.add_argument('--lr-halving', type=int, default=25,
                    help='halve the momentum SGD learning rate every N epochs')
     p.add_argument('--weight-decay', type=float, default=5e-4)
-    p.add_argument('--epoch', type=int, default=300)
-    p.add_argument('--iterations', type=int, default=0,
-                   help='stop after this many iterations (overrides --epoch)')
-    p.add_argument('--batchsize', type=int, default=64,
-                   help='minibatch per worker')
+    add_run_args(p, epoch=300, batchsize=64, out='result/cifar')
     p.add_argument('--width', type=float, default=1.0,
                    help='channel multiplier (1.0 = the paper network)')
     p.add_argument('--synthetic', action='store_true',
                    help='generated CIFAR-shaped data (offline)')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--out', default='result/cifar')
-    p.add_argument('--resume', default='',
-                   help='directory holding the snapshot_rank<r> files')
-    p.add_argument('--gpu', type=int, default=-1)
-    p.add_argument('--progress', action='store_true')
     args = p.parse_args()
 
-    comm = chainer_vgc.create_communicator(
-        args.method, allgatherv=args.allgatherv, **rule_kwargs(args))
-    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
-    if args.gpu >= 0:
-        device.use()
+    comm, device = start(args)
     if args.synthetic:
         train, test = datasets.synthetic_cifar(seed=args.seed)
     else:

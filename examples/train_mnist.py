@@ -48,6 +48,33 @@ def add_compression_args(p):
     p.add_argument('--allgatherv', choices=('ring', 'mpi'), default='ring')
 
 
+def add_run_args(p, epoch, batchsize, out):
+    """Length, batch, seed, output, resume and device flags (shared with
+    the other training script)."""
+    p.add_argument('--epoch', type=int, default=epoch)
+    p.add_argument('--iterations', type=int, default=0,
+                   help='stop after this many iterations (overrides --epoch)')
+    p.add_argument('--batchsize', type=int, default=batchsize,
+                   help='minibatch per worker')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--out', default=out)
+    p.add_argument('--resume', default='',
+                   help='directory holding the snapshot_rank<r> files')
+    p.add_argument('--gpu', type=int, default=-1)
+    p.add_argument('--progress', action='store_true',
+                   help='show a progress bar (rank 0)')
+
+
+def start(args):
+    """The communicator of ``args.method`` and the device to train on."""
+    comm = chainer_vgc.create_communicator(
+        args.method, allgatherv=args.allgatherv, **rule_kwargs(args))
+    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
+    if args.gpu >= 0:
+        device.use()
+    return comm, device
+
+
 def rule_kwargs(args):
     """Hyperparameters of ``args.method`` from the parsed arguments."""
     m = args.method
@@ -169,26 +196,11 @@ def main():
     p.add_argument('--lr', type=float, default=0.05,
                    help='momentum SGD learning rate')
     p.add_argument('--weight-decay', type=float, default=0.0)
-    p.add_argument('--epoch', type=int, default=5)
-    p.add_argument('--iterations', type=int, default=0,
-                   help='stop after this many iterations (overrides --epoch)')
-    p.add_argument('--batchsize', type=int, default=32,
-                   help='minibatch per worker')
+    add_run_args(p, epoch=5, batchsize=32, out='result/mnist')
     p.add_argument('--unit', type=int, default=200, help='hidden units')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--out', default='result/mnist')
-    p.add_argument('--resume', default='',
-                   help='directory holding the snapshot_rank<r> files')
-    p.add_argument('--gpu', type=int, default=-1)
-    p.add_argument('--progress', action='store_true',
-                   help='show a progress bar (rank 0)')
     args = p.parse_args()
 
-    comm = chainer_vgc.create_communicator(
-        args.method, allgatherv=args.allgatherv, **rule_kwargs(args))
-    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
-    if args.gpu >= 0:
-        device.use()
+    comm, device = start(args)
     model = make_model(args.unit, args.seed)
     model.to_device(device)
     opt, wd = make_optimizer(args.optimizer, args.lr, args.weight_decay)
