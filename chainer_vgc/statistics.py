@@ -343,16 +343,12 @@ def _uses_of(fn, k, in_data, gy, dtype, xp):
             return _LinearW(xp, dtype, x, gy)
         if k == 2:
             return _SumOverPositions(xp, dtype, gy, ())
-    elif isinstance(fn, _conv.Convolution2DFunction):
+    elif isinstance(fn, (_conv.Convolution2DFunction,
+                         _deconv.Deconvolution2DFunction)):
         if k == 1:
             return _ConvW(xp, dtype, fn, in_data[0], gy, in_data[1].shape,
-                          transposed=False)
-        if k == 2:
-            return _SumOverPositions(xp, dtype, gy, (2, 3))
-    elif isinstance(fn, _deconv.Deconvolution2DFunction):
-        if k == 1:
-            return _ConvW(xp, dtype, fn, in_data[0], gy, in_data[1].shape,
-                          transposed=True)
+                          transposed=isinstance(
+                              fn, _deconv.Deconvolution2DFunction))
         if k == 2:
             return _SumOverPositions(xp, dtype, gy, (2, 3))
     elif isinstance(fn, _bn.BatchNormalization):
