@@ -1,4 +1,6 @@
-"""NumPy/CuPy dispatch helpers (CuPy is optional)."""
+"""NumPy/CuPy dispatch helpers (CuPy is optional) and the CPU backend choice."""
+
+import os
 
 import numpy
 
@@ -26,6 +28,23 @@ def to_numpy(a):
     if cupy is not None and isinstance(a, cupy.ndarray):
         return cupy.asnumpy(a)
     return numpy.asarray(a)
+
+
+#: CPU implementations: the fused C++ passes (default) and the NumPy
+#: reference they are tested against bit for bit
+CPU_BACKENDS = ('native', 'numpy')
+
+
+def cpu_backend(name=None):
+    """The CPU backend to use: ``name``, else the environment variable
+    ``CHAINER_VGC_BACKEND``, else ``'native'``."""
+    chosen = name or os.environ.get('CHAINER_VGC_BACKEND') or 'native'
+    if chosen not in CPU_BACKENDS:
+        raise ValueError(
+            'chainer_vgc: CPU backend must be one of {} (argument backend= or '
+            'environment variable CHAINER_VGC_BACKEND), got {!r}'.format(
+                ', '.join(CPU_BACKENDS), chosen))
+    return chosen
 
 
 def state_dtype(dtype):

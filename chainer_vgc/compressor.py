@@ -6,12 +6,20 @@ receiving side decodes messages with :meth:`GradientCompressor.decode_into`.
 All inputs are validated before any state changes, so a bad gradient (NaN,
 Inf, wrong shape) raises an error naming the parameter and leaves every
 residual as it was.
+
+Two CPU backends (:func:`chainer_vgc.backend.cpu_backend`): ``'native'``
+(default), the fused C++ passes of :mod:`chainer_vgc.native`, which write
+each step's state into a second set of arrays and swap them in only when
+every tensor passed its checks (so an overflow, too, leaves the state as it
+was), and ``'numpy'``, the readable reference, equal bit for bit.  CuPy
+arrays always take the rules' CuPy kernels.
 """
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc import backend as _backend
 from chainer_vgc import codec
+from chainer_vgc import native
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
 
@@ -25,9 +33,13 @@ class GradientCompressor(object):
             with a name, ``**hyperparams`` go to the rule.
         names, shapes, dtypes: one entry per parameter (same order on every
             worker).
+        backend: ``'native'`` or ``'numpy'`` for NumPy arrays (default:
+            ``CHAINER_VGC_BACKEND``, else ``'native'``); ``'native'`` with a
+            rule that has no native step runs the rule's NumPy code.
     """
 
-    def __init__(self, rule, names, shapes, dtypes, **hyperparams):
+    def __init__(self, rule, names, shapes, dtypes, backend=None,
+                 **hyperparams):
         if not isinstance(rule, CompressionRule):
             rule = create_rule(rule, **hyperparams)
         elif hyperparams:
@@ -56,6 +68,12 @@ class GradientCompressor(object):
                     'the parameter, or use quantize=False / qsgd / none'
                     .format(name, size, codec.MAX_INDEX))
         self.states = [None] * len(self.names)
+        self.backend = _backend.cpu_backend(backend)
+        if self.backend == 'native' and rule.compress_native is not None:
+            native.load()  # a missing or stale build is reported now
+        self._workspace = None
+        self._spares = [None] * len(self.names)
+        self._buffer = None
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0
@@ -70,7 +88,15 @@ class GradientCompressor(object):
         first gradient)."""
         return self.states[i]
 
-    def _check(self, grads, sqsums):
+    def uses_native(self, grads):
+        """Whether :meth:`compress` runs the native passes for ``grads``."""
+        if (self.backend != 'native' or self.rule.compress_native is None
+                or any(dt not in native.DTYPE_CODES for dt in self.dtypes)):
+            return False
+        return all(g is None or _backend.get_array_module(g) is numpy
+                   for g in grads)
+
+    def _check(self, grads, sqsums, values=True):
         n = len(self.names)
         if len(grads) != n:
             raise ValueError('expected {} gradients (one per parameter, None '
@@ -91,11 +117,8 @@ class GradientCompressor(object):
                     'expected shape {} dtype {} (the model must match the one '
                     'the compressor was built for)'.format(
                         name, tuple(g.shape), g.dtype, shape, dtype))
-            if not _all_finite(g):
-                raise FloatingPointError(
-                    'gradient of parameter {!r} contains NaN or Inf; nothing '
-                    'was compressed and the residual state is unchanged'
-                    .format(name))
+            if values and not _all_finite(g):
+                raise _bad_gradient(name)
             if not self.rule.needs_sqsum:
                 continue
             if s is None:
@@ -108,27 +131,30 @@ class GradientCompressor(object):
                     'per-sample sum of squares of parameter {!r} has shape {} '
                     'dtype {}; expected shape {} floating point'.format(
                         name, tuple(s.shape), s.dtype, shape))
-            if s.size and not (_all_finite(s) and float(s.min()) >= 0):
-                raise FloatingPointError(
-                    'per-sample sum of squares of parameter {!r} contains '
-                    'NaN, Inf or negative values; the residual state is '
-                    'unchanged'.format(name))
+            if values and s.size and not (_all_finite(s) and
+                                          float(s.min()) >= 0):
+                raise _bad_sqsum(name)
         return sqsums
 
-    def compress(self, grads, sqsums=None):
+    def compress(self, grads, sqsums=None, copy=True):
         """One step: returns the message (uint32 array on the grads' device).
 
         ``grads[i]`` is the minibatch gradient of parameter i (None: the
         parameter has no gradient this step and its state is untouched);
         ``sqsums[i]`` the per-sample sum of squares (variance-based rules).
+        ``copy=False`` (native backend): the message is a view of a buffer
+        reused by the next call, valid until then.
         """
+        if self.uses_native(grads):
+            message = self._compress_native(grads, sqsums)
+            return message.copy() if copy else message
         sqsums = self._check(grads, sqsums)
         groups = []
         xp = numpy
         for i, (g, s) in enumerate(zip(grads, sqsums)):
             if g is None:
                 continue
-            xp = backend.get_array_module(g)
+            xp = _backend.get_array_module(g)
             if self.states[i] is None:
                 self.states[i] = self.rule.init_state(self.sizes[i],
                                                       self.dtypes[i], xp)
@@ -138,16 +164,77 @@ class GradientCompressor(object):
                                            self.states[i])
             for key, arr in self.states[i].items():
                 if not _all_finite(arr):
-                    raise FloatingPointError(
-                        'the accumulated {} of parameter {!r} overflowed '
-                        '{} (finite gradients too large to sum); scale the '
-                        'loss down'.format(key, self.names[i], arr.dtype))
+                    raise _overflow(key, self.names[i], arr.dtype)
             if group is not None:
                 groups.append(group)
         message = codec.pack(groups, xp)
         self.last_sent = sum(grp.count for grp in groups)
         self.last_bytes = int(message.nbytes)
         return message
+
+    def _compress_native(self, grads, sqsums):
+        """:meth:`compress` on the native backend.
+
+        Each tensor's step reads ``states[i]`` and writes the next state into
+        a spare set of arrays; the message is written in place into one
+        buffer.  Only when no tensor reported a fault are the spares swapped
+        in, so a NaN gradient or an overflow leaves every state untouched.
+        """
+        sqsums = self._check(grads, sqsums, values=False)
+        rule = self.rule
+        if self._workspace is None:
+            self._workspace = native.Workspace()
+            self._buffer = numpy.empty(2 + sum(
+                rule.max_words(n, dt) for n, dt in zip(self.sizes,
+                                                       self.dtypes)),
+                dtype=numpy.uint32)
+        buf, pos, n_groups, sent = self._buffer, 2, 0, 0
+        faults, done = [], []
+        for i, (g, s) in enumerate(zip(grads, sqsums)):
+            if g is None:
+                continue
+            if self.states[i] is None:
+                self.states[i] = rule.init_state(self.sizes[i],
+                                                 self.dtypes[i], numpy)
+            if self._spares[i] is None:
+                self._spares[i] = rule.init_state(self.sizes[i],
+                                                  self.dtypes[i], numpy)
+            sdt = _backend.state_dtype(self.dtypes[i])
+            flat_g = numpy.ascontiguousarray(g).reshape(-1)
+            flat_s = None
+            if s is not None and rule.needs_sqsum:
+                flat_s = numpy.ascontiguousarray(s, dtype=sdt).reshape(-1)
+            words, count, flags = rule.compress_native(
+                self._workspace, i, flat_g, flat_s, self.states[i],
+                self._spares[i], buf[pos:])
+            if flags:
+                faults.append((i, flags))
+            if words:
+                pos += words
+                n_groups += 1
+                sent += count
+            done.append(i)
+        if faults:
+            raise self._fault(faults)
+        for i in done:
+            self.states[i], self._spares[i] = self._spares[i], self.states[i]
+        buf[0], buf[1] = codec.MAGIC, n_groups
+        self.last_sent = sent
+        self.last_bytes = 4 * pos
+        return buf[:pos]
+
+    def _fault(self, faults):
+        """The error the reference would raise first: bad inputs (gradient
+        before sum of squares) in parameter order, then overflows."""
+        for i, flags in faults:
+            if flags & native.BAD_GRAD:
+                return _bad_gradient(self.names[i])
+            if flags & native.BAD_SQSUM:
+                return _bad_sqsum(self.names[i])
+        i, flags = faults[0]
+        key = 'r' if flags & native.OVERFLOW_R else 'v'
+        return _overflow(key, self.names[i], _backend.state_dtype(
+            self.dtypes[i]), unchanged=True)
 
     def decode_into(self, message, outs):
         """Add a message's elements into ``outs`` (arrays of each parameter's
@@ -160,11 +247,31 @@ class GradientCompressor(object):
     def decode(self, message):
         """The dense update a message carries: list of arrays in the state
         dtypes, on the message's device, zero where nothing was sent."""
-        xp = backend.get_array_module(message)
-        outs = [xp.zeros(shape, dtype=backend.state_dtype(dt))
+        xp = _backend.get_array_module(message)
+        outs = [xp.zeros(shape, dtype=_backend.state_dtype(dt))
                 for shape, dt in zip(self.shapes, self.dtypes)]
         self.decode_into(message, outs)
         return outs
+
+
+def _bad_gradient(name):
+    return FloatingPointError(
+        'gradient of parameter {!r} contains NaN or Inf; nothing was '
+        'compressed and the residual state is unchanged'.format(name))
+
+
+def _bad_sqsum(name):
+    return FloatingPointError(
+        'per-sample sum of squares of parameter {!r} contains NaN, Inf or '
+        'negative values; the residual state is unchanged'.format(name))
+
+
+def _overflow(key, name, dtype, unchanged=False):
+    return FloatingPointError(
+        'the accumulated {} of parameter {!r} overflowed {} (finite '
+        'gradients too large to sum); scale the loss down{}'.format(
+            key, name, numpy.dtype(dtype),
+            '; the residual state is unchanged' if unchanged else ''))
 
 
 def _all_finite(a):

@@ -109,34 +109,28 @@ VGC_FN bool vgc_basic_select(F g, F s, F alpha, F zeta, F &r, F &v) {
  * v - 2 |r_before| tau + tau^2 (the listing applies it to the already reduced
  * r), clipped at 0.  v decays every step.  Returns +1, -1 or 0. */
 template <typename F>
-VGC_FN signed char vgc_hybrid_step(F g, F s, F alpha, F zeta, F tau, F &r,
-                                   F &v) {
+VGC_FN int vgc_hybrid_step(F g, F s, F alpha, F zeta, F tau, F &r, F &v) {
     r = vgc_accumulate(r, g);
     v = vgc_accumulate(v, s);
-    signed char sent = 0;
     F mag = r < (F)0 ? -r : r;
-    if (mag > tau && vgc_criterion(r, v, alpha)) {
-        sent = r > (F)0 ? 1 : -1;
-        r = sent > 0 ? r - tau : r + tau;
-        F corrected = v - (F)2 * mag * tau + tau * tau;
-        v = corrected > (F)0 ? corrected : (F)0;
-    }
+    /* written without branches (selects only), so that the host compiler
+     * vectorizes it; the values are those of the if/else form */
+    bool sel = (mag > tau) & vgc_criterion(r, v, alpha);
+    int sent = sel ? (r > (F)0 ? 1 : -1) : 0;
+    F reduced = r > (F)0 ? r - tau : r + tau;
+    F corrected = v - (F)2 * mag * tau + tau * tau;
+    r = sel ? reduced : r;
+    v = sel ? (corrected > (F)0 ? corrected : (F)0) : v;
     v = vgc_decay(v, zeta);
     return sent;
 }
 
 /* ---- Strom (2015): threshold tau, send +-tau, keep the residual --------- */
-template <typename F> VGC_FN signed char vgc_strom_step(F g, F tau, F &r) {
+template <typename F> VGC_FN int vgc_strom_step(F g, F tau, F &r) {
     r = vgc_accumulate(r, g);
-    if (r > tau) {
-        r = r - tau;
-        return 1;
-    }
-    if (r < -tau) {
-        r = r + tau;
-        return -1;
-    }
-    return 0;
+    bool up = r > tau, down = r < -tau;
+    r = up ? r - tau : (down ? r + tau : r);
+    return (int)up - (int)down;
 }
 
 /* ---- Quantization with the float bit trick (Sec. 4.2, 4.4, App. B) ------ */

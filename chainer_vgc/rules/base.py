@@ -22,6 +22,19 @@ class CompressionRule(object):
     #: whether tensors are limited to 2**28 elements (one 32-bit word each)
     uses_index_words = True
 
+    #: the native CPU backend's step for this rule: a method
+    #: ``compress_native(workspace, tensor_id, grad, sqsum, state, new_state,
+    #: out)`` that reads ``state``, writes the next state into ``new_state``
+    #: (same keys) and the group into ``out`` (a uint32 array of at least
+    #: :meth:`max_words` words), returning ``(words, elements, flags)``
+    #: (:mod:`chainer_vgc.native`).  None: the rule runs on NumPy only.
+    compress_native = None
+
+    def max_words(self, size, dtype):
+        """Most words a group of a tensor of ``size`` elements of ``dtype``
+        can take (header included); needed with :attr:`compress_native`."""
+        raise NotImplementedError
+
     def init_state(self, size, dtype, xp):
         """Fresh per-parameter state: dict of flat arrays (may be empty)."""
         return {}

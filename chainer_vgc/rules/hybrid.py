@@ -25,6 +25,7 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
+from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -56,6 +57,17 @@ class Hybrid(base.CompressionRule):
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
+
+    def max_words(self, size, dtype):
+        return codec.HEADER_WORDS + size
+
+    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
+                        out):
+        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
+        return native.compress_hybrid(
+            ws, tensor_id, grad, sqsum, state['r'], state['v'],
+            new_state['r'], new_state['v'], self.alpha, self.zeta, self.tau,
+            out)
 
     def step(self, grad, sqsum, state):
         """One step of Fig. "Hybrid"; returns int8 signs (+1, -1, 0)."""

@@ -8,7 +8,9 @@ The residual is kept; no variance is used.  Values on the wire as in
 import numpy
 
 from chainer_vgc import backend
+from chainer_vgc import codec
 from chainer_vgc import kernels
+from chainer_vgc import native
 from chainer_vgc.rules import base
 from chainer_vgc.rules.hybrid import encode_signs
 from chainer_vgc.rules.hybrid import wire_tau
@@ -24,6 +26,15 @@ class Strom(base.CompressionRule):
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r',))
+
+    def max_words(self, size, dtype):
+        return codec.HEADER_WORDS + size
+
+    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
+                        out):
+        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
+        return native.compress_strom(ws, tensor_id, grad, state['r'],
+                                     new_state['r'], self.tau, out)
 
     def step(self, grad, state):
         """Accumulate and threshold; returns int8 signs (+1, -1, 0)."""

@@ -26,6 +26,7 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
+from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -46,6 +47,20 @@ class VGC(base.CompressionRule):
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
+
+    def max_words(self, size, dtype):
+        if self.quantize:
+            return codec.HEADER_WORDS + size
+        value_words = backend.state_dtype(dtype).itemsize // 4
+        return codec.HEADER_WORDS + size + size * value_words
+
+    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
+                        out):
+        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
+        return native.compress_vgc(
+            ws, tensor_id, grad, sqsum, state['r'], state['v'],
+            new_state['r'], new_state['v'], self.alpha, self.zeta,
+            self.quantize, self.keep_unrepresentable, out)
 
     def _scratch(self, like):
         """Two work arrays shaped like ``like``: views of buffers kept for

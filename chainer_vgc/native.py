@@ -1,0 +1,318 @@
+"""The native CPU backend: ctypes bindings of ``kernels/vgc_host.cpp``.
+
+The library is compiled by the normal install (``setup.py``) from
+``kernels/vgc_host.cpp``, which includes ``kernels/vgc_numerics.cuh``, the
+source of the CuPy ElementwiseKernels: the per-element arithmetic of the GPU
+and of this backend is one text.  It fuses each rule's step into one pass
+over g, s, r, v per tensor, encodes the selected elements straight into the
+message buffer, and decodes the p messages of a step straight into the
+gradient arrays with the 1/p mean (see the comment at the top of the C++
+file).  Results equal the NumPy reference (``CHAINER_VGC_BACKEND=numpy``)
+bit for bit; ``tests/test_native.py`` checks it.
+
+The library is loaded with ``ctypes`` (which releases the GIL during each
+call).  A missing, unloadable or stale build raises
+:class:`NativeBackendError` saying how to fix it; nothing falls back to the
+NumPy path silently.
+
+Threads: OpenMP, ``OMP_NUM_THREADS`` when set, else the cores this process
+may run on (:func:`set_num_threads` overrides; the communicator divides the
+cores among the ranks of a node).
+"""
+
+import ctypes
+import hashlib
+import importlib.machinery
+import os
+import threading
+
+import numpy
+
+from chainer_vgc import kernels
+
+#: the sources the library is built from (hash compiled in by setup.py)
+SOURCES = ('vgc_host.cpp', 'vgc_numerics.cuh')
+
+#: dtype codes of the C++ side
+DTYPE_CODES = {numpy.dtype(numpy.float16): 0, numpy.dtype(numpy.float32): 1,
+               numpy.dtype(numpy.float64): 2}
+
+#: flags returned by the compress functions
+BAD_GRAD, BAD_SQSUM, OVERFLOW_R, OVERFLOW_V = 1, 2, 4, 8
+
+_FIX = ('rebuild it with the package (`pip install --no-build-isolation '
+        '--no-deps -e .` in a source checkout, `make venv` with the Makefile; '
+        'a C++ compiler with OpenMP such as g++ is needed), or select the '
+        'slow NumPy reference with CHAINER_VGC_BACKEND=numpy')
+
+_lock = threading.Lock()
+_lib = None
+
+
+class NativeBackendError(RuntimeError):
+    """The native CPU backend is not built, cannot be loaded, or is stale."""
+
+
+#: builds of the one source: ``'baseline'`` (any processor) and
+#: ``'avx2'`` (x86-64 with AVX2 and F16C; no FMA), chosen at load time
+ISAS = {'baseline': '_vgc_native', 'avx2': '_vgc_native_avx2'}
+
+
+def library_path(isa='baseline'):
+    """Path of the compiled library of ``isa`` next to this file, or None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, ISAS[isa] + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def requested_isa():
+    """``CHAINER_VGC_NATIVE_ISA``: ``'auto'`` (default: AVX2 where the
+    processor has it), ``'baseline'`` or ``'avx2'``."""
+    isa = os.environ.get('CHAINER_VGC_NATIVE_ISA') or 'auto'
+    if isa != 'auto' and isa not in ISAS:
+        raise NativeBackendError(
+            "chainer_vgc: CHAINER_VGC_NATIVE_ISA must be 'auto', 'baseline' "
+            "or 'avx2', got {!r}".format(isa))
+    return isa
+
+
+def source_hash():
+    """sha256 of the native sources as shipped (as setup.py computes it);
+    None where they are not present."""
+    h = hashlib.sha256()
+    try:
+        base = kernels.source_dir()
+        for name in SOURCES:
+            with open(os.path.join(base, name), 'rb') as f:
+                h.update(f.read())
+    except (OSError, RuntimeError):
+        return None
+    return h.hexdigest()
+
+
+def _signatures(lib):
+    vp, i32, i64, f64 = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                         ctypes.c_double)
+    table = {
+        'vgc_native_abi': (i32, []),
+        'vgc_native_isa': (ctypes.c_char_p, []),
+        'vgc_native_cpu_has_avx2': (i32, []),
+        'vgc_native_source_hash': (ctypes.c_char_p, []),
+        'vgc_native_constants': (None, [vp]),
+        'vgc_native_set_threads': (None, [i32]),
+        'vgc_native_threads': (i32, []),
+        'vgc_native_workspace_new': (vp, []),
+        'vgc_native_workspace_free': (None, [vp]),
+        'vgc_native_vgc': (i64, [vp, i32, i32] + [vp] * 6 +
+                           [i64, f64, f64, i32, i32, vp, vp]),
+        'vgc_native_hybrid': (i64, [vp, i32, i32] + [vp] * 6 +
+                              [i64, f64, f64, f64, vp, vp]),
+        'vgc_native_strom': (i64, [vp, i32, i32, vp, vp, vp, i64, f64, vp,
+                                   vp]),
+        'vgc_native_none': (i64, [vp, i32, i32, vp, i64, vp, vp]),
+        'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
+                                    vp, vp, vp]),
+    }
+    for name, (res, args) in table.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def _open(isa):
+    path = library_path(isa)
+    if path is None:
+        raise NativeBackendError(
+            'chainer_vgc: the native CPU backend (chainer_vgc/{}{}) is not '
+            'built; {}'.format(ISAS[isa],
+                               importlib.machinery.EXTENSION_SUFFIXES[0],
+                               _FIX))
+    try:
+        lib = ctypes.CDLL(path)
+        _signatures(lib)
+    except (OSError, AttributeError) as e:
+        raise NativeBackendError(
+            'chainer_vgc: cannot load the native CPU backend {}: {}; {}'
+            .format(path, e, _FIX))
+    built = lib.vgc_native_source_hash().decode()
+    current = source_hash()
+    if current is not None and built != current:
+        raise NativeBackendError(
+            'chainer_vgc: the native CPU backend {} was built from other '
+            'sources than {} (stale build); {}'.format(
+                path, kernels.source_dir(), _FIX))
+    _check_constants(lib)
+    return lib
+
+
+def load():
+    """The loaded library (ctypes.CDLL); NativeBackendError if unusable.
+
+    The baseline build is loaded first; it tells whether the processor runs
+    the AVX2 build, which is then used (``CHAINER_VGC_NATIVE_ISA`` chooses
+    explicitly)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        isa = requested_isa()
+        lib = _open('baseline')
+        has_avx2 = bool(lib.vgc_native_cpu_has_avx2())
+        if isa == 'avx2' and not has_avx2:
+            raise NativeBackendError(
+                'chainer_vgc: CHAINER_VGC_NATIVE_ISA=avx2 but this processor '
+                'lacks AVX2 or F16C; unset it')
+        if isa == 'avx2' or (isa == 'auto' and has_avx2
+                             and library_path('avx2') is not None):
+            lib = _open('avx2')
+        _lib = lib
+    return _lib
+
+
+def isa():
+    """The instruction set of the loaded build (``'baseline'``/``'avx2'``)."""
+    return load().vgc_native_isa().decode()
+
+
+def _check_constants(lib):
+    """The wire-format constants of the C++ file equal codec's."""
+    from chainer_vgc import codec
+    got = numpy.zeros(12, dtype=numpy.int64)
+    lib.vgc_native_constants(got.ctypes.data)
+    want = [codec.MAGIC, codec.FMT_POW2, codec.FMT_RAW, codec.FMT_QSGD,
+            codec.HEADER_WORDS, codec.INDEX_BITS, codec.MAX_D,
+            codec.LOG2_ZERO, codec.RAW_DENSE, codec.RAW_FLOAT64,
+            codec.QSGD_OFFSET_BITS, codec.QSGD_RECORD_WORDS]
+    if got.tolist() != want:
+        raise NativeBackendError(
+            'chainer_vgc: wire-format constants of the native backend {} '
+            'differ from chainer_vgc.codec {}; {}'.format(
+                got.tolist(), want, _FIX))
+
+
+def set_num_threads(n):
+    """Threads of the native passes (``None`` or 0: OpenMP's default)."""
+    load().vgc_native_set_threads(int(n or 0))
+
+
+def num_threads():
+    return int(load().vgc_native_threads())
+
+
+def default_threads(ranks_on_node=1):
+    """Cores for one of ``ranks_on_node`` ranks sharing this node, or None
+    where OMP_NUM_THREADS is set (OpenMP then reads it)."""
+    if os.environ.get('OMP_NUM_THREADS'):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(ranks_on_node)))
+
+
+class Workspace(object):
+    """Per-compressor staging buffers of the C++ side (grown, never
+    shrunk, reused every step)."""
+
+    def __init__(self):
+        self._lib = load()
+        self.handle = self._lib.vgc_native_workspace_new()
+
+    def __del__(self):
+        handle, self.handle = getattr(self, 'handle', None), None
+        if handle:
+            self._lib.vgc_native_workspace_free(handle)
+
+
+def _code(a):
+    return DTYPE_CODES[a.dtype]
+
+
+def _info():
+    return numpy.zeros(3, dtype=numpy.int64)
+
+
+def compress_vgc(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
+                 quantize, keep_unrepresentable, out):
+    """Fig. "Basic" on one tensor; returns (words, elements, flags)."""
+    info = _info()
+    load().vgc_native_vgc(
+        ws.handle, tensor_id, _code(g), g.ctypes.data, s.ctypes.data,
+        r.ctypes.data, v.ctypes.data, r_out.ctypes.data, v_out.ctypes.data,
+        g.size, alpha, zeta, int(quantize), int(keep_unrepresentable),
+        out.ctypes.data, info.ctypes.data)
+    return tuple(int(x) for x in info)
+
+
+def compress_hybrid(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
+                    tau, out):
+    """Fig. "Hybrid" on one tensor; returns (words, elements, flags)."""
+    info = _info()
+    load().vgc_native_hybrid(
+        ws.handle, tensor_id, _code(g), g.ctypes.data, s.ctypes.data,
+        r.ctypes.data, v.ctypes.data, r_out.ctypes.data, v_out.ctypes.data,
+        g.size, alpha, zeta, tau, out.ctypes.data, info.ctypes.data)
+    return tuple(int(x) for x in info)
+
+
+def compress_strom(ws, tensor_id, g, r, r_out, tau, out):
+    """Strom's threshold on one tensor; returns (words, elements, flags)."""
+    info = _info()
+    load().vgc_native_strom(ws.handle, tensor_id, _code(g), g.ctypes.data,
+                            r.ctypes.data, r_out.ctypes.data, g.size, tau,
+                            out.ctypes.data, info.ctypes.data)
+    return tuple(int(x) for x in info)
+
+
+def compress_none(ws, tensor_id, g, out):
+    """The dense gradient as a FMT_RAW group; (words, elements, flags)."""
+    info = _info()
+    load().vgc_native_none(ws.handle, tensor_id, _code(g), g.ctypes.data,
+                           g.size, out.ctypes.data, info.ctypes.data)
+    return tuple(int(x) for x in info)
+
+
+def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
+    """Validate the messages ``blocks``, then write into each ``outs[t]``
+    (flat, C-contiguous, state dtype; None: skip) the sum of their elements
+    in rank order, times ``scale`` where ``apply_scale[t]``.
+
+    Returns ``(touched, elements)``: elements written per tensor and
+    elements carried per message; or ``None`` if a message is invalid
+    (then nothing was written; the caller names the fault).
+    """
+    lib = load()
+    p, n = len(blocks), len(sizes)
+    blocks = [numpy.ascontiguousarray(b, dtype=numpy.uint32) for b in blocks]
+    ptrs = (ctypes.c_void_p * max(p, 1))(*[b.ctypes.data for b in blocks])
+    lens = numpy.array([b.size for b in blocks], dtype=numpy.int64)
+    sizes_a = numpy.asarray(sizes, dtype=numpy.int64)
+    codes = numpy.array([DTYPE_CODES[numpy.dtype(d)] for d in state_dtypes],
+                        dtype=numpy.int32)
+    out_ptrs = (ctypes.c_void_p * max(n, 1))(
+        *[None if o is None else o.ctypes.data for o in outs])
+    apply_a = numpy.asarray(apply_scale, dtype=numpy.int32)
+    touched = numpy.zeros(max(n, 1), dtype=numpy.int64)
+    elements = numpy.zeros(max(p, 1), dtype=numpy.int64)
+    bad = numpy.zeros(1, dtype=numpy.int64)
+    for o, size, dt in zip(outs, sizes, state_dtypes):
+        if o is not None and (o.size != size or o.dtype != dt
+                              or not o.flags.c_contiguous):
+            raise ValueError('decode_mean: output arrays must be '
+                             'C-contiguous, of the tensor sizes, in the state '
+                             'dtypes')
+    rc = lib.vgc_native_decode(
+        p, ctypes.cast(ptrs, ctypes.c_void_p), lens.ctypes.data, n,
+        sizes_a.ctypes.data, codes.ctypes.data,
+        ctypes.cast(out_ptrs, ctypes.c_void_p), apply_a.ctypes.data,
+        float(scale), touched.ctypes.data, elements.ctypes.data,
+        bad.ctypes.data)
+    if rc != 0:
+        return None
+    return touched[:n], elements[:p]

@@ -1,0 +1,1169 @@
+/*
+ * chainer-vgc native CPU backend: the fused compress / decode passes, built
+ * by the normal install (setup.py) into chainer_vgc/_vgc_native*.so and
+ * driven from chainer_vgc/native.py through ctypes.
+ *
+ * Every per-element operation is a call into vgc_numerics.cuh, the source
+ * the CuPy ElementwiseKernels are built from, so the GPU and the CPU run
+ * the same arithmetic (compiled with -ffp-contract=off: no FMA, results
+ * equal to the NumPy reference bit for bit; tests/test_native.py).
+ *
+ * Compress (one call per tensor, one rule):
+ *   pass 1, parallel over contiguous chunks: accumulate r and v, criterion
+ *     (eq. 4), decay, input checks (g finite, s finite and >= 0), overflow
+ *     checks, max |r| of the selected elements (for e_k, Sec. 4.2); the
+ *     selected elements are staged per chunk (index + value), nothing of the
+ *     tensor's size is allocated.  The new r and v are written to *other*
+ *     arrays (r_out, v_out) with non-temporal stores: one read of g, s, r, v
+ *     and one write of r, v, and the caller keeps the old state untouched
+ *     when any check fails (it swaps the arrays only on success).
+ *   pass 2, parallel over chunks, over the selected elements only: quantize
+ *     and encode (Sec. 4.2, App. B), then copy the words straight into the
+ *     message buffer at prefix-summed offsets.
+ * Decode: validate every message completely (the checks of codec.unpack),
+ *   then per tensor zero the output and merge the p messages' sorted index
+ *   lists, adding the contributions in rank order and applying the 1/p
+ *   mean once; never a read or write out of bounds.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "vgc_numerics.cuh"
+
+/* Wire-format constants of chainer_vgc/codec.py (checked by the tests). */
+#define VGC_MAGIC 0x31434756u
+#define VGC_FMT_POW2 1u
+#define VGC_FMT_RAW 2u
+#define VGC_FMT_QSGD 3u
+#define VGC_HEADER_WORDS 5
+#define VGC_RAW_DENSE 1u
+#define VGC_RAW_FLOAT64 2u
+#define VGC_QSGD_OFFSET_BITS 23
+#define VGC_QSGD_RECORD_WORDS 4
+
+/* dtype codes shared with native.py */
+enum { VGC_F16 = 0, VGC_F32 = 1, VGC_F64 = 2 };
+
+/* flags reported by the compress functions */
+enum {
+    VGC_BAD_GRAD = 1,    /* NaN or Inf in g */
+    VGC_BAD_SQSUM = 2,   /* NaN, Inf or negative in s */
+    VGC_OVERFLOW_R = 4,  /* r not finite after the step */
+    VGC_OVERFLOW_V = 8,  /* v not finite after the step */
+};
+
+/* elements below which a tensor is processed by one thread */
+static const int64_t VGC_PARALLEL_MIN = 1 << 16;
+
+static int vgc_threads = 0; /* 0: OpenMP's default (OMP_NUM_THREADS) */
+
+/* ---- element access ---------------------------------------------------- */
+
+typedef _Float16 vgc_half;
+
+template <typename G, typename S> static inline S vgc_load(const G *p, int64_t i) {
+    return (S)p[i];
+}
+
+template <typename S> static inline bool vgc_finite(S x) {
+    typedef vgc_float_traits<S> T;
+    return (vgc_bits(x) & T::EXP_MASK) != T::EXP_MASK;
+}
+
+template <typename S> static inline bool vgc_good_sqsum(S x) {
+    return (x >= (S)0) & (x <= std::numeric_limits<S>::max());
+}
+
+/* Non-temporal store: the new state is not read again in this step, so it
+ * bypasses the cache (no read-for-ownership of the destination). */
+static inline void vgc_stream(float *p, float x) {
+#if defined(__SSE2__)
+    int i;
+    memcpy(&i, &x, sizeof i);
+    _mm_stream_si32((int *)p, i);
+#else
+    *p = x;
+#endif
+}
+
+static inline void vgc_stream(double *p, double x) {
+#if defined(__SSE2__) && defined(__x86_64__)
+    long long i;
+    memcpy(&i, &x, sizeof i);
+    _mm_stream_si64((long long *)p, i);
+#else
+    *p = x;
+#endif
+}
+
+static inline void vgc_fence() {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static inline uint32_t vgc_f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static int vgc_nthreads() {
+#ifdef _OPENMP
+    return vgc_threads > 0 ? vgc_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* ---- per-chunk staging (reused between calls) -------------------------- */
+
+struct vgc_chunk {
+    std::vector<uint32_t> words; /* index words (or final words) */
+    /* staged r (and, keep_unrepresentable, v) of the selected elements,
+     * in the state dtype */
+    std::vector<float> fvalues, fvs;
+    std::vector<double> dvalues, dvs;
+    int64_t begin, end;
+    int64_t count;    /* staged elements */
+    int64_t out;      /* words this chunk contributes to the body */
+    int64_t offset;   /* its position in the body */
+    uint64_t maxbits; /* max |r| bits over selected elements */
+    int flags;
+};
+
+struct vgc_workspace {
+    std::vector<vgc_chunk> chunks;
+};
+
+static void vgc_plan(vgc_workspace *ws, int64_t n) {
+    int t = n >= VGC_PARALLEL_MIN ? vgc_nthreads() : 1;
+    if (t < 1) t = 1;
+    ws->chunks.resize(t);
+    int64_t per = (n + t - 1) / t;
+    per = (per + 15) & ~(int64_t)15; /* 64-byte aligned chunk starts */
+    for (int k = 0; k < t; ++k) {
+        vgc_chunk &c = ws->chunks[k];
+        c.begin = std::min(n, k * per);
+        c.end = std::min(n, c.begin + per);
+        c.count = c.out = c.offset = 0;
+        c.maxbits = 0;
+        c.flags = 0;
+    }
+}
+
+/* Runs body(chunk) for every chunk, in parallel when there are several. */
+template <typename F> static void vgc_for_chunks(vgc_workspace *ws, F body) {
+    int t = (int)ws->chunks.size();
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(t) schedule(static, 1) if (t > 1)
+#endif
+    for (int k = 0; k < t; ++k) body(ws->chunks[k]);
+}
+
+static int vgc_flags(vgc_workspace *ws) {
+    int f = 0;
+    for (size_t k = 0; k < ws->chunks.size(); ++k) f |= ws->chunks[k].flags;
+    return f;
+}
+
+/* Body offsets from the chunks' word counts; returns the total. */
+static int64_t vgc_offsets(vgc_workspace *ws) {
+    int64_t total = 0;
+    for (size_t k = 0; k < ws->chunks.size(); ++k) {
+        ws->chunks[k].offset = total;
+        total += ws->chunks[k].out;
+    }
+    return total;
+}
+
+static void vgc_header(uint32_t *out, int tid, uint32_t fmt, int64_t count,
+                       uint32_t a, uint32_t b) {
+    out[0] = (uint32_t)tid;
+    out[1] = fmt;
+    out[2] = (uint32_t)count;
+    out[3] = a;
+    out[4] = b;
+}
+
+/* ---- blocks: one cache line of the state at a time ---------------------- */
+
+/* Elements per block: 64 bytes of state.  The arithmetic of a block runs
+ * in a loop without branches (vectorized by the compiler); the rare
+ * selected elements are staged afterwards. */
+template <typename S> struct vgc_block {
+    static const int N = 64 / sizeof(S);
+};
+
+/* Integer lane type of the width of S (vectorizes with S). */
+template <typename S> struct vgc_lane;
+template <> struct vgc_lane<float> { typedef int32_t I; };
+template <> struct vgc_lane<double> { typedef int64_t I; };
+
+/* Stores a block of the new state, non-temporally where aligned. */
+template <typename S>
+static inline void vgc_store_block(S *dst, const S *src, int n) {
+#if defined(__SSE2__)
+    if (n == vgc_block<S>::N && ((uintptr_t)dst & 15) == 0) {
+        const __m128i *from = (const __m128i *)src;
+        __m128i *to = (__m128i *)dst;
+        _mm_stream_si128(to, _mm_loadu_si128(from));
+        _mm_stream_si128(to + 1, _mm_loadu_si128(from + 1));
+        _mm_stream_si128(to + 2, _mm_loadu_si128(from + 2));
+        _mm_stream_si128(to + 3, _mm_loadu_si128(from + 3));
+        return;
+    }
+#endif
+    memcpy(dst, src, sizeof(S) * n);
+}
+
+template <typename S> struct vgc_stage;
+template <> struct vgc_stage<float> {
+    static std::vector<float> &values(vgc_chunk &c) { return c.fvalues; }
+    static std::vector<float> &vs(vgc_chunk &c) { return c.fvs; }
+};
+template <> struct vgc_stage<double> {
+    static std::vector<double> &values(vgc_chunk &c) { return c.dvalues; }
+    static std::vector<double> &vs(vgc_chunk &c) { return c.dvs; }
+};
+
+/* Room for `more` staged elements (the vectors only grow, so the memory
+ * is reused from step to step). */
+template <typename S>
+static inline void vgc_reserve(vgc_chunk &c, int64_t more, bool values,
+                               bool vs) {
+    size_t need = (size_t)(c.count + more);
+    if (need > c.words.size())
+        c.words.resize(std::max<size_t>(2 * c.words.size(), need + 4096));
+    if (values && need > vgc_stage<S>::values(c).size())
+        vgc_stage<S>::values(c).resize(c.words.size());
+    if (vs && need > vgc_stage<S>::vs(c).size())
+        vgc_stage<S>::vs(c).resize(c.words.size());
+}
+
+/* Bit j set where a[j] != 0 (j < n <= 32). */
+template <typename I> static inline uint32_t vgc_mask(const I *a, int n) {
+    uint32_t m = 0;
+    for (int j = 0; j < n; ++j) m |= (uint32_t)(a[j] != 0) << j;
+    return m;
+}
+
+#if defined(__SSE2__)
+template <> inline uint32_t vgc_mask<int32_t>(const int32_t *a, int n) {
+    if (n != 16) {
+        uint32_t m = 0;
+        for (int j = 0; j < n; ++j) m |= (uint32_t)(a[j] != 0) << j;
+        return m;
+    }
+    const __m128i zero = _mm_setzero_si128();
+    uint32_t m = 0;
+    for (int k = 0; k < 4; ++k) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(a + 4 * k));
+        int eq = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, zero)));
+        m |= (uint32_t)(~eq & 0xF) << (4 * k);
+    }
+    return m;
+}
+#endif
+
+/* ---- staging the selected lanes of a block ------------------------------ */
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* For each 8-bit lane mask, the lanes to keep, packed to the front. */
+struct vgc_pack_table {
+    uint8_t lanes[256][8];
+    vgc_pack_table() {
+        for (int m = 0; m < 256; ++m) {
+            int k = 0;
+            for (int j = 0; j < 8; ++j)
+                if (m >> j & 1) lanes[m][k++] = (uint8_t)j;
+            for (; k < 8; ++k) lanes[m][k] = 0;
+        }
+    }
+};
+
+static const vgc_pack_table vgc_pack_lanes;
+
+/* Writes the lanes of `x` selected by mask m (8 bits) to dst, packed, and
+ * returns how many; dst must have room for 8. */
+static inline int vgc_pack8(int m, __m256i x, uint32_t *dst) {
+    __m256i perm = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64((const __m128i *)vgc_pack_lanes.lanes[m]));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(x, perm));
+    return __builtin_popcount(m);
+}
+
+static inline int vgc_nonzero8(const int32_t *a) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)a);
+    __m256i eq = _mm256_cmpeq_epi32(x, _mm256_setzero_si256());
+    return ~_mm256_movemask_ps(_mm256_castsi256_ps(eq)) & 0xFF;
+}
+#endif
+
+/* Appends the sign words (sign | index) of the nonzero lanes of `sign`
+ * (+1/-1/0) to the chunk's staging, in lane order. */
+template <typename S, typename I>
+static inline void vgc_stage_signs(vgc_chunk &c, const I *sign, int n,
+                                   int64_t i0) {
+#if defined(__AVX2__)
+    if (sizeof(I) == 4 && n == 16) { /* no branch per element */
+        vgc_reserve<S>(c, n + 8, false, false);
+        const int32_t *sg = (const int32_t *)sign;
+        for (int h = 0; h < 2; ++h) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(sg + 8 * h));
+            __m256i index = _mm256_and_si256(
+                _mm256_add_epi32(
+                    _mm256_set1_epi32((int)(uint32_t)(i0 + 8 * h)),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                _mm256_set1_epi32((int)VGC_INDEX_MASK));
+            __m256i neg = _mm256_and_si256(
+                _mm256_cmpgt_epi32(_mm256_setzero_si256(), x),
+                _mm256_set1_epi32((int)0x80000000u));
+            c.count += vgc_pack8(vgc_nonzero8(sg + 8 * h),
+                                 _mm256_or_si256(index, neg),
+                                 c.words.data() + c.count);
+        }
+        return;
+    }
+#endif
+    uint32_t any = vgc_mask(sign, n);
+    if (!any) return;
+    vgc_reserve<S>(c, n, false, false);
+    for (uint32_t m = any; m; m &= m - 1) {
+        int j = __builtin_ctz(m);
+        c.words[c.count++] = (sign[j] < 0 ? 0x80000000u : 0u) |
+                             ((uint32_t)(i0 + j) & VGC_INDEX_MASK);
+    }
+}
+
+/* Appends index and r (and v unless reset) of the selected lanes to the
+ * chunk's staging; with reset, zeroes their r and v in the block. */
+template <typename S, typename I>
+static inline void vgc_stage_selected(vgc_chunk &c, const I *sel, int n,
+                                      int64_t i0, S *rr, S *vv, bool reset) {
+#if defined(__AVX2__)
+    if (sizeof(S) == 4 && n == 16 && reset) {
+        vgc_reserve<S>(c, n + 8, true, false);
+        const int32_t *sl = (const int32_t *)sel;
+        uint32_t *values = (uint32_t *)vgc_stage<S>::values(c).data();
+        for (int h = 0; h < 2; ++h) {
+            int m = vgc_nonzero8(sl + 8 * h);
+            __m256i index = _mm256_add_epi32(
+                _mm256_set1_epi32((int)(uint32_t)(i0 + 8 * h)),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256i r = _mm256_loadu_si256((const __m256i *)(rr + 8 * h));
+            vgc_pack8(m, r, values + c.count);
+            c.count += vgc_pack8(m, index, c.words.data() + c.count);
+            __m256i keep = _mm256_cmpeq_epi32(
+                _mm256_loadu_si256((const __m256i *)(sl + 8 * h)),
+                _mm256_setzero_si256());
+            _mm256_storeu_si256((__m256i *)(rr + 8 * h),
+                                _mm256_and_si256(r, keep));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(vv + 8 * h));
+            _mm256_storeu_si256((__m256i *)(vv + 8 * h),
+                                _mm256_and_si256(v, keep));
+        }
+        return;
+    }
+#endif
+    uint32_t any = vgc_mask(sel, n);
+    if (!any) return;
+    vgc_reserve<S>(c, n, true, !reset);
+    S *values = vgc_stage<S>::values(c).data();
+    for (uint32_t m = any; m; m &= m - 1) {
+        int j = __builtin_ctz(m);
+        c.words[c.count] = (uint32_t)(i0 + j);
+        values[c.count] = rr[j];
+        if (reset) {
+            rr[j] = (S)0;
+            vv[j] = (S)0;
+        } else {
+            vgc_stage<S>::vs(c)[c.count] = vv[j];
+        }
+        ++c.count;
+    }
+}
+
+/* Fault flags from per-lane accumulators (NULL: not checked). */
+template <typename I>
+static int vgc_lane_flags(const I *bad_g, const I *bad_s, const I *over_r,
+                          const I *over_v, int n) {
+    I g = 0, s = 0, r = 0, v = 0;
+    for (int j = 0; j < n; ++j) {
+        g |= bad_g ? bad_g[j] : 0;
+        s |= bad_s ? bad_s[j] : 0;
+        r |= over_r ? over_r[j] : 0;
+        v |= over_v ? over_v[j] : 0;
+    }
+    return (g ? VGC_BAD_GRAD : 0) | (s ? VGC_BAD_SQSUM : 0) |
+           (r ? VGC_OVERFLOW_R : 0) | (v ? VGC_OVERFLOW_V : 0);
+}
+
+template <typename I> static I vgc_lane_max(const I *a, int n) {
+    I m = 0;
+    for (int j = 0; j < n; ++j) m = a[j] > m ? a[j] : m;
+    return m;
+}
+
+/* ---- Fig. "Basic" (vgc) ------------------------------------------------ */
+
+/* The arithmetic of one block of n elements (NN > 0: n == NN, a constant
+ * trip count the compiler unrolls and vectorizes). */
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_basic_block(int n, const G *__restrict g, const S *__restrict s,
+                const S *__restrict r_in, const S *__restrict v_in, S alpha,
+                S zeta, S *__restrict rr, S *__restrict vv, I *__restrict sel,
+                I *__restrict bad_g, I *__restrict bad_s, I *__restrict over_r,
+                I *__restrict over_v, I *__restrict maxbits) {
+    typedef vgc_float_traits<S> T;
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+            S gi = vgc_load<G, S>(g, j), si = s[j], ri = r_in[j], vi = v_in[j];
+            bad_g[j] |= (I)!vgc_finite(gi);
+            bad_s[j] |= (I)!vgc_good_sqsum(si);
+            I sl = (I)vgc_basic_select<S>(gi, si, alpha, zeta, ri, vi);
+            I mag = (I)(vgc_bits(ri) & T::ABS_MASK);
+            I cand = sl ? mag : (I)0;
+            maxbits[j] = cand > maxbits[j] ? cand : maxbits[j];
+            over_r[j] |= (I)(sl == 0) & (I)!vgc_finite(ri);
+            over_v[j] |= (I)(sl == 0) & (I)!vgc_finite(vi);
+            sel[j] = sl;
+            rr[j] = ri;
+            vv[j] = vi;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_basic_pass(vgc_chunk &c, const G *g, const S *s, const S *r_in,
+                           const S *v_in, S *r_out, S *v_out, S alpha, S zeta,
+                           bool reset) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0},
+      maxbits[B] = {0};
+    c.count = 0;
+    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
+        const int n = (int)std::min<int64_t>(B, c.end - i0);
+        S rr[B], vv[B];
+        I sel[B];
+        if (n == B)
+            vgc_basic_block<vgc_block<S>::N>(
+                n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, rr, vv,
+                sel, bad_g, bad_s, over_r, over_v, maxbits);
+        else
+            vgc_basic_block<0>(n, g + i0, s + i0, r_in + i0, v_in + i0, alpha,
+                               zeta, rr, vv, sel, bad_g, bad_s, over_r,
+                               over_v, maxbits);
+        vgc_stage_selected<S>(c, sel, n, i0, rr, vv, reset);
+        vgc_store_block(r_out + i0, rr, n);
+        vgc_store_block(v_out + i0, vv, n);
+    }
+    vgc_fence();
+    c.maxbits = (uint64_t)vgc_lane_max(maxbits, B);
+    c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
+}
+
+/* Quantize the staged values of a chunk in place (Sec. 4.2): the words of
+ * the representable ones, in index order.  keep: an unrepresentable element
+ * stays in r (and v keeps its decayed value); otherwise it was reset in
+ * pass 1 and is dropped, as the paper's Encode() does. */
+template <typename S>
+static void vgc_quantize_chunk(vgc_chunk &c, int e_k, bool keep, S *r_out,
+                               S *v_out) {
+    int64_t w = 0;
+    const S *values = vgc_stage<S>::values(c).data();
+    if (e_k == VGC_LOG2_ZERO) { /* every selected value is subnormal */
+        if (keep)
+            for (int64_t j = 0; j < c.count; ++j) {
+                if (!vgc_finite(values[j])) c.flags |= VGC_OVERFLOW_R;
+                if (!vgc_finite(vgc_stage<S>::vs(c)[j]))
+                    c.flags |= VGC_OVERFLOW_V;
+            }
+        c.out = 0;
+        return;
+    }
+    if (!keep) { /* compaction without branches: w <= j */
+        for (int64_t j = 0; j < c.count; ++j) {
+            uint32_t word;
+            bool ok = vgc_pow2_encode<S>(values[j], e_k,
+                                         (long long)c.words[j], word);
+            c.words[w] = word;
+            w += ok;
+        }
+        c.out = w;
+        return;
+    }
+    for (int64_t j = 0; j < c.count; ++j) {
+        uint32_t index = c.words[j], word;
+        S x = values[j];
+        if (vgc_pow2_encode<S>(x, e_k, (long long)index, word)) {
+            c.words[w++] = word;
+            r_out[index] = (S)0;
+            v_out[index] = (S)0;
+        } else {
+            if (!vgc_finite(x)) c.flags |= VGC_OVERFLOW_R;
+            if (!vgc_finite(vgc_stage<S>::vs(c)[j])) c.flags |= VGC_OVERFLOW_V;
+        }
+    }
+    c.out = w;
+}
+
+template <typename G, typename S>
+static int64_t vgc_basic(vgc_workspace *ws, int tid, const G *g, const S *s,
+                         const S *r_in, const S *v_in, S *r_out, S *v_out,
+                         int64_t n, double alpha_d, double zeta_d,
+                         int quantize, int keep_unrep, uint32_t *out,
+                         int64_t *info) {
+    typedef vgc_float_traits<S> T;
+    const S alpha = (S)alpha_d, zeta = (S)zeta_d;
+    const bool keep = quantize && keep_unrep;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_basic_pass<G, S>(c, g, s, r_in, v_in, r_out, v_out, alpha, zeta,
+                             !keep);
+    });
+    int64_t count = 0;
+    uint64_t maxbits = 0;
+    for (size_t k = 0; k < ws->chunks.size(); ++k) {
+        count += ws->chunks[k].count;
+        maxbits = std::max(maxbits, ws->chunks[k].maxbits);
+    }
+    info[0] = info[1] = 0;
+    if (count == 0) {
+        info[2] = vgc_flags(ws);
+        return 0;
+    }
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    if (!quantize) {
+        /* FMT_RAW: index words (unless all are sent), then the values */
+        const bool dense = count == n;
+        const int vw = sizeof(S) / 4;
+        for (size_t k = 0; k < ws->chunks.size(); ++k)
+            ws->chunks[k].out = ws->chunks[k].count;
+        vgc_offsets(ws);
+        uint32_t *values = body + (dense ? 0 : count);
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (!dense && c.count)
+                memcpy(body + c.offset, c.words.data(), 4 * c.count);
+            const S *staged = vgc_stage<S>::values(c).data();
+            for (int64_t j = 0; j < c.count; ++j) {
+                S x = staged[j];
+                memcpy(values + (c.offset + j) * vw, &x, sizeof x);
+            }
+        });
+        vgc_header(out, tid, VGC_FMT_RAW, count,
+                   (dense ? VGC_RAW_DENSE : 0) |
+                       (sizeof(S) == 8 ? VGC_RAW_FLOAT64 : 0),
+                   0);
+        info[0] = VGC_HEADER_WORDS + (dense ? 0 : count) + count * vw;
+        info[1] = count;
+        info[2] = vgc_flags(ws);
+        return info[0];
+    }
+    /* e_k = floor(log2 max |r|) over the selected elements (Sec. 4.2) */
+    typename T::U mb = (typename T::U)maxbits;
+    S maxval;
+    memcpy(&maxval, &mb, sizeof maxval);
+    const int e_k = vgc_floor_log2<S>(maxval);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_quantize_chunk<S>(c, e_k, keep, r_out, v_out);
+    });
+    int64_t sent = vgc_offsets(ws);
+    info[2] = vgc_flags(ws);
+    if (sent == 0) return 0;
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
+    });
+    vgc_header(out, tid, VGC_FMT_POW2, sent, (uint32_t)e_k,
+               vgc_f32_bits(1.0f));
+    info[0] = VGC_HEADER_WORDS + sent;
+    info[1] = sent;
+    return info[0];
+}
+
+/* ---- Fig. "Hybrid" and Strom: +-tau, one pass -------------------------- */
+
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_hybrid_block(int n, const G *__restrict g, const S *__restrict s,
+                 const S *__restrict r_in, const S *__restrict v_in, S alpha,
+                 S zeta, S tau, S *__restrict rr, S *__restrict vv,
+                 I *__restrict sign, I *__restrict bad_g, I *__restrict bad_s,
+                 I *__restrict over_r, I *__restrict over_v) {
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+        S gi = vgc_load<G, S>(g, j), si = s[j], ri = r_in[j], vi = v_in[j];
+        bad_g[j] |= (I)!vgc_finite(gi);
+        bad_s[j] |= (I)!vgc_good_sqsum(si);
+        I sg = (I)vgc_hybrid_step<S>(gi, si, alpha, zeta, tau, ri, vi);
+        over_r[j] |= (I)!vgc_finite(ri);
+        over_v[j] |= (I)!vgc_finite(vi);
+        sign[j] = sg;
+        rr[j] = ri;
+        vv[j] = vi;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_hybrid_pass(vgc_chunk &c, const G *g, const S *s,
+                            const S *r_in, const S *v_in, S *r_out, S *v_out,
+                            S alpha, S zeta, S tau) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0};
+    c.count = 0;
+    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
+        const int n = (int)std::min<int64_t>(B, c.end - i0);
+        S rr[B], vv[B];
+        I sign[B];
+        if (n == B)
+            vgc_hybrid_block<vgc_block<S>::N>(
+                n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, tau, rr,
+                vv, sign, bad_g, bad_s, over_r, over_v);
+        else
+            vgc_hybrid_block<0>(n, g + i0, s + i0, r_in + i0, v_in + i0,
+                                alpha, zeta, tau, rr, vv, sign, bad_g, bad_s,
+                                over_r, over_v);
+        vgc_stage_signs<S>(c, sign, n, i0);
+        vgc_store_block(r_out + i0, rr, n);
+        vgc_store_block(v_out + i0, vv, n);
+    }
+    vgc_fence();
+    c.out = c.count;
+    c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
+}
+
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_strom_block(int n, const G *__restrict g, const S *__restrict r_in,
+                S tau, S *__restrict rr, I *__restrict sign,
+                I *__restrict bad_g, I *__restrict over_r) {
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+        S gi = vgc_load<G, S>(g, j), ri = r_in[j];
+        bad_g[j] |= (I)!vgc_finite(gi);
+        I sg = (I)vgc_strom_step<S>(gi, tau, ri);
+        over_r[j] |= (I)!vgc_finite(ri);
+        sign[j] = sg;
+        rr[j] = ri;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_strom_pass(vgc_chunk &c, const G *g, const S *r_in, S *r_out,
+                           S tau) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, over_r[B] = {0};
+    c.count = 0;
+    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
+        const int n = (int)std::min<int64_t>(B, c.end - i0);
+        S rr[B];
+        I sign[B];
+        if (n == B)
+            vgc_strom_block<vgc_block<S>::N>(n, g + i0, r_in + i0, tau, rr,
+                                             sign, bad_g, over_r);
+        else
+            vgc_strom_block<0>(n, g + i0, r_in + i0, tau, rr, sign, bad_g,
+                               over_r);
+        vgc_stage_signs<S>(c, sign, n, i0);
+        vgc_store_block(r_out + i0, rr, n);
+    }
+    vgc_fence();
+    c.out = c.count;
+    c.flags = vgc_lane_flags(bad_g, (I *)NULL, over_r, (I *)NULL, B);
+}
+
+/* Copies the staged sign words into a FMT_POW2 group (e_k 0, scale tau). */
+static int64_t vgc_sign_group(vgc_workspace *ws, int tid, float tau,
+                              uint32_t *out, int64_t *info) {
+    int64_t count = vgc_offsets(ws);
+    info[0] = info[1] = 0;
+    info[2] = vgc_flags(ws);
+    if (count == 0) return 0;
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
+    });
+    vgc_header(out, tid, VGC_FMT_POW2, count, 0u, vgc_f32_bits(tau));
+    info[0] = VGC_HEADER_WORDS + count;
+    info[1] = count;
+    return info[0];
+}
+
+template <typename G, typename S>
+static int64_t vgc_hybrid(vgc_workspace *ws, int tid, const G *g, const S *s,
+                          const S *r_in, const S *v_in, S *r_out, S *v_out,
+                          int64_t n, double alpha_d, double zeta_d,
+                          double tau_d, uint32_t *out, int64_t *info) {
+    const float tau32 = (float)tau_d; /* the value on the wire */
+    const S alpha = (S)alpha_d, zeta = (S)zeta_d, tau = (S)tau32;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_hybrid_pass<G, S>(c, g, s, r_in, v_in, r_out, v_out, alpha, zeta,
+                              tau);
+    });
+    return vgc_sign_group(ws, tid, tau32, out, info);
+}
+
+template <typename G, typename S>
+static int64_t vgc_strom(vgc_workspace *ws, int tid, const G *g,
+                         const S *r_in, S *r_out, int64_t n, double tau_d,
+                         uint32_t *out, int64_t *info) {
+    const float tau32 = (float)tau_d;
+    const S tau = (S)tau32;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_strom_pass<G, S>(c, g, r_in, r_out, tau);
+    });
+    return vgc_sign_group(ws, tid, tau32, out, info);
+}
+
+/* ---- none: the dense gradient in the state dtype (FMT_RAW, dense) ------ */
+
+template <typename G, typename S>
+static int64_t vgc_none(vgc_workspace *ws, int tid, const G *g, int64_t n,
+                        uint32_t *out, int64_t *info) {
+    info[0] = info[1] = info[2] = 0;
+    if (n == 0) return 0;
+    vgc_plan(ws, n);
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        bool bad = false;
+        for (int64_t i = c.begin; i < c.end; ++i) {
+            S x = vgc_load<G, S>(g, i);
+            bad |= !vgc_finite(x);
+            memcpy(body + i * (int64_t)(sizeof(S) / 4), &x, sizeof x);
+        }
+        c.flags = bad ? VGC_BAD_GRAD : 0;
+    });
+    vgc_header(out, tid, VGC_FMT_RAW, n,
+               VGC_RAW_DENSE | (sizeof(S) == 8 ? VGC_RAW_FLOAT64 : 0), 0);
+    info[0] = VGC_HEADER_WORDS + n * (int64_t)(sizeof(S) / 4);
+    info[1] = n;
+    info[2] = vgc_flags(ws);
+    return info[0];
+}
+
+/* ---- decode ------------------------------------------------------------ */
+
+/* One validated group of one message, and a cursor over its elements in
+ * index order. */
+struct vgc_group {
+    const uint32_t *body;
+    uint32_t fmt, count, a, b;
+    /* cursor */
+    int64_t pos;   /* element number */
+    int64_t index; /* current index */
+    int64_t rec, rec_left, word_at;
+    double table[16]; /* FMT_POW2 values, in the state dtype */
+};
+
+static double vgc_word_double(const uint32_t *p) {
+    double d;
+    memcpy(&d, p, sizeof d);
+    return d;
+}
+
+static float vgc_word_float(const uint32_t *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+/* The index of element pos (requires pos < count). */
+static int64_t vgc_group_index(const vgc_group &g) {
+    switch (g.fmt) {
+    case VGC_FMT_POW2:
+        return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
+    case VGC_FMT_RAW:
+        return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
+    default: { /* QSGD: record rec, word at word_at */
+        const uint32_t *r = g.body + VGC_QSGD_RECORD_WORDS * g.rec;
+        int64_t bucket = g.b & 0xFFFFFF;
+        return (int64_t)r[0] * bucket +
+               (int64_t)(g.body[g.word_at] & ((1u << VGC_QSGD_OFFSET_BITS) - 1));
+    }
+    }
+}
+
+template <typename S> static S vgc_group_value(const vgc_group &g) {
+    switch (g.fmt) {
+    case VGC_FMT_POW2:
+        return (S)g.table[g.body[g.pos] >> VGC_INDEX_BITS];
+    case VGC_FMT_RAW: {
+        const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : g.count);
+        if (g.a & VGC_RAW_FLOAT64) return (S)vgc_word_double(v + 2 * g.pos);
+        return (S)vgc_word_float(v + g.pos);
+    }
+    default: {
+        const uint32_t *r = g.body + VGC_QSGD_RECORD_WORDS * g.rec;
+        uint32_t w = g.body[g.word_at];
+        double mag = (double)((w >> VGC_QSGD_OFFSET_BITS) & 0xFFu) *
+                     vgc_word_double(r + 2);
+        return (S)((w >> 31) ? -mag : mag);
+    }
+    }
+}
+
+static void vgc_group_advance(vgc_group &g) {
+    ++g.pos;
+    if (g.fmt == VGC_FMT_QSGD) {
+        ++g.word_at;
+        if (--g.rec_left == 0 && g.pos < (int64_t)g.count) {
+            ++g.rec;
+            g.rec_left = g.body[VGC_QSGD_RECORD_WORDS * g.rec + 1];
+        }
+    }
+}
+
+static void vgc_group_start(vgc_group &g) {
+    g.pos = 0;
+    if (g.fmt == VGC_FMT_QSGD) {
+        g.rec = 0;
+        g.rec_left = g.body[1];
+        g.word_at = VGC_QSGD_RECORD_WORDS * (int64_t)g.a;
+    }
+}
+
+/* Error codes (the Python side re-runs codec.unpack to name the fault). */
+enum { VGC_OK = 0, VGC_BAD_MESSAGE = 1 };
+
+/* Validates one group's contents as codec.unpack does. */
+static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
+    const bool f64 = scode == VGC_F64;
+    const int64_t count = g.count;
+    if (g.fmt == VGC_FMT_POW2) {
+        int e_k = (int)(int32_t)g.a;
+        float scale = vgc_word_float(&g.b);
+        int minexp = f64 ? -1022 : -126, maxexp = f64 ? 1024 : 128;
+        if (!(vgc_finite(scale) && scale > 0.0f && minexp <= e_k &&
+              e_k <= maxexp - 1))
+            return false;
+        for (uint32_t k = 0; k < 16; ++k) {
+            long long ix;
+            double v = f64 ? vgc_pow2_decode<double>(k << VGC_INDEX_BITS, e_k,
+                                                     (double)scale, ix)
+                           : (double)vgc_pow2_decode<float>(
+                                 k << VGC_INDEX_BITS, e_k, scale, ix);
+            if (!vgc_finite(v) || v == 0.0) return false;
+            g.table[k] = v;
+        }
+    } else if (g.fmt == VGC_FMT_RAW) {
+        const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : count);
+        for (int64_t j = 0; j < count; ++j) {
+            bool ok = (g.a & VGC_RAW_FLOAT64) ? vgc_finite(vgc_word_double(v + 2 * j))
+                                              : vgc_finite(vgc_word_float(v + j));
+            if (!ok) return false;
+        }
+        if (g.a & VGC_RAW_DENSE) return true;
+    } else {
+        const int64_t n_rec = g.a, bucket = g.b & 0xFFFFFF;
+        const uint32_t levels = g.b >> 24;
+        int64_t total = 0, last_id = -1;
+        for (int64_t k = 0; k < n_rec; ++k) {
+            const uint32_t *r = g.body + VGC_QSGD_RECORD_WORDS * k;
+            double scale = vgc_word_double(r + 2);
+            if ((int64_t)r[0] <= last_id || r[1] == 0 ||
+                !(vgc_finite(scale) && scale > 0))
+                return false;
+            last_id = r[0];
+            total += r[1];
+        }
+        if (total != count || last_id * bucket >= size) return false;
+        const uint32_t *w = g.body + VGC_QSGD_RECORD_WORDS * n_rec;
+        for (int64_t j = 0; j < count; ++j) {
+            if ((int64_t)(w[j] & ((1u << VGC_QSGD_OFFSET_BITS) - 1)) >= bucket ||
+                ((w[j] >> VGC_QSGD_OFFSET_BITS) & 0xFFu) > levels)
+                return false;
+        }
+    }
+    /* indices strictly increasing and in range */
+    vgc_group_start(g);
+    int64_t last = -1;
+    for (int64_t j = 0; j < count; ++j) {
+        int64_t ix = vgc_group_index(g);
+        if (ix <= last || ix >= size) return false;
+        last = ix;
+        vgc_group_advance(g);
+    }
+    return true;
+}
+
+/* Walks and validates one message (as codec._walk + codec.unpack); fills
+ * groups[tid] for the tensors it carries and adds its element count. */
+static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
+                     const int64_t *sizes, const int *scodes,
+                     vgc_group *groups, int64_t *elements) {
+    if (len < 2 || m[0] != VGC_MAGIC) return false;
+    int64_t n_groups = m[1], pos = 2, last = -1;
+    *elements = 0;
+    for (int64_t k = 0; k < n_groups; ++k) {
+        if (pos + VGC_HEADER_WORDS > len) return false;
+        const uint32_t *h = m + pos;
+        int64_t tid = h[0];
+        uint32_t fmt = h[1], count = h[2], a = h[3], b = h[4];
+        pos += VGC_HEADER_WORDS;
+        if (tid <= last || tid >= n_tensors) return false;
+        last = tid;
+        int64_t size = sizes[tid], length;
+        if (count == 0 || (int64_t)count > size) return false;
+        if (fmt == VGC_FMT_POW2) {
+            length = count;
+        } else if (fmt == VGC_FMT_RAW) {
+            if (a & ~(VGC_RAW_DENSE | VGC_RAW_FLOAT64)) return false;
+            if ((a & VGC_RAW_DENSE) && (int64_t)count != size) return false;
+            length = ((a & VGC_RAW_DENSE) ? 0 : (int64_t)count) +
+                     (int64_t)count * ((a & VGC_RAW_FLOAT64) ? 2 : 1);
+        } else if (fmt == VGC_FMT_QSGD) {
+            if (a == 0 || a > count || (b & 0xFFFFFF) == 0 || (b >> 24) == 0)
+                return false;
+            length = VGC_QSGD_RECORD_WORDS * (int64_t)a + count;
+        } else {
+            return false;
+        }
+        if (pos + length > len) return false;
+        vgc_group &g = groups[tid];
+        g.body = m + pos;
+        g.fmt = fmt;
+        g.count = count;
+        g.a = a;
+        g.b = b;
+        if (!vgc_check_group(g, size, scodes[tid])) return false;
+        *elements += count;
+        pos += length;
+    }
+    return pos == len;
+}
+
+/* Zero out[0..size) and write sum_b (in rank order) of the p groups'
+ * values, times scale if apply_scale; returns the elements written. */
+template <typename S>
+static int64_t vgc_merge(vgc_group **heads, int p, S *out, int64_t size,
+                         int apply_scale, double scale_d) {
+    const S scale = (S)scale_d;
+    memset(out, 0, sizeof(S) * size);
+    int live = 0;
+    for (int b = 0; b < p; ++b)
+        if (heads[b]) {
+            vgc_group_start(*heads[b]);
+            heads[live++] = heads[b];
+        }
+    int64_t written = 0;
+    if (live == 1) {
+        vgc_group &g = *heads[0];
+        for (int64_t j = 0; j < (int64_t)g.count; ++j) {
+            S acc = (S)0;
+            acc += vgc_group_value<S>(g);
+            out[vgc_group_index(g)] = apply_scale ? acc * scale : acc;
+            vgc_group_advance(g);
+        }
+        return g.count;
+    }
+    std::vector<int64_t> cur(live);
+    for (int b = 0; b < live; ++b)
+        cur[b] = heads[b]->count ? vgc_group_index(*heads[b]) : size;
+    for (;;) {
+        int64_t m = size;
+        for (int b = 0; b < live; ++b) m = cur[b] < m ? cur[b] : m;
+        if (m >= size) break;
+        S acc = (S)0;
+        for (int b = 0; b < live; ++b) {
+            if (cur[b] != m) continue;
+            vgc_group &g = *heads[b];
+            acc += vgc_group_value<S>(g);
+            vgc_group_advance(g);
+            cur[b] = g.pos < (int64_t)g.count ? vgc_group_index(g) : size;
+        }
+        out[m] = apply_scale ? acc * scale : acc;
+        ++written;
+    }
+    return written;
+}
+
+/* ---- exported API ------------------------------------------------------ */
+
+extern "C" {
+
+int vgc_native_abi(void) { return 1; }
+
+/* Instruction set this build was compiled for, and whether this processor
+ * runs the AVX2 build (asked of the baseline build before loading it). */
+const char *vgc_native_isa(void) {
+#if defined(__AVX2__)
+    return "avx2";
+#else
+    return "baseline";
+#endif
+}
+
+int vgc_native_cpu_has_avx2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+const char *vgc_native_source_hash(void) {
+#ifdef VGC_SOURCE_HASH
+    return VGC_SOURCE_HASH;
+#else
+    return "";
+#endif
+}
+
+void vgc_native_constants(int64_t *c) {
+    c[0] = VGC_MAGIC;
+    c[1] = VGC_FMT_POW2;
+    c[2] = VGC_FMT_RAW;
+    c[3] = VGC_FMT_QSGD;
+    c[4] = VGC_HEADER_WORDS;
+    c[5] = VGC_INDEX_BITS;
+    c[6] = VGC_MAX_D;
+    c[7] = VGC_LOG2_ZERO;
+    c[8] = VGC_RAW_DENSE;
+    c[9] = VGC_RAW_FLOAT64;
+    c[10] = VGC_QSGD_OFFSET_BITS;
+    c[11] = VGC_QSGD_RECORD_WORDS;
+}
+
+void vgc_native_set_threads(int n) { vgc_threads = n > 0 ? n : 0; }
+
+int vgc_native_threads(void) { return vgc_nthreads(); }
+
+void *vgc_native_workspace_new(void) { return new vgc_workspace(); }
+
+void vgc_native_workspace_free(void *ws) { delete (vgc_workspace *)ws; }
+
+/* gcode: dtype of g (VGC_F16/F32/F64); s, r, v are in the state dtype
+ * (float64 for F64, else float32).  info = {words, elements sent, flags}. */
+int64_t vgc_native_vgc(void *ws, int tid, int gcode, const void *g,
+                       const void *s, const void *r_in, const void *v_in,
+                       void *r_out, void *v_out, int64_t n, double alpha,
+                       double zeta, int quantize, int keep_unrep,
+                       uint32_t *out, int64_t *info) {
+    vgc_workspace *w = (vgc_workspace *)ws;
+#define VGC_ARGS(G, S)                                                         \
+    w, tid, (const G *)g, (const S *)s, (const S *)r_in, (const S *)v_in,     \
+        (S *)r_out, (S *)v_out, n, alpha, zeta, quantize, keep_unrep, out, info
+    switch (gcode) {
+    case VGC_F16: return vgc_basic<vgc_half, float>(VGC_ARGS(vgc_half, float));
+    case VGC_F32: return vgc_basic<float, float>(VGC_ARGS(float, float));
+    default: return vgc_basic<double, double>(VGC_ARGS(double, double));
+    }
+#undef VGC_ARGS
+}
+
+int64_t vgc_native_hybrid(void *ws, int tid, int gcode, const void *g,
+                          const void *s, const void *r_in, const void *v_in,
+                          void *r_out, void *v_out, int64_t n, double alpha,
+                          double zeta, double tau, uint32_t *out,
+                          int64_t *info) {
+    vgc_workspace *w = (vgc_workspace *)ws;
+#define VGC_ARGS(G, S)                                                         \
+    w, tid, (const G *)g, (const S *)s, (const S *)r_in, (const S *)v_in,     \
+        (S *)r_out, (S *)v_out, n, alpha, zeta, tau, out, info
+    switch (gcode) {
+    case VGC_F16: return vgc_hybrid<vgc_half, float>(VGC_ARGS(vgc_half, float));
+    case VGC_F32: return vgc_hybrid<float, float>(VGC_ARGS(float, float));
+    default: return vgc_hybrid<double, double>(VGC_ARGS(double, double));
+    }
+#undef VGC_ARGS
+}
+
+int64_t vgc_native_strom(void *ws, int tid, int gcode, const void *g,
+                         const void *r_in, void *r_out, int64_t n, double tau,
+                         uint32_t *out, int64_t *info) {
+    vgc_workspace *w = (vgc_workspace *)ws;
+    switch (gcode) {
+    case VGC_F16:
+        return vgc_strom<vgc_half, float>(w, tid, (const vgc_half *)g,
+                                          (const float *)r_in, (float *)r_out,
+                                          n, tau, out, info);
+    case VGC_F32:
+        return vgc_strom<float, float>(w, tid, (const float *)g,
+                                       (const float *)r_in, (float *)r_out, n,
+                                       tau, out, info);
+    default:
+        return vgc_strom<double, double>(w, tid, (const double *)g,
+                                         (const double *)r_in,
+                                         (double *)r_out, n, tau, out, info);
+    }
+}
+
+int64_t vgc_native_none(void *ws, int tid, int gcode, const void *g,
+                        int64_t n, uint32_t *out, int64_t *info) {
+    vgc_workspace *w = (vgc_workspace *)ws;
+    switch (gcode) {
+    case VGC_F16:
+        return vgc_none<vgc_half, float>(w, tid, (const vgc_half *)g, n, out,
+                                         info);
+    case VGC_F32:
+        return vgc_none<float, float>(w, tid, (const float *)g, n, out, info);
+    default:
+        return vgc_none<double, double>(w, tid, (const double *)g, n, out,
+                                        info);
+    }
+}
+
+/* Validates the p messages, then writes for every tensor t with outs[t]
+ * (state dtype scodes[t]) the sum of the messages' elements in rank order,
+ * times scale where apply_scale[t]; touched[t] = elements written,
+ * elements[b] = elements message b carries.  Returns VGC_OK, or
+ * VGC_BAD_MESSAGE with bad[0] = the first invalid message (nothing is
+ * written then). */
+int vgc_native_decode(int p, const uint32_t *const *blocks,
+                      const int64_t *lens, int n_tensors,
+                      const int64_t *sizes, const int *scodes,
+                      void *const *outs, const int *apply_scale, double scale,
+                      int64_t *touched, int64_t *elements, int64_t *bad) {
+    std::vector<vgc_group> groups((size_t)p * n_tensors);
+    for (int b = 0; b < p; ++b) {
+        vgc_group *row = groups.data() + (size_t)b * n_tensors;
+        for (int t = 0; t < n_tensors; ++t) row[t].body = NULL;
+        if (!vgc_walk(blocks[b], lens[b], n_tensors, sizes, scodes, row,
+                      elements + b)) {
+            bad[0] = b;
+            return VGC_BAD_MESSAGE;
+        }
+    }
+    int threads = vgc_nthreads();
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_tensors > 1)
+#endif
+    for (int t = 0; t < n_tensors; ++t) {
+        touched[t] = 0;
+        if (!outs[t]) continue;
+        std::vector<vgc_group *> heads(p);
+        for (int b = 0; b < p; ++b) {
+            vgc_group *g = &groups[(size_t)b * n_tensors + t];
+            heads[b] = g->body ? g : NULL;
+        }
+        if (scodes[t] == VGC_F64)
+            touched[t] = vgc_merge<double>(heads.data(), p, (double *)outs[t],
+                                           sizes[t], apply_scale[t], scale);
+        else
+            touched[t] = vgc_merge<float>(heads.data(), p, (float *)outs[t],
+                                          sizes[t], apply_scale[t], scale);
+    }
+    (void)threads;
+    return VGC_OK;
+}
+
+} /* extern "C" */
