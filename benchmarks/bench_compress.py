@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Compress + encode time vs a memory copy of the same bytes, in one run.
+"""Compress + encode and decode + mean vs a memory copy, in one run.
 
 Runs GradientCompressor over N float32 parameters (default 25M, split into
-VGG-like tensors) on the NumPy path and times one full step (accumulate,
-criterion, decay, quantize, pack into the message) against numpy.copyto of
-the gradient bytes.  Prints the median of --repeat runs and the ratio.
+VGG-like tensors) and times one full step (accumulate, criterion, decay,
+quantize, pack into the message) against numpy.copyto of the gradient
+bytes, on the native backend and on the NumPy reference side by side; then
+decodes 4 such messages (as from 4 ranks) into the gradients with the 1/4
+mean (chainer_vgc.communicator.mean_gradients).  Prints medians of
+--repeat runs and the ratios to copyto.
 """
 
 import argparse
@@ -12,9 +15,12 @@ import os
 import platform
 import time
 
+import chainer
 import numpy
 
 from chainer_vgc import GradientCompressor
+from chainer_vgc import communicator
+from chainer_vgc import native
 
 
 def shapes_for(total):
@@ -61,35 +67,69 @@ def main():
     src = numpy.concatenate([g.ravel() for g in grads])
     dst = numpy.empty_like(src)
     copy_t = median_time(lambda: numpy.copyto(dst, src), args.repeat)
-    print('machine: {} cores, {}, numpy {}, python {}'.format(
-        os.cpu_count(), platform.processor() or platform.machine(),
-        numpy.__version__, platform.python_version()))
+    print('machine: {} cores, {}, numpy {}, python {}; native build: {}, '
+          '{} threads'.format(os.cpu_count(),
+                              platform.processor() or platform.machine(),
+                              numpy.__version__, platform.python_version(),
+                              native.isa(), native.num_threads()))
     print('{:,} float32 parameters in {} tensors ({:.0f} MB)'.format(
         args.params, len(shapes), src.nbytes / 1e6))
     print('numpy.copyto of the gradient bytes: {:.1f} ms'.format(
         copy_t * 1e3))
-    print('| method | compress+encode ms | x copyto | density sent | '
-          'body bytes |')
-    print('|---|---:|---:|---:|---:|')
+    print('warm-up: {} steps per method before timing'.format(args.warmup))
+    print()
+    print('| method | step | native ms | x copyto | numpy ms | x copyto | '
+          'density sent | body bytes |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|')
+    names = [str(i) for i in range(len(shapes))]
     for method in args.methods.split(','):
         kw = {'vgc': dict(alpha=2.0), 'hybrid': dict(alpha=2.0, tau=1e-2),
               'strom': dict(tau=1e-2)}.get(method, {})
-        comp = GradientCompressor(method, [str(i) for i in range(len(shapes))],
-                                  shapes, [numpy.float32] * len(shapes), **kw)
-        for k in range(args.warmup):  # allocate state, reach steady state
-            comp.compress(draws[k % len(draws)], sqs)
-        times, sent = [], []
-        for k in range(args.repeat):
-            g = draws[k % len(draws)]
-            t0 = time.perf_counter()
-            comp.compress(g, sqs)
-            times.append(time.perf_counter() - t0)
-            sent.append(comp.last_sent)
-        t = float(numpy.median(times))
-        print('| {} | {:.1f} | {:.1f} | {:.2%} | {:,.0f} |'.format(
-            method, t * 1e3, t / copy_t, numpy.mean(sent) / args.params,
-            4 * numpy.mean(sent)))
+        row, messages = {}, None
+        for backend in ('native', 'numpy'):
+            comp = GradientCompressor(method, names, shapes,
+                                      [numpy.float32] * len(shapes),
+                                      backend=backend, **kw)
+            for k in range(args.warmup):  # allocate state, steady state
+                comp.compress(draws[k % len(draws)], sqs, copy=False)
+            times, sent, msgs = [], [], []
+            for k in range(args.repeat):
+                g = draws[k % len(draws)]
+                t0 = time.perf_counter()
+                m = comp.compress(g, sqs, copy=False)
+                times.append(time.perf_counter() - t0)
+                sent.append(comp.last_sent)
+                msgs.append(m.copy())
+            row[backend] = float(numpy.median(times))
+            density = numpy.mean(sent) / args.params
+            messages = (msgs * 4)[:4] if messages is None else messages
+            del comp
+        # decode + mean of 4 messages into the gradients
+        params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
+                  for s in shapes]
+        # the local gradients, as backward left them (written in place)
+        local = [numpy.ones(s, numpy.float32) for s in shapes]
+        dec = {}
+        for backend in ('native', 'numpy'):
+            comp = GradientCompressor(method, names, shapes,
+                                      [numpy.float32] * len(shapes),
+                                      backend=backend, **kw)
 
+            def decode():
+                for p, g in zip(params, local):
+                    p.grad = g
+                communicator.mean_gradients(messages, comp, params, local, 4,
+                                            True, False)
+            dec[backend] = median_time(decode, args.repeat)
+        print('| {} | compress+encode | {:.1f} | {:.2f} | {:.1f} | {:.1f} | '
+              '{:.2%} | {:,.0f} |'.format(
+                  method, row['native'] * 1e3, row['native'] / copy_t,
+                  row['numpy'] * 1e3, row['numpy'] / copy_t, density,
+                  4 * density * args.params))
+        print('| {} | decode+mean of 4 | {:.1f} | {:.2f} | {:.1f} | {:.1f} '
+              '| | |'.format(method, dec['native'] * 1e3,
+                             dec['native'] / copy_t, dec['numpy'] * 1e3,
+                             dec['numpy'] / copy_t))
 
 if __name__ == '__main__':
     main()

@@ -17,6 +17,7 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc import native
 from chainer_vgc import transport
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import create_rule
@@ -125,6 +126,12 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.compressor = GradientCompressor(
             self.rule, names, [p.shape for p in params],
             [p.dtype for p in params])
+        if self.compressor.backend == 'native':
+            # the cores of this node, shared by its ranks (OMP_NUM_THREADS
+            # wins where set)
+            threads = native.default_threads(self.intra_size)
+            if threads:
+                native.set_num_threads(threads)
         for i, p in enumerate(params):
             self.compressor.states[i] = self.rule.init_state(
                 p.size, p.dtype, p.xp)
@@ -152,7 +159,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'comm.set_sqsums(...) instead of loss.backward()'.format(
                     self.method))
         grads, sqsums = local_gradients(params, sqsums, zero_fill)
-        message = comp.compress(grads, sqsums)
+        message = comp.compress(grads, sqsums, copy=False)
         xp = backend.get_array_module(message)
         gathered, counts = transport.allgatherv(
             self.mpi_comm, backend.to_numpy(message),
@@ -160,14 +167,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             **({'chunk_words': self.chunk_words}
                if self.allgatherv_method == 'ring' else {}))
         blocks = [xp.asarray(b) for b in gathered]
-        write_mean(params, grads, sum_messages(blocks, comp, params,
-                                               self.method == 'none'),
-                   self.size, zero_fill)
-        self._report(blocks)
+        elements = mean_gradients(blocks, comp, params, grads, self.size,
+                                  zero_fill, self.method == 'none')
+        self._report(blocks, elements)
 
-    def _report(self, blocks):
+    def _report(self, blocks, elements=None):
         self.last = report_step(blocks, self.compressor.n_params,
-                                self.totals)
+                                self.totals, elements)
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -290,6 +296,60 @@ def sum_messages(blocks, compressor, params, dense):
     return outs
 
 
+def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
+                   dense):
+    """``param.grad`` = (sum of every worker's elements) * (1 / size).
+
+    On the native backend one call validates the messages and writes the
+    sums, in rank order, straight into the gradient arrays with the mean
+    applied (float16 parameters through a float32 buffer); elsewhere, and
+    for the rank-order tree of ``dense`` ('none'), the reference
+    :func:`sum_messages` + :func:`write_mean`, which it equals bit for bit.
+    Returns the number of elements each message carries.
+    """
+    if dense or not _native_decode_applies(blocks, compressor):
+        write_mean(params, grads,
+                   sum_messages(blocks, compressor, params, dense), size,
+                   zero_fill)
+        return [codec.message_count(b) for b in blocks]
+    scale = 1.0 / size
+    sdts = [backend.state_dtype(p.dtype) for p in params]
+    outs, direct = [], []
+    for i, (p, g, sdt) in enumerate(zip(params, grads, sdts)):
+        grad = p.grad
+        ok = (grad is not None and g is not None and grad.dtype == sdt
+              and grad.dtype == p.dtype and grad.flags.c_contiguous
+              and grad.size == compressor.sizes[i])
+        outs.append(grad.reshape(-1) if ok else compressor.decode_buffer(i))
+        direct.append(ok)
+    result = native.decode_mean(blocks, compressor.sizes, sdts, outs, direct,
+                                scale)
+    if result is None:  # name the fault as the reference decoder does
+        dtypes = [p.dtype for p in params]
+        for block in blocks:
+            codec.unpack(block, compressor.sizes, dtypes)
+        raise RuntimeError('chainer_vgc: the native decoder rejected a '
+                           'message the reference decoder accepts; please '
+                           'report this with CHAINER_VGC_BACKEND=numpy as '
+                           'the workaround')
+    touched, elements = result
+    for p, g, out, ok, n in zip(params, grads, outs, direct, touched):
+        if ok:
+            continue
+        if g is None and not zero_fill and not (n and out.any()):
+            continue  # nothing (or a zero sum) for a gradient-less param
+        mean = out.reshape(p.shape).astype(p.dtype, copy=True)
+        mean *= scale
+        p.grad = mean
+    return [int(e) for e in elements]
+
+
+def _native_decode_applies(blocks, compressor):
+    return (compressor.backend == 'native'
+            and all(isinstance(b, numpy.ndarray) for b in blocks)
+            and all(d in native.DTYPE_CODES for d in compressor.dtypes))
+
+
 def write_mean(params, grads, sums, size, zero_fill):
     """param.grad = sum * (1 / size) in the parameter dtype (as ChainerMN)."""
     scale = 1.0 / size
@@ -301,7 +361,7 @@ def write_mean(params, grads, sums, size, zero_fill):
         p.grad = mean
 
 
-def step_figures(blocks, n_params):
+def step_figures(blocks, n_params, elements=None):
     """Figures of one exchange, the same on every rank.
 
     ``vgc/compression``: parameters / average elements sent per rank (the
@@ -312,7 +372,9 @@ def step_figures(blocks, n_params):
     rank, 2 (p - 1) / p * 4 N (Sec. 5).
     """
     p = len(blocks)
-    elements = sum(codec.message_count(b) for b in blocks)
+    if elements is None:
+        elements = [codec.message_count(b) for b in blocks]
+    elements = sum(elements)
     total_bytes = 4 * sum(int(b.size) for b in blocks)
     per_rank = elements / p
     wire = (p - 1) * total_bytes / p
@@ -332,10 +394,11 @@ def new_totals():
     return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0}
 
 
-def report_step(blocks, n_params, totals):
+def report_step(blocks, n_params, totals, elements=None):
     """Add one exchange to ``totals``, report its figures with
-    ``chainer.reporter`` and return them."""
-    figures = step_figures(blocks, n_params)
+    ``chainer.reporter`` and return them (``elements``: per message, when
+    already counted)."""
+    figures = step_figures(blocks, n_params, elements)
     for key, value in figures.items():
         if key.startswith('_'):
             totals[key[1:]] += value

@@ -74,6 +74,7 @@ class GradientCompressor(object):
         self._workspace = None
         self._spares = [None] * len(self.names)
         self._buffer = None
+        self._decode_buffers = [None] * len(self.names)
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0
@@ -235,6 +236,16 @@ class GradientCompressor(object):
         key = 'r' if flags & native.OVERFLOW_R else 'v'
         return _overflow(key, self.names[i], _backend.state_dtype(
             self.dtypes[i]), unchanged=True)
+
+    def decode_buffer(self, i):
+        """A flat array of parameter i's size in its state dtype, allocated
+        on first use and reused: where the native decoder writes the sum it
+        cannot write into ``param.grad`` directly (float16 parameters,
+        missing gradients)."""
+        if self._decode_buffers[i] is None:
+            self._decode_buffers[i] = numpy.empty(
+                self.sizes[i], _backend.state_dtype(self.dtypes[i]))
+        return self._decode_buffers[i]
 
     def decode_into(self, message, outs):
         """Add a message's elements into ``outs`` (arrays of each parameter's

@@ -69,9 +69,9 @@ class SimulatedWorkers(object):
             grads, sqsums = _comm.local_gradients(self.params, sqsums,
                                                   self.zero_fill)
             messages.append(comp.compress(grads, sqsums))
-        sums = _comm.sum_messages(messages, self.compressor, self.params,
-                                  self.method == 'none')
-        _comm.write_mean(self.params, grads, sums, self.size, self.zero_fill)
+        elements = _comm.mean_gradients(messages, self.compressor,
+                                        self.params, grads, self.size,
+                                        self.zero_fill, self.method == 'none')
         self.optimizer.update()
         self.last = _comm.report_step(messages, self.compressor.n_params,
-                                      self.totals)
+                                      self.totals, elements)

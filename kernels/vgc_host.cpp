@@ -893,6 +893,17 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
         }
     }
     /* indices strictly increasing and in range */
+    if (g.fmt == VGC_FMT_POW2 || g.fmt == VGC_FMT_RAW) {
+        const bool masked = g.fmt == VGC_FMT_POW2;
+        int64_t prev = -1, bad = 0;
+        for (int64_t j = 0; j < count; ++j) {
+            int64_t ix = masked ? (int64_t)(g.body[j] & VGC_INDEX_MASK)
+                                : (int64_t)g.body[j];
+            bad |= (ix <= prev) | (ix >= size);
+            prev = ix;
+        }
+        return !bad;
+    }
     vgc_group_start(g);
     int64_t last = -1;
     for (int64_t j = 0; j < count; ++j) {
@@ -950,49 +961,104 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
     return pos == len;
 }
 
-/* Zero out[0..size) and write sum_b (in rank order) of the p groups'
- * values, times scale if apply_scale; returns the elements written. */
+/* Position of the first element of group g (FMT_POW2 or FMT_RAW, sorted
+ * indices) whose index is >= lo. */
+static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
+    if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
+    int64_t a = 0, b = g.count;
+    const uint32_t mask = g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
+    while (a < b) {
+        int64_t mid = a + (b - a) / 2;
+        if ((int64_t)(g.body[mid] & mask) < lo)
+            a = mid + 1;
+        else
+            b = mid;
+    }
+    return a;
+}
+
+/* out[index] += value for the elements of g from position *pos on whose
+ * index is below hi; advances *pos. */
 template <typename S>
-static int64_t vgc_merge(vgc_group **heads, int p, S *out, int64_t size,
-                         int apply_scale, double scale_d) {
+static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
+                          int64_t hi, S *out) {
+    const int64_t count = g.count;
+    int64_t j = *pos;
+    if (g.fmt == VGC_FMT_POW2) {
+        for (; j < count; ++j) {
+            uint32_t w = g.body[j], ix = w & VGC_INDEX_MASK;
+            if ((int64_t)ix >= hi) break;
+            out[ix] += table[w >> VGC_INDEX_BITS];
+        }
+    } else { /* FMT_RAW */
+        const bool dense = g.a & VGC_RAW_DENSE, f64 = g.a & VGC_RAW_FLOAT64;
+        const uint32_t *v = g.body + (dense ? 0 : count);
+        for (; j < count; ++j) {
+            int64_t ix = dense ? j : (int64_t)g.body[j];
+            if (ix >= hi) break;
+            out[ix] += f64 ? (S)vgc_word_double(v + 2 * j)
+                           : (S)vgc_word_float(v + j);
+        }
+    }
+    *pos = j;
+}
+
+/* Elements per cache block of the decode (256 KiB of float32). */
+static const int64_t VGC_DECODE_BLOCK = 1 << 16;
+
+/* out[lo..hi) = (sum over the p groups, in rank order, of their values at
+ * each index, starting from 0: ((0 + v_0) + v_1) + ..., the reference's
+ * order), times scale if apply_scale.  Works one cache block at a time:
+ * zero it, add each group's elements that fall in it, scale it, so the
+ * output is written to memory once.  Returns the elements added. */
+template <typename S>
+static int64_t vgc_sum_range(vgc_group **heads, int p, S *out, int64_t lo,
+                             int64_t hi, int apply_scale, double scale_d) {
+    const S scale = (S)scale_d;
+    std::vector<int64_t> pos(p), start(p);
+    std::vector<S> tables((size_t)16 * p);
+    for (int b = 0; b < p; ++b) {
+        if (!heads[b]) continue;
+        pos[b] = start[b] = vgc_lower_bound(*heads[b], lo);
+        for (int k = 0; k < 16; ++k) tables[16 * b + k] = (S)heads[b]->table[k];
+    }
+    for (int64_t b0 = lo; b0 < hi; b0 += VGC_DECODE_BLOCK) {
+        const int64_t b1 = std::min(hi, b0 + VGC_DECODE_BLOCK);
+        memset(out + b0, 0, sizeof(S) * (b1 - b0));
+        for (int b = 0; b < p; ++b)
+            if (heads[b])
+                vgc_add_until<S>(*heads[b], &tables[16 * b], &pos[b], b1,
+                                 out);
+        if (apply_scale)
+            for (int64_t i = b0; i < b1; ++i) out[i] *= scale;
+    }
+    int64_t added = 0;
+    for (int b = 0; b < p; ++b) added += heads[b] ? pos[b] - start[b] : 0;
+    return added;
+}
+
+/* The same for a whole tensor whose groups include QSGD (no random access
+ * by index): all groups added in rank order, then one scaling pass. */
+template <typename S>
+static int64_t vgc_sum_sequential(vgc_group **heads, int p, S *out,
+                                  int64_t size, int apply_scale,
+                                  double scale_d) {
     const S scale = (S)scale_d;
     memset(out, 0, sizeof(S) * size);
-    int live = 0;
-    for (int b = 0; b < p; ++b)
-        if (heads[b]) {
-            vgc_group_start(*heads[b]);
-            heads[live++] = heads[b];
-        }
-    int64_t written = 0;
-    if (live == 1) {
-        vgc_group &g = *heads[0];
+    int64_t added = 0;
+    for (int b = 0; b < p; ++b) {
+        if (!heads[b]) continue;
+        vgc_group &g = *heads[b];
+        vgc_group_start(g);
         for (int64_t j = 0; j < (int64_t)g.count; ++j) {
-            S acc = (S)0;
-            acc += vgc_group_value<S>(g);
-            out[vgc_group_index(g)] = apply_scale ? acc * scale : acc;
+            out[vgc_group_index(g)] += vgc_group_value<S>(g);
             vgc_group_advance(g);
         }
-        return g.count;
+        added += g.count;
     }
-    std::vector<int64_t> cur(live);
-    for (int b = 0; b < live; ++b)
-        cur[b] = heads[b]->count ? vgc_group_index(*heads[b]) : size;
-    for (;;) {
-        int64_t m = size;
-        for (int b = 0; b < live; ++b) m = cur[b] < m ? cur[b] : m;
-        if (m >= size) break;
-        S acc = (S)0;
-        for (int b = 0; b < live; ++b) {
-            if (cur[b] != m) continue;
-            vgc_group &g = *heads[b];
-            acc += vgc_group_value<S>(g);
-            vgc_group_advance(g);
-            cur[b] = g.pos < (int64_t)g.count ? vgc_group_index(g) : size;
-        }
-        out[m] = apply_scale ? acc * scale : acc;
-        ++written;
-    }
-    return written;
+    if (apply_scale)
+        for (int64_t i = 0; i < size; ++i) out[i] *= scale;
+    return added;
 }
 
 /* ---- exported API ------------------------------------------------------ */
@@ -1134,35 +1200,72 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
                       void *const *outs, const int *apply_scale, double scale,
                       int64_t *touched, int64_t *elements, int64_t *bad) {
     std::vector<vgc_group> groups((size_t)p * n_tensors);
+    int threads = vgc_nthreads();
+    std::vector<char> valid(p);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && p > 1)
+#endif
     for (int b = 0; b < p; ++b) {
         vgc_group *row = groups.data() + (size_t)b * n_tensors;
         for (int t = 0; t < n_tensors; ++t) row[t].body = NULL;
-        if (!vgc_walk(blocks[b], lens[b], n_tensors, sizes, scodes, row,
-                      elements + b)) {
+        valid[b] = vgc_walk(blocks[b], lens[b], n_tensors, sizes, scodes, row,
+                            elements + b);
+    }
+    for (int b = 0; b < p; ++b)
+        if (!valid[b]) {
             bad[0] = b;
             return VGC_BAD_MESSAGE;
         }
-    }
-    int threads = vgc_nthreads();
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_tensors > 1)
-#endif
+    /* work items: (tensor, range); large tensors are cut into one range
+     * per thread where every group allows access by index */
+    struct item { int t; int64_t lo, hi; int64_t added; };
+    std::vector<item> items;
     for (int t = 0; t < n_tensors; ++t) {
         touched[t] = 0;
         if (!outs[t]) continue;
+        bool by_index = true;
+        for (int b = 0; b < p; ++b) {
+            const vgc_group &g = groups[(size_t)b * n_tensors + t];
+            by_index &= !g.body || g.fmt != VGC_FMT_QSGD;
+        }
+        int pieces = (by_index && sizes[t] >= VGC_PARALLEL_MIN) ? threads : 1;
+        if (pieces < 1) pieces = 1;
+        for (int k = 0; k < pieces; ++k) {
+            item it = {t, sizes[t] * k / pieces, sizes[t] * (k + 1) / pieces,
+                       0};
+            if (!by_index) it.lo = -1; /* whole tensor, sequentially */
+            items.push_back(it);
+        }
+    }
+    const int n_items = (int)items.size();
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_items > 1)
+#endif
+    for (int k = 0; k < n_items; ++k) {
+        item &it = items[k];
+        const int t = it.t;
         std::vector<vgc_group *> heads(p);
         for (int b = 0; b < p; ++b) {
             vgc_group *g = &groups[(size_t)b * n_tensors + t];
             heads[b] = g->body ? g : NULL;
         }
-        if (scodes[t] == VGC_F64)
-            touched[t] = vgc_merge<double>(heads.data(), p, (double *)outs[t],
-                                           sizes[t], apply_scale[t], scale);
+        const bool f64 = scodes[t] == VGC_F64;
+        if (it.lo < 0)
+            it.added = f64 ? vgc_sum_sequential<double>(
+                                 heads.data(), p, (double *)outs[t], sizes[t],
+                                 apply_scale[t], scale)
+                           : vgc_sum_sequential<float>(
+                                 heads.data(), p, (float *)outs[t], sizes[t],
+                                 apply_scale[t], scale);
         else
-            touched[t] = vgc_merge<float>(heads.data(), p, (float *)outs[t],
-                                          sizes[t], apply_scale[t], scale);
+            it.added = f64 ? vgc_sum_range<double>(
+                                 heads.data(), p, (double *)outs[t], it.lo,
+                                 it.hi, apply_scale[t], scale)
+                           : vgc_sum_range<float>(
+                                 heads.data(), p, (float *)outs[t], it.lo,
+                                 it.hi, apply_scale[t], scale);
     }
-    (void)threads;
+    for (int k = 0; k < n_items; ++k) touched[items[k].t] += items[k].added;
     return VGC_OK;
 }
 

@@ -1,0 +1,473 @@
+"""The native CPU backend against the NumPy reference, bit for bit.
+
+Both builds of ``kernels/vgc_host.cpp`` (baseline and AVX2, where the
+processor has it) run every rule on the same inputs as the NumPy path
+(``backend='numpy'``): messages, residual states and decoded gradients must
+be identical, byte for byte, including float16/float64 parameters, edge
+values, empty and full selections, missing gradients, one and several
+threads, and tensors large enough to be split between threads.  Faults
+(NaN/Inf gradients, bad sums of squares, overflow, corrupt messages) must
+raise what the reference raises and leave the state unchanged.
+"""
+
+import os
+import subprocess
+import sys
+
+import chainer
+from hypothesis import given
+from hypothesis import strategies as st
+import numpy
+import pytest
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc import communicator
+from chainer_vgc import GradientCompressor
+from chainer_vgc import native
+from chainer_vgc import WireFormatError
+
+DTYPES = [numpy.float16, numpy.float32, numpy.float64]
+METHODS = [
+    ('vgc', dict(alpha=1.5)),
+    ('vgc', dict(alpha=1.0, quantize=False)),
+    ('vgc', dict(alpha=1.0, keep_unrepresentable=True)),
+    ('hybrid', dict(alpha=1.5, tau=1e-3)),
+    ('strom', dict(tau=1e-3)),
+    ('none', {}),
+    ('qsgd', dict(bits=3, bucket=5, seed=3)),  # NumPy rule, native decode
+]
+ISAS = ['baseline'] + (['avx2'] if native.library_path('avx2') else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Runs the test once with each build of the native library."""
+    lib = native.load()
+    if request.param != native.isa():
+        if request.param == 'avx2' and not lib.vgc_native_cpu_has_avx2():
+            pytest.skip('this processor has no AVX2')
+        monkeypatch.setattr(native, '_lib', native._open(request.param))
+    assert native.isa() == request.param
+    return request.param
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = native.num_threads()
+    native.set_num_threads(request.param)
+    yield request.param
+    native.set_num_threads(before)
+
+
+def _bytes(a):
+    return None if a is None else numpy.ascontiguousarray(a).view(numpy.uint8)
+
+
+def _assert_same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        assert numpy.array_equal(_bytes(a), _bytes(b)), what
+
+
+def _edge_values(rng, n, dtype):
+    """Gradients mixing ordinary values with zeros, subnormals, powers of
+    two, ties 1.5 * 2**e, huge and tiny magnitudes."""
+    fi = numpy.finfo(dtype)
+    special = numpy.array(
+        [0.0, -0.0, fi.tiny, -fi.tiny, fi.tiny / 4, 1.0, -1.0, 1.5, -1.5,
+         3.0 * 2.0 ** -20, 2.0 ** -126, float(numpy.sqrt(fi.max)) / 4,
+         1e-30, 1e-8],
+        dtype=numpy.float64)
+    x = rng.normal(size=n) * 10.0 ** rng.integers(-9, 1, size=n)
+    pick = rng.random(n) < 0.2
+    x[pick] = rng.choice(special, size=int(pick.sum()))
+    with numpy.errstate(over='ignore', under='ignore'):
+        return x.astype(dtype)
+
+
+def _compressors(method, kw, shapes, dtype):
+    names = ['p{}'.format(i) for i in range(len(shapes))]
+    return [GradientCompressor(method, names, shapes, [dtype] * len(shapes),
+                               backend=b, **kw) for b in ('numpy', 'native')]
+
+
+def _step(rng, shapes, dtype, missing=()):
+    sdt = backend.state_dtype(dtype)
+    grads = [_edge_values(rng, int(numpy.prod(s)), dtype).reshape(s)
+             for s in shapes]
+    sqsums = [(g.astype(numpy.float64) ** 2 * rng.uniform(0.2, 4, g.shape)
+               ).astype(sdt) for g in grads]
+    for i in missing:
+        grads[i] = sqsums[i] = None
+    return grads, sqsums
+
+
+@pytest.mark.parametrize('method,kw', METHODS)
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_compress_is_bit_identical_to_numpy(method, kw, dtype, isa, threads):
+    """Messages and states over several steps, on tensors of 0 to 200,003
+    elements (split between threads), with missing gradients."""
+    rng = numpy.random.default_rng(hash((method, str(kw), str(dtype))) % 2**32)
+    shapes = [(0,), (1,), (17,), (5, 7), (70001,), (200003,)]
+    comps = _compressors(method, kw, shapes, dtype)
+    assert not comps[0].uses_native([None]) and (
+        comps[1].uses_native([None]) == (method != 'qsgd'))
+    for step in range(5):
+        grads, sqsums = _step(rng, shapes, dtype,
+                              missing=(2,) if step == 3 else ())
+        with numpy.errstate(all='ignore'):
+            ref = comps[0].compress(grads, sqsums)
+        got = comps[1].compress(grads, sqsums)
+        _assert_same(ref, got, (method, dtype, step, 'message'))
+        assert comps[0].last_sent == comps[1].last_sent
+        assert comps[0].last_bytes == comps[1].last_bytes
+        for i, (a, b) in enumerate(zip(comps[0].states, comps[1].states)):
+            assert (a is None) == (b is None)
+            for key in (a or {}):
+                _assert_same(a[key], b[key], (method, step, i, key))
+
+
+@given(seed=st.integers(0, 2 ** 31), n=st.integers(1, 300),
+       alpha=st.sampled_from([1e-30, 0.5, 1.0, 2.0, 1e30]),
+       tau=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]),
+       dtype=st.sampled_from(DTYPES))
+def test_compress_matches_numpy_on_hypothesis_data(seed, n, alpha, tau,
+                                                   dtype):
+    """Empty and full selections (alpha, tau tiny or huge) included."""
+    rng = numpy.random.default_rng(seed)
+    for method, kw in [('vgc', dict(alpha=alpha)),
+                       ('vgc', dict(alpha=alpha, quantize=False)),
+                       ('hybrid', dict(alpha=alpha, tau=tau)),
+                       ('strom', dict(tau=tau))]:
+        comps = _compressors(method, kw, [(n,)], dtype)
+        for _ in range(3):
+            grads, sqsums = _step(rng, [(n,)], dtype)
+            with numpy.errstate(all='ignore'):
+                ref = comps[0].compress(grads, sqsums)
+            _assert_same(ref, comps[1].compress(grads, sqsums), method)
+            for key in comps[0].states[0]:
+                _assert_same(comps[0].states[0][key],
+                             comps[1].states[0][key], key)
+
+
+def test_full_and_empty_selection_formats():
+    """alpha tiny sends every element (dense raw group without index
+    words); alpha huge sends nothing (no group at all)."""
+    g = [numpy.arange(1, 9, dtype=numpy.float32)]
+    s = [numpy.ones(8, numpy.float32)]
+    full = GradientCompressor('vgc', ['w'], [(8,)], [numpy.float32],
+                              backend='native', alpha=1e-30, quantize=False)
+    msg = full.compress(g, s)
+    assert msg[3] == codec.FMT_RAW and msg[5] & codec.RAW_DENSE
+    assert numpy.array_equal(msg[7:].view(numpy.float32), g[0])
+    none = GradientCompressor('vgc', ['w'], [(8,)], [numpy.float32],
+                              backend='native', alpha=1e30)
+    assert none.compress(g, s).tolist() == [codec.MAGIC, 0]
+
+
+class _Param(object):
+    """What mean_gradients needs of a chainer.Parameter."""
+
+    def __init__(self, shape, dtype):
+        self.array = numpy.zeros(shape, dtype)
+        self.shape, self.dtype, self.size = shape, numpy.dtype(dtype), \
+            self.array.size
+        self.grad = None
+
+
+def _mean(blocks, comp, shapes, dtype, grads, zero_fill, dense=False):
+    params = [_Param(s, dtype) for s in shapes]
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.copy()
+    elements = communicator.mean_gradients(
+        blocks, comp, params, [p.grad for p in params], len(blocks),
+        zero_fill, dense)
+    return [p.grad for p in params], elements
+
+
+@pytest.mark.parametrize('method,kw', METHODS)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('ranks', [1, 3, 4])
+def test_decode_mean_is_bit_identical_to_numpy(method, kw, dtype, ranks, isa,
+                                               threads):
+    rng = numpy.random.default_rng(ranks)
+    shapes = [(3,), (1,), (70001,), (6, 5), (133333,)]
+    workers = [_compressors(method, kw, shapes, dtype)[1]
+               for _ in range(ranks)]
+    for step in range(3):
+        blocks = [w.compress(*_step(rng, shapes, dtype)) for w in workers]
+        local = [rng.normal(size=s).astype(dtype) for s in shapes]
+        local[1] = None  # a parameter without gradient on this rank
+        for zero_fill in (False, True):
+            got = {}
+            for b in ('numpy', 'native'):
+                workers[0].backend = b
+                got[b] = _mean(blocks, workers[0], shapes, dtype, local,
+                               zero_fill, dense=method == 'none')
+            workers[0].backend = 'native'
+            for a, c in zip(got['numpy'][0], got['native'][0]):
+                _assert_same(a, c, (method, dtype, ranks, zero_fill))
+            assert list(got['numpy'][1]) == list(got['native'][1])
+
+
+def test_decode_mean_without_scale_and_counts():
+    """The low-level call: sums in rank order, elements per message."""
+    sizes = [4, 70000]
+    a = codec.pack([codec.raw_group(0, numpy.array([1, 3]),
+                                    numpy.array([1.0, 2.0], numpy.float32),
+                                    4)])
+    b = codec.pack([codec.raw_group(0, numpy.array([3]),
+                                    numpy.array([0.5], numpy.float32), 4),
+                    codec.raw_group(1, numpy.array([69999]),
+                                    numpy.array([7.0], numpy.float32),
+                                    70000)])
+    outs = [numpy.full(4, 9, numpy.float32), numpy.full(70000, 9,
+                                                        numpy.float32)]
+    touched, elements = native.decode_mean([a, b], sizes, [numpy.float32] * 2,
+                                           outs, [False, True], 0.5)
+    assert outs[0].tolist() == [0, 1, 0, 2.5]
+    assert outs[1][69999] == 3.5 and not outs[1][:69999].any()
+    assert touched.tolist() == [3, 1] and elements.tolist() == [2, 2]
+
+
+def _random_message(rng, sizes):
+    """A valid message of every format (independent of the compressor)."""
+    groups = []
+    for tid, size in enumerate(sizes):
+        kind = int(rng.integers(0, 5))
+        n = int(rng.integers(1, size + 1))
+        index = numpy.sort(rng.choice(size, n, replace=False))
+        if kind == 1:
+            vals = rng.normal(size=n).astype(numpy.float32)
+            e_k = codec.floor_log2(numpy.abs(vals).max())
+            words, ok = codec.pow2_encode(vals, index, e_k)
+            if ok.any():
+                groups.append(codec.pow2_group(tid, words[ok], e_k, 0.75))
+        elif kind == 2:
+            groups.append(codec.raw_group(tid, index, rng.normal(size=n),
+                                          size))
+        elif kind == 3:
+            groups.append(codec.raw_group(
+                tid, None, rng.normal(size=size).astype(numpy.float32), size))
+        elif kind == 4:
+            level = rng.integers(0, 4, size=size)
+            if level.any():
+                groups.append(codec.qsgd_group(
+                    tid, level, rng.random(size) < 0.5,
+                    rng.random(-(-size // 3)) + 0.1, 3, 3))
+    return codec.pack(groups)
+
+
+def _corrupt(rng, msg):
+    bad = msg.copy()
+    how = int(rng.integers(0, 5))
+    if how == 0 and bad.size:
+        bad = bad[:int(rng.integers(0, bad.size))]
+    elif how == 1 and bad.size:
+        pos = int(rng.integers(0, bad.size))
+        bad[pos] ^= numpy.uint32(1 << int(rng.integers(0, 32)))
+    elif how == 2:
+        bad = numpy.append(bad, rng.integers(0, 2 ** 32, size=int(
+            rng.integers(1, 4)), dtype=numpy.uint32))
+    elif how == 3 and bad.size > 3:
+        i, j = rng.choice(bad.size, 2, replace=False)
+        bad[[i, j]] = bad[[j, i]]
+    elif bad.size:
+        bad[int(rng.integers(0, bad.size))] = rng.integers(
+            0, 2 ** 32, dtype=numpy.uint32)
+    return bad
+
+
+@pytest.mark.parametrize('state_dtype', [numpy.float32, numpy.float64])
+def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype,
+                                                                isa):
+    """Thousands of corruptions: the native decoder accepts exactly the
+    messages the reference accepts, decodes them to the same sums, and
+    mean_gradients raises the reference's WireFormatError for the others,
+    leaving the gradients untouched."""
+    rng = numpy.random.default_rng(7)
+    sizes = [7, 1, 33, 100, 5]
+    dtypes = [state_dtype] * len(sizes)
+    rejected = 0
+    for trial in range(1500):
+        good = _random_message(rng, sizes)
+        bad = _corrupt(rng, good)
+        blocks = [good, bad] if trial % 2 else [bad]
+        try:
+            for blk in blocks:
+                codec.unpack(blk, sizes, dtypes)
+            ref_error = None
+        except WireFormatError as e:
+            ref_error = str(e)
+        outs = [numpy.full(n, 5, state_dtype) for n in sizes]
+        result = native.decode_mean(blocks, sizes, dtypes, outs,
+                                    [False] * len(sizes), 1.0)
+        if ref_error is not None:
+            rejected += 1
+            assert result is None, (trial, ref_error)
+            assert all((o == 5).all() for o in outs)  # nothing written
+            comp = GradientCompressor('vgc', [str(i) for i in sizes],
+                                      [(n,) for n in sizes], dtypes)
+            params = [_Param((n,), state_dtype) for n in sizes]
+            grads = [numpy.full(n, 5, state_dtype) for n in sizes]
+            for p, g in zip(params, grads):
+                p.grad = g
+            with pytest.raises(WireFormatError) as info:
+                communicator.mean_gradients(blocks, comp, params, grads,
+                                            len(blocks), True, False)
+            assert str(info.value) == ref_error
+            assert all((g == 5).all() for g in grads)
+            continue
+        assert result is not None, trial
+        want = [numpy.zeros(n, state_dtype) for n in sizes]
+        for blk in blocks:
+            codec.decode_into(blk, want, sizes)
+        for o, w in zip(outs, want):
+            _assert_same(o, w, trial)
+    assert rejected > 500
+
+
+@pytest.mark.parametrize('method', ['vgc', 'hybrid', 'strom', 'none'])
+@pytest.mark.parametrize('where,bad', [('grad', numpy.nan),
+                                       ('grad', -numpy.inf),
+                                       ('sqsum', numpy.nan),
+                                       ('sqsum', -1.0)])
+def test_faults_raise_like_numpy_and_keep_state(method, where, bad):
+    rng = numpy.random.default_rng(0)
+    shapes = [(4,), (70001,)]
+    comps = _compressors(method, dict(alpha=1.0) if method != 'none' and
+                         method != 'strom' else {}, shapes, numpy.float32)
+    grads, sqsums = _step(rng, shapes, numpy.float32)
+    for c in comps:
+        c.compress(grads, sqsums)
+    before = [{k: a.copy() for k, a in (st or {}).items()}
+              for st in comps[1].states]
+    grads, sqsums = _step(rng, shapes, numpy.float32)
+    (grads if where == 'grad' else sqsums)[1][12345] = bad
+    needs = comps[0].rule.needs_sqsum
+    if where == 'sqsum' and not needs:
+        return
+    errors = []
+    for c in comps:
+        with pytest.raises(FloatingPointError) as info:
+            c.compress(grads, sqsums)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "'p1'" in errors[0]
+    for st, old in zip(comps[1].states, before):
+        for key in old:
+            _assert_same(st[key], old[key], key)
+
+
+def test_overflow_leaves_native_state_unchanged():
+    comp = GradientCompressor('strom', ['w'], [(3,)], [numpy.float32],
+                              backend='native', tau=1e30)
+    big = numpy.float32(3e38)
+    comp.compress([numpy.array([big, 1, 1], numpy.float32)])
+    before = comp.states[0]['r'].copy()
+    with pytest.raises(FloatingPointError, match="accumulated r of "
+                       "parameter 'w' overflowed.*unchanged"):
+        comp.compress([numpy.array([big, 1, 1], numpy.float32)])
+    _assert_same(comp.states[0]['r'], before, 'r')
+
+
+def test_message_view_is_reused_only_without_copy():
+    comp = GradientCompressor('vgc', ['w'], [(8,)], [numpy.float32],
+                              backend='native', alpha=1e-30)
+    g, s = [numpy.ones(8, numpy.float32)], [numpy.ones(8, numpy.float32)]
+    kept = comp.compress(g, s)
+    view = comp.compress(g, s, copy=False)
+    assert not numpy.shares_memory(kept, view)
+    first = view.copy()
+    comp.compress([2 * g[0]], s, copy=False)
+    assert not numpy.array_equal(first, view)  # overwritten, as documented
+
+
+def test_constants_match_codec_and_source_hash():
+    lib = native.load()
+    native._check_constants(lib)
+    assert lib.vgc_native_source_hash().decode() == native.source_hash()
+
+
+def test_missing_or_stale_build_is_reported_with_the_fix(monkeypatch):
+    monkeypatch.setattr(native, '_lib', None)
+    monkeypatch.setattr(native, 'source_hash', lambda: 'f' * 64)
+    with pytest.raises(native.NativeBackendError,
+                       match='stale build.*pip install.*CHAINER_VGC_BACKEND'):
+        native.load()
+    monkeypatch.setattr(native, 'library_path', lambda isa='baseline': None)
+    with pytest.raises(native.NativeBackendError,
+                       match='not built.*pip install.*CHAINER_VGC_BACKEND'
+                       '=numpy'):
+        GradientCompressor('vgc', ['w'], [(2,)], [numpy.float32])
+    # the NumPy reference needs no build
+    GradientCompressor('vgc', ['w'], [(2,)], [numpy.float32],
+                       backend='numpy')
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.setenv('CHAINER_VGC_BACKEND', 'numpy')
+    assert GradientCompressor('vgc', ['w'], [(2,)],
+                              [numpy.float32]).backend == 'numpy'
+    monkeypatch.setenv('CHAINER_VGC_BACKEND', 'fortran')
+    with pytest.raises(ValueError, match='CHAINER_VGC_BACKEND.*fortran'):
+        GradientCompressor('vgc', ['w'], [(2,)], [numpy.float32])
+    monkeypatch.delenv('CHAINER_VGC_BACKEND')
+    assert GradientCompressor('vgc', ['w'], [(2,)],
+                              [numpy.float32]).backend == 'native'
+    monkeypatch.setenv('CHAINER_VGC_NATIVE_ISA', 'sse9')
+    monkeypatch.setattr(native, '_lib', None)
+    with pytest.raises(native.NativeBackendError,
+                       match='CHAINER_VGC_NATIVE_ISA'):
+        native.load()
+
+
+def test_default_threads_divide_the_cores(monkeypatch):
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert native.default_threads(1) == cores
+    assert native.default_threads(cores * 2) == 1
+    monkeypatch.setenv('OMP_NUM_THREADS', '3')
+    assert native.default_threads(1) is None
+
+
+def test_omp_num_threads_is_respected():
+    code = ('from chainer_vgc import native; print(native.num_threads())')
+    env = dict(os.environ, OMP_NUM_THREADS='3')
+    out = subprocess.run([sys.executable, '-c', code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == '3'
+
+
+def test_trainer_step_identical_on_both_backends():
+    """One Chainer model, two optimizer steps through SimulatedWorkers on
+    each backend: the parameters end identical."""
+    from chainer_vgc.models import MLP
+    from chainer_vgc.simulation import SimulatedWorkers
+    import chainer.links as L
+    results = []
+    for b in ('numpy', 'native'):
+        os.environ['CHAINER_VGC_BACKEND'] = b
+        try:
+            numpy.random.seed(0)
+            model = L.Classifier(MLP((16,), 3))
+            model(numpy.zeros((1, 6), numpy.float32),
+                  numpy.zeros(1, numpy.int32))  # initialize lazy params
+            opt = chainer.optimizers.Adam()
+            opt.setup(model)
+            sim = SimulatedWorkers(model, opt, 3, 'vgc', alpha=1.0)
+            rng = numpy.random.default_rng(1)
+            for _ in range(4):
+                batches = [(rng.normal(size=(5, 6)).astype(numpy.float32),
+                            rng.integers(0, 3, 5).astype(numpy.int32))
+                           for _ in range(3)]
+                sim.update(model, batches)
+            assert sim.compressor.backend == b
+            assert 0 < sim.totals['elements'] < 3 * 4 * sum(
+                p.size for p in model.params())  # compressed, not empty
+            results.append([p.array.copy() for p in model.params()])
+        finally:
+            del os.environ['CHAINER_VGC_BACKEND']
+    for a, c in zip(*results):
+        _assert_same(a, c, 'param')
