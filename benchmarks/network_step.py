@@ -19,6 +19,7 @@ import numpy
 from mpi4py import MPI
 
 import chainer_vgc
+from chainer_vgc import datasets
 from chainer_vgc.models import MLP
 from chainer_vgc.models import VGG
 
@@ -45,6 +46,9 @@ def main():
     p.add_argument('--units', type=int, default=2500)
     p.add_argument('--batchsize', type=int, default=32)
     p.add_argument('--warmup', type=int, default=4)
+    p.add_argument('--data', choices=('mnist', 'synthetic'), default='mnist',
+                   help='MLP inputs: MNIST (each rank its own shard) or '
+                   'random inputs labelled by a random linear teacher')
     p.add_argument('--steps', type=int, default=8)
     p.add_argument('--iface', default=os.environ.get('FI_TCP_IFACE', ''))
     args = p.parse_args()
@@ -63,14 +67,24 @@ def main():
     rng = numpy.random.default_rng(world.rank)
     if args.model == 'mlp':
         model = L.Classifier(MLP((args.units,) * 3, 10))
-        x = rng.normal(size=(args.batchsize * 8, 1024)).astype(numpy.float32)
+        if args.data == 'mnist':
+            train, _ = datasets.get_mnist()
+            part = datasets.shard(train, world.rank, world.size)
+            n = min(len(part), args.batchsize * (args.warmup + args.steps))
+            x, t = (numpy.asarray(a) for a in
+                    chainer.dataset.concat_examples(part[:n]))
+        else:
+            x = rng.normal(size=(args.batchsize * 8, 1024)).astype(
+                numpy.float32)
     else:
         model = L.Classifier(VGG(10))
         x = rng.normal(size=(args.batchsize * 8, 3, 32, 32)).astype(
             numpy.float32)
-    teacher = numpy.random.RandomState(1).normal(
-        size=(x[0].size, 10)).astype(numpy.float32)
-    t = (x.reshape(len(x), -1) @ teacher).argmax(axis=1).astype(numpy.int32)
+    if args.model != 'mlp' or args.data != 'mnist':
+        teacher = numpy.random.RandomState(1).normal(
+            size=(x[0].size, 10)).astype(numpy.float32)
+        t = (x.reshape(len(x), -1) @ teacher).argmax(axis=1).astype(
+            numpy.int32)
     model(x[:1], t[:1])
     n_params = sum(q.size for q in model.params())
     opt = make_opt(chainer.optimizers.MomentumSGD(lr=0.01), comm)
@@ -113,7 +127,8 @@ def main():
         pmax = max(everyone, key=lambda r: r['step'])
         out = dict(method=args.method, workers=world.size, params=n_params,
                    model=args.model, batchsize=args.batchsize,
-                   steps=args.steps, step_s=pmax['step'],
+                   data=args.data if args.model == 'mlp' else 'synthetic',
+                   warmup=args.warmup, steps=args.steps, step_s=pmax['step'],
                    exchange_s=max(r['exchange'] for r in everyone),
                    tx_bytes_per_rank=sum(r['tx'] for r in everyone) /
                    world.size / args.steps,

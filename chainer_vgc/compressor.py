@@ -181,8 +181,9 @@ class GradientCompressor(object):
         buffer.  Only when no tensor reported a fault are the spares swapped
         in, so a NaN gradient or an overflow leaves every state untouched.
         """
-        sqsums = self._check(grads, sqsums, values=False)
         rule = self.rule
+        sqsums = self._check(grads, sqsums,
+                             values=not rule.native_checks_inputs)
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(

@@ -113,6 +113,8 @@ def _signatures(lib):
         'vgc_native_strom': (i64, [vp, i32, i32, vp, vp, vp, i64, f64, vp,
                                    vp]),
         'vgc_native_none': (i64, [vp, i32, i32, vp, i64, vp, vp]),
+        'vgc_native_qsgd': (i64, [vp, i32, i32, vp, vp, i64, i64, i32, vp,
+                                  vp]),
         'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
                                     vp, vp, vp]),
     }
@@ -267,6 +269,16 @@ def compress_strom(ws, tensor_id, g, r, r_out, tau, out):
     load().vgc_native_strom(ws.handle, tensor_id, _code(g), g.ctypes.data,
                             r.ctypes.data, r_out.ctypes.data, g.size, tau,
                             out.ctypes.data, info.ctypes.data)
+    return tuple(int(x) for x in info)
+
+
+def compress_qsgd(ws, tensor_id, g, u, bucket, levels, out):
+    """QSGD levels of one tensor from the uniform draws ``u`` (state dtype);
+    returns (words, elements, flags)."""
+    info = _info()
+    load().vgc_native_qsgd(ws.handle, tensor_id, _code(g), g.ctypes.data,
+                           u.ctypes.data, g.size, bucket, levels,
+                           out.ctypes.data, info.ctypes.data)
     return tuple(int(x) for x in info)
 
 

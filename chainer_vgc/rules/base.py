@@ -29,6 +29,12 @@ class CompressionRule(object):
     #: :meth:`max_words` words), returning ``(words, elements, flags)``
     #: (:mod:`chainer_vgc.native`).  None: the rule runs on NumPy only.
     compress_native = None
+    #: whether :attr:`compress_native` checks its inputs (finite gradient,
+    #: finite non-negative sums of squares) itself; False: the compressor
+    #: checks them before any tensor is compressed (a rule with state that
+    #: is not in its state arrays, like a random generator, needs this to
+    #: leave everything untouched on a bad gradient)
+    native_checks_inputs = True
 
     def max_words(self, size, dtype):
         """Most words a group of a tensor of ``size`` elements of ``dtype``

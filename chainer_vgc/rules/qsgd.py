@@ -16,6 +16,7 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -41,6 +42,28 @@ class QSGD(base.CompressionRule):
             else:
                 self._rngs[key] = numpy.random.default_rng(self.seed)
         return self._rngs[key]
+
+    native_checks_inputs = False  # the generator must not draw on a fault
+
+    def max_words(self, size, dtype):
+        buckets = -(-size // self.bucket)
+        return (codec.HEADER_WORDS + codec.QSGD_RECORD_WORDS * buckets
+                + size)
+
+    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
+                        out):
+        """:meth:`compress` in two passes over the tensor
+        (``kernels/vgc_host.cpp``); the uniform draws come from the same
+        NumPy generator, into a buffer kept between steps."""
+        dtype = backend.state_dtype(grad.dtype)
+        draws = self.__dict__.setdefault('_draws', {})
+        buf = draws.get(dtype)
+        if buf is None or buf.size < grad.size:
+            buf = draws[dtype] = numpy.empty(grad.size, dtype)
+        u = buf[:grad.size]
+        self._rng(numpy).random(dtype=dtype, out=u)
+        return native.compress_qsgd(ws, tensor_id, grad, u, self.bucket,
+                                    self.levels, out)
 
     def get_extra_state(self):
         """The CPU generator's state (JSON), so a resumed run draws the
