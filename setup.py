@@ -43,6 +43,10 @@ def native_extension(name, isa_flags):
                             '-fopenmp'] + isa_flags,
         extra_link_args=['-fopenmp'],
         language='c++',
+        # without a C++ compiler the install still succeeds; using the
+        # native backend then raises an error that says how to fix it (or
+        # select CHAINER_VGC_BACKEND=numpy)
+        optional=True,
     )
 
 

@@ -280,6 +280,22 @@ def report(results, p):
                   r['rate'], r['method'], r['step_s'], r['exchange_s'], c,
                   r['tx_bytes_per_rank'], r['wire_bytes_per_rank'],
                   predicted, r['exchange_s'] / predicted, faster, ratio))
+    phased = [r for r in results if r.get('phases_s')]
+    if phased:
+        print('\nPhases of the compressed exchange (median over the timed '
+              'steps, slowest rank):\n')
+        print('| rate | method | compress s | transport s | decode s | '
+              'model wire s |')
+        print('|---|---|---:|---:|---:|---:|')
+        for r in phased:
+            ph = r['phases_s']
+            model = costmodel.cost(r['params'], p, r['compression'],
+                                   r['rate'].replace('gbit', 'Gbit')
+                                   .replace('mbit', 'Mbit'))
+            print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |'.format(
+                r['rate'], r['method'], ph.get('compress', float('nan')),
+                ph.get('transport', float('nan')),
+                ph.get('decode', float('nan')), model.allgatherv_s))
 
 
 if __name__ == '__main__':

@@ -90,13 +90,14 @@ def main():
     opt = make_opt(chainer.optimizers.MomentumSGD(lr=0.01), comm)
     opt.setup(model)
 
-    exchange = []
+    exchange, phases = [], []
     inner = comm.multi_node_mean_grad
 
     def timed_exchange(*a, **k):
         t0 = time.perf_counter()
         inner(*a, **k)
         exchange.append(time.perf_counter() - t0)
+        phases.append(dict(getattr(comm, 'last_timing', {})))
     comm.multi_node_mean_grad = timed_exchange
 
     steps = []
@@ -104,6 +105,7 @@ def main():
     for k in range(args.warmup + args.steps):
         if k == args.warmup:
             exchange.clear()
+            phases.clear()
             world.Barrier()
             before = iface_bytes(args.iface)
             totals = dict(getattr(comm, 'totals', {}))
@@ -118,6 +120,9 @@ def main():
     tx, rx = after[0] - before[0], after[1] - before[1]
     info = dict(rank=world.rank, step=float(numpy.median(steps)),
                 exchange=float(numpy.median(exchange)), tx=tx, rx=rx)
+    for key in ('compress', 'transport', 'decode'):
+        if phases and key in phases[0]:
+            info[key] = float(numpy.median([ph[key] for ph in phases]))
     if args.method != 'naive':  # over the measured steps only
         info['wire'] = comm.totals['bytes'] - totals['bytes']
         info['elements'] = comm.totals['elements'] - totals['elements']
@@ -130,6 +135,9 @@ def main():
                    data=args.data if args.model == 'mlp' else 'synthetic',
                    warmup=args.warmup, steps=args.steps, step_s=pmax['step'],
                    exchange_s=max(r['exchange'] for r in everyone),
+                   phases_s={key: max(r[key] for r in everyone)
+                             for key in ('compress', 'transport', 'decode')
+                             if key in everyone[0]},
                    tx_bytes_per_rank=sum(r['tx'] for r in everyone) /
                    world.size / args.steps,
                    rx_bytes_per_rank=sum(r['rx'] for r in everyone) /

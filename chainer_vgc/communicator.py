@@ -11,6 +11,8 @@ The per-sample statistics come from the user's ordinary backward pass when
 the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 """
 
+import time
+
 import chainer
 from chainermn.communicators import mpi_communicator_base
 import numpy
@@ -72,6 +74,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.last = {}
         #: running totals since construction
         self.totals = new_totals()
+        self.last_timing = {}
 
     def split(self, color, key):
         return self.__class__(
@@ -159,16 +162,23 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'comm.set_sqsums(...) instead of loss.backward()'.format(
                     self.method))
         grads, sqsums = local_gradients(params, sqsums, zero_fill)
+        t0 = time.perf_counter()
         message = comp.compress(grads, sqsums, copy=False)
         xp = backend.get_array_module(message)
+        t1 = time.perf_counter()
         gathered, counts = transport.allgatherv(
             self.mpi_comm, backend.to_numpy(message),
             method=self.allgatherv_method,
             **({'chunk_words': self.chunk_words}
                if self.allgatherv_method == 'ring' else {}))
         blocks = [xp.asarray(b) for b in gathered]
+        t2 = time.perf_counter()
         elements = mean_gradients(blocks, comp, params, grads, self.size,
                                   zero_fill, self.method == 'none')
+        t3 = time.perf_counter()
+        #: seconds of the last exchange's phases on this rank
+        self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
+                            'decode': t3 - t2}
         self._report(blocks, elements)
 
     def _report(self, blocks, elements=None):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from chainer_vgc import codec
 from chainer_vgc.codec import WireFormatError
+from wire_messages import random_message
 
 
 # ---- an independent reference of the quantizer (exact float arithmetic) ----
@@ -125,41 +126,12 @@ def test_floor_log2_edges():
     assert codec.floor_log2(numpy.float32(1e-40)) == codec.LOG2_ZERO
 
 
-def _random_message(rng, sizes):
-    groups = []
-    for tid, size in enumerate(sizes):
-        kind = rng.integers(0, 5)
-        if kind == 0 or size == 0:
-            continue
-        n = int(rng.integers(1, size + 1))
-        index = numpy.sort(rng.choice(size, n, replace=False))
-        if kind == 1:
-            vals = rng.normal(size=n).astype(numpy.float32)
-            e_k = codec.floor_log2(numpy.abs(vals).max())
-            words, ok = codec.pow2_encode(vals, index, e_k)
-            if ok.any():
-                groups.append(codec.pow2_group(tid, words[ok], e_k))
-        elif kind == 2:
-            groups.append(codec.raw_group(tid, index, rng.normal(size=n),
-                                          size))
-        elif kind == 3:
-            groups.append(codec.raw_group(
-                tid, None, rng.normal(size=size).astype(numpy.float32), size))
-        else:
-            level = rng.integers(0, 4, size=size)
-            if level.any():
-                groups.append(codec.qsgd_group(
-                    tid, level, rng.random(size) < 0.5,
-                    rng.random(-(-size // 3)).astype(numpy.float32), 3, 3))
-    return codec.pack(groups), groups
-
-
 def test_pack_unpack_roundtrip_all_formats():
     rng = numpy.random.default_rng(0)
     sizes = [7, 1, 0, 33, 100, 5]
     dtypes = [numpy.float32] * len(sizes)
     for _ in range(30):
-        msg, groups = _random_message(rng, sizes)
+        msg, groups = random_message(rng, sizes)
         decoded = codec.unpack(msg, sizes, dtypes)
         assert [d.tensor_id for d in decoded] == [g.tensor_id for g in groups]
         for d, g in zip(decoded, groups):
@@ -197,9 +169,9 @@ def test_corrupt_messages_raise_clear_errors():
     rng = numpy.random.default_rng(1)
     sizes = [7, 1, 33, 100, 5]
     dtypes = [numpy.float32] * len(sizes)
-    msg, _ = _random_message(rng, sizes)
+    msg, _ = random_message(rng, sizes)
     while msg.size < 12:
-        msg, _ = _random_message(rng, sizes)
+        msg, _ = random_message(rng, sizes)
     with pytest.raises(WireFormatError, match='truncated|trailing'):
         codec.unpack(msg[:-1], sizes, dtypes)
     with pytest.raises(WireFormatError, match='magic'):
@@ -220,7 +192,7 @@ def test_fuzzed_messages_never_read_out_of_bounds():
     dtypes = [numpy.float32] * len(sizes)
     truncated = detected = 0
     for trial in range(200):
-        msg, _ = _random_message(rng, sizes)
+        msg, _ = random_message(rng, sizes)
         bad = msg.copy()
         if trial % 2:
             bad = bad[:rng.integers(0, bad.size)]

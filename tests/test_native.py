@@ -26,6 +26,7 @@ from chainer_vgc import communicator
 from chainer_vgc import GradientCompressor
 from chainer_vgc import native
 from chainer_vgc import WireFormatError
+from wire_messages import random_message
 
 DTYPES = [numpy.float16, numpy.float32, numpy.float64]
 METHODS = [
@@ -260,34 +261,6 @@ def test_decode_mean_without_scale_and_counts():
     assert touched.tolist() == [3, 1] and elements.tolist() == [2, 2]
 
 
-def _random_message(rng, sizes):
-    """A valid message of every format (independent of the compressor)."""
-    groups = []
-    for tid, size in enumerate(sizes):
-        kind = int(rng.integers(0, 5))
-        n = int(rng.integers(1, size + 1))
-        index = numpy.sort(rng.choice(size, n, replace=False))
-        if kind == 1:
-            vals = rng.normal(size=n).astype(numpy.float32)
-            e_k = codec.floor_log2(numpy.abs(vals).max())
-            words, ok = codec.pow2_encode(vals, index, e_k)
-            if ok.any():
-                groups.append(codec.pow2_group(tid, words[ok], e_k, 0.75))
-        elif kind == 2:
-            groups.append(codec.raw_group(tid, index, rng.normal(size=n),
-                                          size))
-        elif kind == 3:
-            groups.append(codec.raw_group(
-                tid, None, rng.normal(size=size).astype(numpy.float32), size))
-        elif kind == 4:
-            level = rng.integers(0, 4, size=size)
-            if level.any():
-                groups.append(codec.qsgd_group(
-                    tid, level, rng.random(size) < 0.5,
-                    rng.random(-(-size // 3)) + 0.1, 3, 3))
-    return codec.pack(groups)
-
-
 def _corrupt(rng, msg):
     bad = msg.copy()
     how = int(rng.integers(0, 5))
@@ -320,7 +293,7 @@ def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype,
     dtypes = [state_dtype] * len(sizes)
     rejected = 0
     for trial in range(1500):
-        good = _random_message(rng, sizes)
+        good, _ = random_message(rng, sizes, pow2_scale=0.75)
         bad = _corrupt(rng, good)
         blocks = [good, bad] if trial % 2 else [bad]
         try:
