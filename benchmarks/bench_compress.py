@@ -83,58 +83,73 @@ def main():
         copy_t * 1e3))
     print('warm-up: {} steps per method before timing'.format(args.warmup))
     print()
-    print('| method | step | native ms | x copyto | numpy ms | x copyto | '
-          'density sent | body bytes |')
-    print('|---|---|---:|---:|---:|---:|---:|---:|')
     names = [str(i) for i in range(len(shapes))]
-    for method in args.methods.split(','):
-        kw = {'vgc': dict(alpha=2.0), 'hybrid': dict(alpha=2.0, tau=1e-2),
-              'strom': dict(tau=1e-2)}.get(method, {})
-        row, messages = {}, None
-        for backend in ('native', 'numpy'):
-            comp = GradientCompressor(method, names, shapes,
-                                      [numpy.float32] * len(shapes),
-                                      backend=backend, **kw)
-            for k in range(args.warmup):  # allocate state, steady state
-                comp.compress(draws[k % len(draws)], sqs, copy=False)
-            times, sent, msgs = [], [], []
-            for k in range(args.repeat):
-                g = draws[k % len(draws)]
-                t0 = time.perf_counter()
-                m = comp.compress(g, sqs, copy=False)
-                times.append(time.perf_counter() - t0)
-                sent.append(comp.last_sent)
-                msgs.append(m.copy())
-            row[backend] = float(numpy.median(times))
-            density = numpy.mean(sent) / args.params
-            messages = (msgs * 4)[:4] if messages is None else messages
-            del comp
-        # decode + mean of 4 messages into the gradients
-        params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
-                  for s in shapes]
-        # the local gradients, as backward left them (written in place)
-        local = [numpy.ones(s, numpy.float32) for s in shapes]
-        dec = {}
-        for backend in ('native', 'numpy'):
-            comp = GradientCompressor(method, names, shapes,
-                                      [numpy.float32] * len(shapes),
-                                      backend=backend, **kw)
+    methods = args.methods.split(',')
+    kws = {'vgc': dict(alpha=2.0), 'hybrid': dict(alpha=2.0, tau=1e-2),
+           'strom': dict(tau=1e-2)}
 
-            def decode():
-                for p, g in zip(params, local):
-                    p.grad = g
-                communicator.mean_gradients(messages, comp, params, local, 4,
-                                            True, False)
-            dec[backend] = median_time(decode, args.repeat)
+    def compressor(method, backend):
+        return GradientCompressor(method, names, shapes,
+                                  [numpy.float32] * len(shapes),
+                                  backend=backend, **kws.get(method, {}))
+
+    def time_compress(method, backend):
+        """(median s, CPU s / wall s, density, 4 messages)."""
+        comp = compressor(method, backend)
+        for k in range(args.warmup):  # allocate state, steady state
+            comp.compress(draws[k % len(draws)], sqs, copy=False)
+        times, cpu, sent, msgs = [], [], [], []
+        for k in range(args.repeat):
+            g = draws[k % len(draws)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = comp.compress(g, sqs, copy=False)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            sent.append(comp.last_sent)
+            msgs.append(m.copy())
+        return (float(numpy.median(times)),
+                float(numpy.median(cpu) / numpy.median(times)),
+                numpy.mean(sent) / args.params, (msgs * 4)[:4])
+
+    # the local gradients, as backward left them (written in place)
+    params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
+              for s in shapes]
+    local = [numpy.ones(s, numpy.float32) for s in shapes]
+
+    def time_decode(method, backend, messages):
+        """decode + mean of 4 messages into the gradients."""
+        comp = compressor(method, backend)
+
+        def decode():
+            for p, g in zip(params, local):
+                p.grad = g
+            communicator.mean_gradients(messages, comp, params, local, 4,
+                                        True, False)
+        return median_time(decode, args.repeat)
+
+    # the native backend first, for every method, then the reference
+    res = {}
+    for backend in ('native', 'numpy'):
+        for method in methods:
+            t, busy, density, messages = time_compress(method, backend)
+            res[method, backend] = dict(
+                compress=t, busy=busy, density=density,
+                decode=time_decode(method, backend, messages))
+    print('| method | step | native ms | x copyto | numpy ms | x copyto | '
+          'density sent | body bytes | native CPU/wall |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
+    for method in methods:
+        nat, ref = res[method, 'native'], res[method, 'numpy']
         print('| {} | compress+encode | {:.1f} | {:.2f} | {:.1f} | {:.1f} | '
-              '{:.2%} | {:,.0f} |'.format(
-                  method, row['native'] * 1e3, row['native'] / copy_t,
-                  row['numpy'] * 1e3, row['numpy'] / copy_t, density,
-                  4 * density * args.params))
+              '{:.2%} | {:,.0f} | {:.2f} |'.format(
+                  method, nat['compress'] * 1e3, nat['compress'] / copy_t,
+                  ref['compress'] * 1e3, ref['compress'] / copy_t,
+                  nat['density'], 4 * nat['density'] * args.params,
+                  nat['busy']))
         print('| {} | decode+mean of 4 | {:.1f} | {:.2f} | {:.1f} | {:.1f} '
-              '| | |'.format(method, dec['native'] * 1e3,
-                             dec['native'] / copy_t, dec['numpy'] * 1e3,
-                             dec['numpy'] / copy_t))
+              '| | | |'.format(method, nat['decode'] * 1e3,
+                               nat['decode'] / copy_t, ref['decode'] * 1e3,
+                               ref['decode'] / copy_t))
 
 if __name__ == '__main__':
     main()

@@ -1020,15 +1020,15 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
     }
     /* indices strictly increasing and in range */
     if (g.fmt == VGC_FMT_POW2 || g.fmt == VGC_FMT_RAW) {
-        const bool masked = g.fmt == VGC_FMT_POW2;
-        int64_t prev = -1, bad = 0;
-        for (int64_t j = 0; j < count; ++j) {
-            int64_t ix = masked ? (int64_t)(g.body[j] & VGC_INDEX_MASK)
-                                : (int64_t)g.body[j];
-            bad |= (ix <= prev) | (ix >= size);
-            prev = ix;
-        }
-        return !bad;
+        /* each index above the one before (a loop the compiler
+         * vectorizes), so only the last needs the range check */
+        const uint32_t mask =
+            g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
+        const uint32_t *w = g.body;
+        uint32_t bad = 0;
+        for (int64_t j = 1; j < count; ++j)
+            bad |= (uint32_t)((w[j] & mask) <= (w[j - 1] & mask));
+        return !bad && (int64_t)(w[count - 1] & mask) < size;
     }
     vgc_group_start(g);
     int64_t last = -1;
