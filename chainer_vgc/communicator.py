@@ -183,7 +183,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
     def _report(self, blocks, elements=None):
         self.last = report_step(blocks, self.compressor.n_params,
-                                self.totals, elements)
+                                self.totals, elements,
+                                self.compressor.n_bytes)
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -371,16 +372,19 @@ def write_mean(params, grads, sums, size, zero_fill):
         p.grad = mean
 
 
-def step_figures(blocks, n_params, elements=None):
+def step_figures(blocks, n_params, elements=None, param_bytes=None):
     """Figures of one exchange, the same on every rank.
 
     ``vgc/compression``: parameters / average elements sent per rank (the
     paper's definition); ``vgc/density``: its inverse; ``vgc/bytes``: bytes
     each rank sends on the wire with the ring, on average
     ((p - 1) / p of all messages).  Keys with '_' feed the run totals,
-    with ``dense_bytes`` what a dense float32 ring allreduce would send per
-    rank, 2 (p - 1) / p * 4 N (Sec. 5).
+    with ``dense_bytes`` what a dense ring allreduce of the gradients in
+    their own dtypes would send per rank, 2 (p - 1) / p * ``param_bytes``
+    (Sec. 5; ``param_bytes`` = sum of size * itemsize, default 4 N).
     """
+    if param_bytes is None:
+        param_bytes = 4 * n_params
     p = len(blocks)
     if elements is None:
         elements = [codec.message_count(b) for b in blocks]
@@ -394,7 +398,7 @@ def step_figures(blocks, n_params, elements=None):
         'vgc/bytes': wire,
         '_elements': elements,
         '_bytes': wire,
-        '_dense_bytes': 2 * (p - 1) * 4 * n_params / p,
+        '_dense_bytes': 2 * (p - 1) * param_bytes / p,
     }
 
 
@@ -404,11 +408,11 @@ def new_totals():
     return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0}
 
 
-def report_step(blocks, n_params, totals, elements=None):
+def report_step(blocks, n_params, totals, elements=None, param_bytes=None):
     """Add one exchange to ``totals``, report its figures with
     ``chainer.reporter`` and return them (``elements``: per message, when
-    already counted)."""
-    figures = step_figures(blocks, n_params, elements)
+    already counted; ``param_bytes``: see :func:`step_figures`)."""
+    figures = step_figures(blocks, n_params, elements, param_bytes)
     for key, value in figures.items():
         if key.startswith('_'):
             totals[key[1:]] += value

@@ -84,6 +84,11 @@ class GradientCompressor(object):
         """Total number of parameter elements."""
         return sum(self.sizes)
 
+    @property
+    def n_bytes(self):
+        """Bytes of all gradients in their own dtypes."""
+        return sum(n * dt.itemsize for n, dt in zip(self.sizes, self.dtypes))
+
     def state(self, i):
         """Per-parameter state dict of parameter ``i`` (None before its
         first gradient)."""

@@ -26,8 +26,9 @@ REPORT_KEYS = ['vgc/compression', 'vgc/density', 'vgc/bytes']
 def run_summary(totals, compressor, size):
     """Run totals: ``vgc/total_compression`` (parameters x steps / average
     elements sent per rank), ``vgc/total_bytes`` (bytes each rank sent),
-    ``vgc/dense_bytes`` (what a dense float32 ring allreduce of the same
-    steps would have sent per rank, 2 (p - 1) / p * 4 N a step)."""
+    ``vgc/dense_bytes`` (what a dense ring allreduce of the same steps
+    would have sent per rank, 2 (p - 1) / p * N * bytes per element of
+    each gradient's dtype a step)."""
     n = compressor.n_params if compressor is not None else 0
     per_rank = totals['elements'] / size
     return {

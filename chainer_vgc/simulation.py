@@ -74,4 +74,5 @@ class SimulatedWorkers(object):
                                         self.zero_fill, self.method == 'none')
         self.optimizer.update()
         self.last = _comm.report_step(messages, self.compressor.n_params,
-                                      self.totals, elements)
+                                      self.totals, elements,
+                                      self.compressor.n_bytes)

@@ -43,13 +43,40 @@ def test_parse_bandwidth(text, bits):
     assert costmodel.parse_bandwidth(text) == bits
 
 
-def test_bad_input():
+def test_compression_counts_elements_not_bits():
+    """c is parameters / elements sent (what the communicator reports); a
+    float16 gradient (s = 16) halves T_r but not the 32-bit words of T_v:
+    N = 25e6, p = 4, c = 100: T_v = 25e6*32*4/100 / 1e9 = 0.032 s either
+    way, T_r = 2*3*25e6*16/4 / 1e9 = 0.6 s, bound 2*3*100*16/(16*32)."""
+    r = costmodel.cost(25e6, 4, 100, '1Gbit', bits_per_param=16)
+    assert r.allgatherv_s == pytest.approx(0.032)
+    assert r.allreduce_s == pytest.approx(0.6)
+    assert r.speedup_bound == pytest.approx(2 * 3 * 100 * 16 / (16 * 32))
+    # 16-bit words on the wire halve T_v
+    assert costmodel.cost(25e6, 4, 100, '1Gbit',
+                          bits_per_element=16).allgatherv_s == \
+        pytest.approx(0.016)
+    out = subprocess.run(
+        [sys.executable, '-m', 'chainer_vgc.costmodel', '--help'],
+        capture_output=True, text=True, check=True, timeout=60).stdout
+    assert 'parameters / elements sent' in out and '--bits-per-element' in out
+
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(workers=0), 'workers >= 1'),
+    (dict(compression=0), 'compression > 0'),
+    (dict(bits_per_param=0), 'bits_per_param > 0'),
+    (dict(bits_per_element=-1), 'bits_per_element > 0'),
+    (dict(chunk_bits=-8), 'chunk >= 0'),
+    (dict(params=0), 'params > 0'),
+])
+def test_bad_input(kw, match):
     with pytest.raises(ValueError, match='bandwidth'):
         costmodel.parse_bandwidth('fast')
-    with pytest.raises(ValueError):
-        costmodel.cost(1e6, 0, 10, '1Gbit')
-    with pytest.raises(ValueError):
-        costmodel.cost(1e6, 4, 0, '1Gbit')
+    args = dict(params=1e6, workers=4, compression=10, bandwidth='1Gbit')
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        costmodel.cost(**args)
 
 
 def test_command_line():
@@ -58,5 +85,5 @@ def test_command_line():
          '--workers', '4', '--compression', '100', '--bandwidth', '1Gbit'],
         capture_output=True, text=True, check=True, timeout=60).stdout
     assert 'T_r = 2(p-1)Ns*beta/p      = 1.2 s' in out
-    assert 'T_v <= (Nsp/c+(p-1)m)*beta = 0.032 s' in out
+    assert 'T_v <= (Nep/c+(p-1)m)*beta = 0.032 s' in out
     assert 'speedup T_r / T_v = 37.5' in out
