@@ -26,8 +26,10 @@ from the header:
 
 :func:`unpack` checks every field against the receiving model (tensor ids,
 counts, body lengths, exponents and scales, indices in range and strictly
-increasing, levels, finite values) and raises :class:`WireFormatError`
-instead of reading out of bounds or decoding garbage.
+increasing, levels, and every value it would write finite in the receiving
+state dtype: a finite float64 raw value or QSGD ``level * scale`` may
+overflow float32) and raises :class:`WireFormatError` instead of reading out
+of bounds or decoding garbage.
 """
 
 import collections
@@ -284,8 +286,7 @@ def unpack(message, sizes, dtypes):
                 raise WireFormatError(_where(g) + 'values out of range')
             index, value = pow2_decode(body, e_k, scale, dtype)
         elif g.fmt == FMT_RAW:
-            index, value = _raw_decode(body, g, size, xp)
-            value = value.astype(dtype, copy=False)
+            index, value = _raw_decode(body, g, size, dtype, xp)
         else:
             index, value = _qsgd_decode(body, g, size, dtype, xp)
         if g.fmt != FMT_RAW or not g.a & RAW_DENSE:
@@ -379,7 +380,21 @@ def _walk(m, sizes):
                               'after {} groups'.format(m.size - pos, n_groups))
 
 
-def _raw_decode(body, g, size, xp):
+def _check_finite(value, wire, g, dtype, xp):
+    """``value`` (what the decoder writes, in the state ``dtype``) must be
+    finite; ``wire`` (the values as sent, or None) tells a non-finite value
+    on the wire from one that overflows ``dtype``."""
+    if bool(xp.isfinite(value).all()):
+        return
+    if wire is not None and not bool(xp.isfinite(wire).all()):
+        raise WireFormatError(_where(g) + 'non-finite value')
+    raise WireFormatError(_where(g) + 'value out of range for {}'.format(
+        numpy.dtype(dtype)))
+
+
+def _raw_decode(body, g, size, dtype, xp):
+    """(index, value in ``dtype``); every value must be finite on the wire
+    and once cast to ``dtype`` (1e300 sent as float64 overflows float32)."""
     count = g.count
     if g.a & RAW_DENSE:
         index = xp.arange(size, dtype=numpy.int64)
@@ -387,12 +402,13 @@ def _raw_decode(body, g, size, xp):
     else:
         index = body[:count].astype(numpy.int64)
         vals = body[count:]
-    dtype = numpy.float64 if g.a & RAW_FLOAT64 else numpy.float32
     # copy: a float64 view must start on an 8-byte boundary (GPUs fault on
     # misaligned loads) and the body may start at any word
-    value = vals.copy().view(dtype)
-    if not bool(xp.isfinite(value).all()):
-        raise WireFormatError(_where(g) + 'non-finite value')
+    wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
+                            else numpy.float32)
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        value = wire.astype(dtype, copy=False)
+    _check_finite(value, wire, g, dtype, xp)
     return index, value
 
 
@@ -415,9 +431,13 @@ def _qsgd_decode(body, g, size, dtype, xp):
         raise WireFormatError(_where(g) + 'QSGD offset or level out of range')
     per_word = xp.asarray(numpy.repeat(numpy.arange(n_rec), counts))
     index = xp.asarray(ids)[per_word] * bucket + offset
-    mag = level * xp.asarray(scales)[per_word]
-    value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-    return index, value.astype(dtype)
+    # level * scale in float64, then cast: both steps may overflow
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        mag = level * xp.asarray(scales)[per_word]
+        value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
+        value = value.astype(dtype)
+    _check_finite(value, None, g, dtype, xp)
+    return index, value
 
 
 def _check_index(index, size, g):

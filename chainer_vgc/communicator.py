@@ -14,6 +14,7 @@ the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 import time
 
 import chainer
+from chainermn.communicators import _memory_utility
 from chainermn.communicators import mpi_communicator_base
 import numpy
 
@@ -22,6 +23,7 @@ from chainer_vgc import codec
 from chainer_vgc import native
 from chainer_vgc import transport
 from chainer_vgc.compressor import GradientCompressor
+from chainer_vgc.compressor import SkippedStep
 from chainer_vgc.rules import create_rule
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
@@ -75,6 +77,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         #: running totals since construction
         self.totals = new_totals()
         self.last_timing = {}
+        self._loss_scale = None
+        #: whether the last exchange was skipped (a rank's gradients were
+        #: not finite)
+        self.skipped = False
 
     def split(self, color, key):
         return self.__class__(
@@ -113,7 +119,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         if self._names == names and self.compressor is not None:
             return
         signature = ((self.method, sorted(self.hyperparams.items())),
-                     (self.allgatherv_method, self.chunk_words),
+                     (self.allgatherv_method, self.chunk_words,
+                      backend.cpu_backend()),
                      [(n, tuple(p.shape), str(p.dtype))
                       for n, p in zip(names, params)])
         everyone = self.mpi_comm.allgather(signature)
@@ -143,8 +150,20 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             self._install_loaded_state(params)
 
     # -- the step -----------------------------------------------------------
+    def set_loss_scale(self, loss_scale):
+        """The loss scale S of the coming exchange (Chainer's
+        ``optimizer.loss_scaling()``; None: none).  The gradients and sums
+        of squares are unscaled (g / S, s / S**2) before the rule sees them,
+        so residuals and thresholds are in gradient units whatever S does,
+        and the mean is scaled back (x S) for Chainer to unscale."""
+        self._loss_scale = loss_scale
+
     def multi_node_mean_grad(self, model, zero_fill=False):
         self.setup(model)
+        loss_scale, self._loss_scale = self._loss_scale, None
+        if self.method == 'none':
+            self._sqsums = None
+            return self._dense_mean_grad(model, zero_fill)
         _, all_params = model_params(model)
         keep = [p.array is not None for p in all_params]
         params = [p for p, k in zip(all_params, keep) if k]
@@ -162,8 +181,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'comm.set_sqsums(...) instead of loss.backward()'.format(
                     self.method))
         grads, sqsums = local_gradients(params, sqsums, zero_fill)
+        rule_grads, rule_sqsums = _unscaled(grads, sqsums, loss_scale)
         t0 = time.perf_counter()
-        message = comp.compress(grads, sqsums, copy=False)
+        try:
+            message = comp.compress(rule_grads, rule_sqsums, copy=False,
+                                    agree=self._agree)
+        except SkippedStep as e:
+            return self._skip(params, e)
         xp = backend.get_array_module(message)
         t1 = time.perf_counter()
         gathered, counts = transport.allgatherv(
@@ -174,17 +198,72 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         blocks = [xp.asarray(b) for b in gathered]
         t2 = time.perf_counter()
         elements = mean_gradients(blocks, comp, params, grads, self.size,
-                                  zero_fill, self.method == 'none')
+                                  zero_fill, False)
+        if loss_scale not in (None, 1):  # Chainer divides by it again
+            for p in params:
+                if p.grad is not None:
+                    p.grad *= p.grad.dtype.type(loss_scale)
         t3 = time.perf_counter()
         #: seconds of the last exchange's phases on this rank
         self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
                             'decode': t3 - t2}
         self._report(blocks, elements)
 
+    def _agree(self, code):
+        """Every rank's fault code (one small allgather)."""
+        return self.mpi_comm.allgather(int(code))
+
+    def _skip(self, params, error):
+        """A rank's gradients were not finite: nothing was exchanged and no
+        residual changed.  The gradients become NaN, so that Chainer's
+        dynamic loss scaling skips the update and lowers the scale (the
+        optimizer wrapper skips it without); ``vgc/skipped`` is reported.
+        In debug mode (``chainer.set_debug(True)``) a ValueError instead,
+        as ChainerMN's communicators raise."""
+        if chainer.is_debug():
+            raise ValueError('Parameters diverged: {}'.format(error))
+        for p in params:
+            p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
+        self.skipped = True
+        self.totals['skipped'] += 1
+        self.last = {'vgc/skipped': 1.0}
+        chainer.reporter.report(self.last)
+
+    def _dense_mean_grad(self, model, zero_fill):
+        """``none``: ChainerMN's naive exchange itself (an allreduce per
+        parameter, float16 summed in float32, non-finite values passed
+        through, ``ValueError`` in debug mode), with the same reports."""
+        params = _memory_utility.extract_params_set_grad(model, zero_fill)
+        n = 0
+        for param in params:
+            if zero_fill and param.grad is None:
+                if param.data is None:
+                    continue
+                param.grad = param.xp.zeros_like(param.data)
+            if param.grad is None:
+                continue
+            self._multi_node_mean(None, param.grad)
+            n += param.size
+        names, all_params = _initialized(model)
+        p = self.size
+        wire = 2 * (p - 1) * 4 * n / p if p > 1 else 0.0  # float32 sums
+        figures = {'vgc/compression': 1.0, 'vgc/density': 1.0,
+                   'vgc/bytes': wire, 'vgc/skipped': 0.0}
+        self.totals['steps'] += 1
+        self.totals['elements'] += n * p
+        self.totals['bytes'] += wire
+        self.totals['dense_bytes'] += 2 * (p - 1) * sum(
+            q.size * q.dtype.itemsize for q in all_params) / p
+        self.last = figures
+        chainer.reporter.report(figures)
+
     def _report(self, blocks, elements=None):
+        self.skipped = False
         self.last = report_step(blocks, self.compressor.n_params,
                                 self.totals, elements,
                                 self.compressor.n_bytes)
+        self.last['vgc/skipped'] = 0.0
+        chainer.reporter.report({'vgc/skipped': 0.0})
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -223,8 +302,11 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def _serialize_run(self, serializer):
         """Run totals and the rule's own state (QSGD's generator)."""
         for key in sorted(self.totals):
-            self.totals[key] = float(serializer('totals/' + key,
-                                                float(self.totals[key])))
+            try:
+                self.totals[key] = float(serializer('totals/' + key,
+                                                    float(self.totals[key])))
+            except KeyError:  # a snapshot from before this total existed
+                pass
         extra = self.rule.get_extra_state()
         for key in sorted(extra):
             extra[key] = str(serializer('rule/' + key, extra[key]))
@@ -256,6 +338,23 @@ def _initialized(model):
     names, params = model_params(model)
     pairs = [(n, p) for n, p in zip(names, params) if p.array is not None]
     return [n for n, _ in pairs], [p for _, p in pairs]
+
+
+def _unscaled(grads, sqsums, loss_scale):
+    """g / S and s / S**2 in the state dtypes (unchanged without S)."""
+    if loss_scale in (None, 1):
+        return grads, sqsums
+    scale = float(loss_scale)
+
+    def div(a, by):
+        if a is None:
+            return None
+        sdt = backend.state_dtype(a.dtype)
+        return a.astype(sdt) / sdt.type(by)
+    grads = [div(g, scale) for g in grads]
+    if sqsums is not None:
+        sqsums = [div(s, scale * scale) for s in sqsums]
+    return grads, sqsums
 
 
 def local_gradients(params, sqsums, zero_fill):
@@ -404,8 +503,9 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None):
 
 def new_totals():
     """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
-    rank)."""
-    return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0}
+    rank), skipped exchanges."""
+    return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
+            'skipped': 0.0}
 
 
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None):
@@ -423,7 +523,7 @@ def report_step(blocks, n_params, totals, elements=None, param_bytes=None):
 
 
 def _first_difference(a, b):
-    labels = ('method', 'allgatherv and chunk_words')
+    labels = ('method', 'allgatherv, chunk_words and CPU backend')
     for label, x, y in zip(labels, a[:2], b[:2]):
         if x != y:
             return label, x, y

@@ -117,7 +117,10 @@ class GradientCompressor(object):
                                             self.dtypes, grads, sqsums):
             if g is None:
                 continue
-            if tuple(g.shape) != shape or g.dtype != dtype:
+            # the parameter's dtype, or its state dtype (a float16
+            # gradient unscaled in float32 by the communicator)
+            if tuple(g.shape) != shape or g.dtype not in (
+                    dtype, _backend.state_dtype(dtype)):
                 raise ValueError(
                     'gradient of parameter {!r} has shape {} dtype {}; '
                     'expected shape {} dtype {} (the model must match the one '
@@ -142,7 +145,7 @@ class GradientCompressor(object):
                 raise _bad_sqsum(name)
         return sqsums
 
-    def compress(self, grads, sqsums=None, copy=True):
+    def compress(self, grads, sqsums=None, copy=True, agree=None):
         """One step: returns the message (uint32 array on the grads' device).
 
         ``grads[i]`` is the minibatch gradient of parameter i (None: the
@@ -150,11 +153,24 @@ class GradientCompressor(object):
         ``sqsums[i]`` the per-sample sum of squares (variance-based rules).
         ``copy=False`` (native backend): the message is a view of a buffer
         reused by the next call, valid until then.
+
+        ``agree`` (the communicator's): called with this worker's fault code
+        (:data:`OK`, :data:`NONFINITE`, :data:`OVERFLOW`) before any state
+        is committed, it returns every worker's codes; if any worker's
+        gradients were not finite, :class:`SkippedStep` is raised on all of
+        them with every state untouched.
         """
         if self.uses_native(grads):
-            message = self._compress_native(grads, sqsums)
+            message = self._compress_native(grads, sqsums, agree)
             return message.copy() if copy else message
-        sqsums = self._check(grads, sqsums)
+        try:
+            sqsums = self._check(grads, sqsums)
+        except _InputFault as e:
+            if agree is None:
+                raise
+            _settle(agree(NONFINITE), e)
+        if agree is not None:
+            _settle(agree(OK), None)
         groups = []
         xp = numpy
         for i, (g, s) in enumerate(zip(grads, sqsums)):
@@ -170,15 +186,20 @@ class GradientCompressor(object):
                                            self.states[i])
             for key, arr in self.states[i].items():
                 if not _all_finite(arr):
+                    if agree is not None:  # the others must not wait
+                        _settle(agree(OVERFLOW),
+                                _overflow(key, self.names[i], arr.dtype))
                     raise _overflow(key, self.names[i], arr.dtype)
             if group is not None:
                 groups.append(group)
+        if agree is not None:
+            _settle(agree(OK), None)
         message = codec.pack(groups, xp)
         self.last_sent = sum(grp.count for grp in groups)
         self.last_bytes = int(message.nbytes)
         return message
 
-    def _compress_native(self, grads, sqsums):
+    def _compress_native(self, grads, sqsums, agree=None):
         """:meth:`compress` on the native backend.
 
         Each tensor's step reads ``states[i]`` and writes the next state into
@@ -187,8 +208,13 @@ class GradientCompressor(object):
         in, so a NaN gradient or an overflow leaves every state untouched.
         """
         rule = self.rule
-        sqsums = self._check(grads, sqsums,
-                             values=not rule.native_checks_inputs)
+        try:
+            sqsums = self._check(grads, sqsums,
+                                 values=not rule.native_checks_inputs)
+        except _InputFault as e:
+            if agree is None:
+                raise
+            _settle(agree(NONFINITE), e)
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(
@@ -221,8 +247,13 @@ class GradientCompressor(object):
                 n_groups += 1
                 sent += count
             done.append(i)
-        if faults:
-            raise self._fault(faults)
+        error = self._fault(faults) if faults else None
+        if agree is not None:
+            code = OK if error is None else (
+                NONFINITE if isinstance(error, _InputFault) else OVERFLOW)
+            _settle(agree(code), error)
+        elif error is not None:
+            raise error
         for i in done:
             self.states[i], self._spares[i] = self._spares[i], self.states[i]
         buf[0], buf[1] = codec.MAGIC, n_groups
@@ -271,14 +302,51 @@ class GradientCompressor(object):
         return outs
 
 
+#: fault codes exchanged by :meth:`GradientCompressor.compress`'s ``agree``
+OK, NONFINITE, OVERFLOW = 0, 1, 2
+
+
+class SkippedStep(Exception):
+    """Some worker's gradients held NaN or Inf: no worker compressed this
+    step, every residual state is as it was.  ``ranks``: the workers whose
+    gradients were not finite."""
+
+    def __init__(self, message, ranks):
+        super(SkippedStep, self).__init__(message)
+        self.ranks = ranks
+
+
+class _InputFault(FloatingPointError):
+    """A NaN/Inf gradient or sum of squares (not an overflow)."""
+
+
+def _settle(codes, error):
+    """Act on every worker's fault codes: continue, skip, or fail."""
+    codes = list(codes)
+    worst = max(codes) if codes else OK
+    if worst == OK:
+        return
+    bad = [r for r, c in enumerate(codes) if c == worst]
+    if worst == NONFINITE:
+        raise SkippedStep(
+            'chainer_vgc: gradients of rank(s) {} hold NaN or Inf ({}); this '
+            'step is skipped on every rank and no residual changed'.format(
+                bad, error if error is not None else 'not this rank'), bad)
+    if error is not None and not isinstance(error, _InputFault):
+        raise error
+    raise FloatingPointError(
+        'chainer_vgc: the accumulated residual state of rank(s) {} '
+        'overflowed; scale the loss down'.format(bad))
+
+
 def _bad_gradient(name):
-    return FloatingPointError(
+    return _InputFault(
         'gradient of parameter {!r} contains NaN or Inf; nothing was '
         'compressed and the residual state is unchanged'.format(name))
 
 
 def _bad_sqsum(name):
-    return FloatingPointError(
+    return _InputFault(
         'per-sample sum of squares of parameter {!r} contains NaN, Inf or '
         'negative values; the residual state is unchanged'.format(name))
 

@@ -45,8 +45,16 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
             if hasattr(comm, 'set_sqsums'):
                 comm.set_sqsums(None)  # this step's gradients are unused
         else:
+            if hasattr(comm, 'set_loss_scale'):
+                comm.set_loss_scale(self.actual_optimizer._loss_scale)
             self.communicator.multi_node_mean_grad(target, self.zero_fill)
-            self.actual_optimizer.update(None, *args, **kwds)
+            opt = self.actual_optimizer
+            if (getattr(comm, 'skipped', False)
+                    and not opt._loss_scaling_is_dynamic):
+                # a rank's gradients were not finite and no loss scaler will
+                # skip the NaN update: keep the parameters (vgc/skipped)
+                return
+            opt.update(None, *args, **kwds)
 
     def serialize(self, serializer):
         self.actual_optimizer.serialize(serializer)

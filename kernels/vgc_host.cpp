@@ -20,7 +20,8 @@
  *   pass 2, parallel over chunks, over the selected elements only: quantize
  *     and encode (Sec. 4.2, App. B), then copy the words straight into the
  *     message buffer at prefix-summed offsets.
- * Decode: validate every message completely (the checks of codec.unpack),
+ * Decode: validate every message completely (the checks of codec.unpack,
+ *   down to every value being finite in the state dtype it is written in),
  *   then per tensor zero the output and merge the p messages' sorted index
  *   lists, adding the contributions in rank order and applying the 1/p
  *   mean once; never a read or write out of bounds.
@@ -969,6 +970,26 @@ static void vgc_group_start(vgc_group &g) {
 /* Error codes (the Python side re-runs codec.unpack to name the fault). */
 enum { VGC_OK = 0, VGC_BAD_MESSAGE = 1 };
 
+/* Every FMT_RAW value (wire type W), cast to the state dtype S as the
+ * decoder casts it, is finite: a finite float64 may overflow float32. */
+template <typename S, typename W>
+static bool vgc_raw_finite(const uint32_t *v, int64_t count) {
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < count; ++j) {
+        W x;
+        memcpy(&x, v + j * (int64_t)(sizeof(W) / 4), sizeof x);
+        bad |= (uint32_t)!vgc_finite((S)x);
+    }
+    return !bad;
+}
+
+/* The value the decoder writes for the cursor's element, in the state
+ * dtype (float64 if f64), is finite (QSGD: level * scale may overflow). */
+static bool vgc_value_finite(const vgc_group &g, bool f64) {
+    return f64 ? vgc_finite(vgc_group_value<double>(g))
+               : vgc_finite(vgc_group_value<float>(g));
+}
+
 /* Validates one group's contents as codec.unpack does. */
 static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
     const bool f64 = scode == VGC_F64;
@@ -991,11 +1012,12 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
         }
     } else if (g.fmt == VGC_FMT_RAW) {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : count);
-        for (int64_t j = 0; j < count; ++j) {
-            bool ok = (g.a & VGC_RAW_FLOAT64) ? vgc_finite(vgc_word_double(v + 2 * j))
-                                              : vgc_finite(vgc_word_float(v + j));
-            if (!ok) return false;
-        }
+        const bool wire64 = g.a & VGC_RAW_FLOAT64;
+        bool ok = wire64 ? (f64 ? vgc_raw_finite<double, double>(v, count)
+                                : vgc_raw_finite<float, double>(v, count))
+                         : (f64 ? vgc_raw_finite<double, float>(v, count)
+                                : vgc_raw_finite<float, float>(v, count));
+        if (!ok) return false;
         if (g.a & VGC_RAW_DENSE) return true;
     } else {
         const int64_t n_rec = g.a, bucket = g.b & 0xFFFFFF;
@@ -1034,7 +1056,8 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
     int64_t last = -1;
     for (int64_t j = 0; j < count; ++j) {
         int64_t ix = vgc_group_index(g);
-        if (ix <= last || ix >= size) return false;
+        if (ix <= last || ix >= size || !vgc_value_finite(g, f64))
+            return false;
         last = ix;
         vgc_group_advance(g);
     }

@@ -246,3 +246,45 @@ def test_corrupt_fields_that_would_decode_silently_are_rejected():
                                       numpy.array([1.0, numpy.inf]), 10)])
     with pytest.raises(WireFormatError, match='non-finite'):
         codec.unpack(raw, sizes, [numpy.float64])
+
+
+def _qsgd_message(scale, level):
+    """One FMT_QSGD group: tensor of 3 elements, one bucket, element 1 at
+    ``level`` (levels 3) times the float64 ``scale``."""
+    return codec.pack([codec.qsgd_group(
+        0, numpy.array([0, level, 0]), numpy.array([False, True, False]),
+        numpy.array([scale], numpy.float64), 3, 3)])
+
+
+def test_values_that_overflow_the_state_dtype_are_rejected():
+    """A scale or raw value finite on the wire whose decoded value
+    (level * scale, or the value, cast to the state dtype) is not finite
+    there is rejected; where it is finite it decodes."""
+    cases = [  # (message, state dtypes rejecting it, accepting it)
+        (_qsgd_message(2e38, 3), [numpy.float32], [numpy.float64]),
+        (_qsgd_message(1e308, 1), [numpy.float32], [numpy.float64]),
+        (_qsgd_message(1e308, 2), [numpy.float32, numpy.float64], []),
+        (codec.pack([codec.raw_group(0, numpy.array([2]),
+                                     numpy.array([-1e300]), 3)]),
+         [numpy.float32], [numpy.float64]),
+        (codec.pack([codec.raw_group(0, None, numpy.array([1.0, 3.5e38,
+                                                          2.0]), 3)]),
+         [numpy.float32], [numpy.float64]),
+    ]
+    for msg, rejecting, accepting in cases:
+        for dtype in rejecting:
+            with pytest.raises(WireFormatError,
+                               match='value out of range for {}'.format(
+                                   numpy.dtype(dtype))):
+                codec.unpack(msg, [3], [dtype])
+        for dtype in accepting:
+            dec, = codec.unpack(msg, [3], [dtype])
+            assert dec.value.dtype == dtype
+            assert numpy.isfinite(dec.value).all()
+    # float16 parameters receive float32 state: the same limit
+    with pytest.raises(WireFormatError, match='out of range for float32'):
+        codec.unpack(_qsgd_message(2e38, 3), [3], [numpy.float16])
+    # the largest finite products still decode
+    dec, = codec.unpack(_qsgd_message(numpy.finfo(numpy.float32).max / 3, 3),
+                        [3], [numpy.float32])
+    assert numpy.isfinite(dec.value).all() and dec.value[0] < -3e38

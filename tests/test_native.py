@@ -10,6 +10,7 @@ threads, and tensors large enough to be split between threads.  Faults
 raise what the reference raises and leave the state unchanged.
 """
 
+import collections
 import os
 import subprocess
 import sys
@@ -472,3 +473,127 @@ def test_trainer_step_identical_on_both_backends():
             del os.environ['CHAINER_VGC_BACKEND']
     for a, c in zip(*results):
         _assert_same(a, c, 'param')
+
+
+def _qsgd_message(scale, level):
+    """One FMT_QSGD group (3 elements, one bucket, element 1 at
+    ``level`` times the float64 ``scale``)."""
+    return codec.pack([codec.qsgd_group(
+        0, numpy.array([0, level, 0]), numpy.array([False, True, False]),
+        numpy.array([scale], numpy.float64), 3, 3)])
+
+
+@pytest.mark.parametrize('msg,rejecting', [
+    (_qsgd_message(2e38, 3), [numpy.float32]),
+    (_qsgd_message(1e308, 2), [numpy.float32, numpy.float64]),
+    (codec.pack([codec.raw_group(0, numpy.array([2]),
+                                 numpy.array([1e300]), 3)]),
+     [numpy.float32]),
+])
+def test_values_that_overflow_the_state_dtype_are_rejected(msg, rejecting,
+                                                           isa):
+    """Finite on the wire, not finite once decoded into the state dtype:
+    both decoders reject it; in a dtype where it is finite both decode it
+    to the same values."""
+    for dtype in (numpy.float32, numpy.float64):
+        out = numpy.full(3, 5, dtype)
+        result = native.decode_mean([msg], [3], [dtype], [out], [False], 1.0)
+        if dtype in rejecting:
+            with pytest.raises(WireFormatError, match='value out of range'):
+                codec.unpack(msg, [3], [dtype])
+            assert result is None and (out == 5).all()
+        else:
+            want = numpy.zeros(3, dtype)
+            codec.decode_into(msg, [want], [3])
+            assert result is not None and numpy.isfinite(out).all()
+            _assert_same(out, want, dtype)
+
+
+def _float64_fields(groups):
+    """Message positions of the high words (sign, exponent) of the float64
+    fields of ``groups`` packed: QSGD scales and float64 raw values, as
+    (position, format)."""
+    fields, pos = [], 2
+    for g in groups:
+        pos += codec.HEADER_WORDS
+        if g.fmt == codec.FMT_QSGD:
+            fields += [(pos + codec.QSGD_RECORD_WORDS * k + 3, g.fmt)
+                       for k in range(g.a)]
+        elif g.fmt == codec.FMT_RAW and g.a & codec.RAW_FLOAT64:
+            start = pos + (0 if g.a & codec.RAW_DENSE else g.count)
+            fields += [(start + 2 * j + 1, g.fmt) for j in range(g.count)]
+        pos += int(g.body.size)
+    return fields
+
+
+def _set_exponent(rng, msg, groups):
+    """Sets the exponent field of a float64 scale or raw value: half the
+    time one of the top four (1e307 .. Inf/NaN), else one that overflows
+    float32 once multiplied by a level.  Returns (message, format) or
+    (message, None) where the message has no float64 field."""
+    fields = _float64_fields(groups)
+    if not fields:
+        return _corrupt(rng, msg), None
+    pos, fmt = fields[int(rng.integers(0, len(fields)))]
+    e = (2047 - int(rng.integers(0, 4)) if rng.random() < 0.5
+         else int(rng.integers(1100, 2047)))
+    bad = msg.copy()
+    bad[pos] = (bad[pos] & numpy.uint32(0x800FFFFF)) | numpy.uint32(e << 20)
+    return bad, fmt
+
+
+@pytest.mark.parametrize('state_dtype', [numpy.float32, numpy.float64])
+def test_no_corrupt_message_decodes_to_non_finite_values(state_dtype, isa):
+    """Thousands of corruptions of messages of every format (truncations,
+    bit flips, random, appended and swapped words, exponent fields of
+    float64 scales and values set high): every message the reference
+    accepts decodes to finite values in the state dtype, the native decoder
+    accepts exactly those, with the same finite sums, and writes nothing
+    for the others.  Scales and values finite on the wire whose decoded
+    value overflows the state dtype must occur and be rejected."""
+    rng = numpy.random.default_rng(11)
+    sizes = [7, 1, 33, 100, 5]
+    dtypes = [state_dtype] * len(sizes)
+    overflow = collections.Counter()
+    accepted = set()
+    for trial in range(3000):
+        good, groups = random_message(rng, sizes)
+        fmt = None
+        if trial % 2:
+            bad, fmt = _set_exponent(rng, good, groups)
+        else:
+            bad = _corrupt(rng, good)
+        try:
+            decoded = codec.unpack(bad, sizes, dtypes)
+            error = None
+        except WireFormatError as e:
+            error = str(e)
+        outs = [numpy.full(n, 5, state_dtype) for n in sizes]
+        result = native.decode_mean([bad], sizes, dtypes, outs,
+                                    [False] * len(sizes), 1.0)
+        if error is not None:
+            assert result is None, (trial, error)
+            assert all((o == 5).all() for o in outs), trial
+            if 'value out of range for' in error:
+                overflow[fmt] += 1
+            continue
+        assert result is not None, trial
+        want = [numpy.zeros(n, state_dtype) for n in sizes]
+        codec.decode_into(bad, want, sizes)
+        for d in decoded:
+            assert d.value.dtype == state_dtype
+            assert numpy.isfinite(d.value).all(), (trial, d)
+            accepted.add(_format_of(bad, d.tensor_id))
+        for o, w in zip(outs, want):
+            assert numpy.isfinite(o).all(), trial
+            _assert_same(o, w, trial)
+    assert accepted == {codec.FMT_POW2, codec.FMT_RAW, codec.FMT_QSGD}
+    assert overflow[codec.FMT_QSGD] >= 20, overflow
+    if state_dtype == numpy.float32:
+        assert overflow[codec.FMT_RAW] >= 20, overflow
+
+
+def _format_of(msg, tensor_id):
+    """Format of the group of ``tensor_id`` in a valid message."""
+    return next(g.fmt for g in codec._walk(msg, None)
+                if g.tensor_id == tensor_id)

@@ -444,3 +444,175 @@ def test_zero_gradient_through_every_use_gives_zeros():
     (w, b) = PerSampleSquares([('W', lin.W), ('b', lin.b)]).backward(
         F.sum(lin(x) * 0), batch=(x,))
     assert w.shape == (2, 3) and not w.any() and not b.any()
+
+
+# ---- brute force: loss scaling, random noise, reporting ---------------------
+
+class TwinNet(chainer.Chain):
+    """Two layers computed either with F.linear (covered: the exact hook)
+    or with F.matmul + broadcast bias (uncovered: brute force), on the same
+    parameters, so the two paths must give the same sums."""
+
+    def __init__(self, n_in=3, hidden=4, n_out=2, dropout=0.0):
+        super(TwinNet, self).__init__()
+        self.covered = True
+        self.dropout = dropout
+        with self.init_scope():
+            self.l1 = L.Linear(n_in, hidden)
+            self.l2 = L.Linear(hidden, n_out)
+
+    def _layer(self, lin, x):
+        if self.covered:
+            return lin(x)
+        return F.matmul(x, lin.W, transb=True) + F.broadcast_to(
+            lin.b, (len(x), lin.b.shape[0]))
+
+    def forward(self, x):
+        h = F.tanh(self._layer(self.l1, x))
+        if self.dropout:
+            h = F.dropout(h, self.dropout)
+        return self._layer(self.l2, h)
+
+
+def _exact_and_brute(net, loss_fn, batch, **backward_kwargs):
+    out = []
+    for covered in (True, False):
+        net.covered = covered
+        net.cleargrads()
+        hook = PerSampleSquares(net, uncovered='bruteforce')
+        out.append(hook.backward(loss_fn(*batch), loss_fn=loss_fn,
+                                 batch=batch, **backward_kwargs))
+        if not covered:
+            assert len(hook._uses) == 0  # every parameter by brute force
+    return out
+
+
+@pytest.mark.parametrize('kind', ['mean', 'sum', 'scaled_sum',
+                                  'scaled_mean', 'sum_per_example_terms'])
+@pytest.mark.parametrize('loss_scale', [None, 256.0])
+def test_bruteforce_is_exact_for_any_loss_scaling(kind, loss_scale):
+    """Brute force (uncovered F.matmul path) == the exact hook (F.linear
+    path) on the same parameters, for mean, sum and scaled losses, and for
+    backward(loss_scale=...)."""
+    rng = numpy.random.default_rng(11)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(11)
+        net = TwinNet()
+        x = _data(rng, numpy.float64, 5, 3)
+        t = _data(rng, numpy.float64, 5, 2)
+
+        def loss_fn(x, t):
+            y = net(x)
+            if kind == 'mean':
+                return F.mean_squared_error(y, t)
+            if kind == 'sum':
+                return F.sum((y - t) ** 2)
+            if kind == 'scaled_sum':
+                return F.sum((y - t) ** 2) * 1024
+            if kind == 'scaled_mean':
+                return F.mean_squared_error(y, t) * 1024
+            # a sum of per-example terms, each a different function
+            return F.sum(F.sum((y - t) ** 2, axis=1) + F.sum(F.tanh(y), 1))
+        kw = {} if loss_scale is None else {'loss_scale': loss_scale}
+        exact, brute = _exact_and_brute(net, loss_fn, (x, t), **kw)
+    for name, e, b in zip(model_params(net)[0], exact, brute):
+        numpy.testing.assert_allclose(b, e, rtol=1e-9, err_msg=name)
+
+
+def test_bruteforce_exact_when_per_example_gradients_cancel():
+    """At a stationary point of the batch loss the per-example gradients
+    cancel (their sum is ~0, so it cannot give the scaling): the losses do,
+    and the result is still exact, for a sum as for a mean."""
+    with chainer.using_config('dtype', numpy.float64):
+        net = TwinNet()
+        for p in net.params():
+            p.array[...] = 0
+        x = numpy.ones((2, 3))
+        t = numpy.array([[1.0, -2.0], [-1.0, 2.0]])  # optimum: output 0
+        for loss_fn in (lambda x, t: F.sum((net(x) - t) ** 2),
+                        lambda x, t: F.mean_squared_error(net(x), t)):
+            exact, brute = _exact_and_brute(net, loss_fn, (x, t))
+            assert abs(brute[model_params(net)[0].index('/l2/b')]).max() > 0
+            for e, b in zip(exact, brute):
+                numpy.testing.assert_allclose(b, e, rtol=1e-12, atol=0)
+
+
+def test_bruteforce_refuses_loss_not_linear_in_examples():
+    """A per-example weighting (per-token normalization) or a nonlinear
+    function of the batch mean is not c * sum_z loss_fn(example z)."""
+    rng = numpy.random.default_rng(12)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(12)
+        net = TwinNet()
+        net.covered = False
+        x = _data(rng, numpy.float64, 4, 3)
+        t = _data(rng, numpy.float64, 4, 2)
+
+        def squared_mean(x, t):
+            return F.mean_squared_error(net(x), t) ** 2
+
+        def weighted(x, t):  # weights that depend on the batch composition
+            w = numpy.arange(1, len(x) + 1, dtype=numpy.float64)
+            return F.sum(F.sum((net(x) - t) ** 2, axis=1) * w)
+
+        for loss_fn in (squared_mean, weighted):
+            net.cleargrads()
+            with pytest.raises(ValueError, match='c \\* sum_z loss_fn'):
+                PerSampleSquares(net, uncovered='bruteforce').backward(
+                    loss_fn(x, t), loss_fn=loss_fn, batch=(x, t))
+            assert all(p.grad is None for p in net.params())
+
+
+def test_bruteforce_refuses_active_dropout():
+    rng = numpy.random.default_rng(13)
+    numpy.random.seed(13)
+    net = TwinNet(dropout=0.5)
+    net.covered = False
+    x = _data(rng, numpy.float32, 4, 3)
+    t = _data(rng, numpy.float32, 4, 2)
+
+    def loss_fn(x, t):
+        return F.mean_squared_error(net(x), t)
+    net.cleargrads()
+    with chainer.using_config('train', True):
+        with pytest.raises(ValueError, match=r'Dropout active.*'
+                           r"using_config\('train', False\).*/l1/W"):
+            PerSampleSquares(net, uncovered='bruteforce').backward(
+                loss_fn(x, t), loss_fn=loss_fn, batch=(x, t))
+        assert all(p.grad is None for p in net.params())
+        with pytest.raises(ValueError, match='Dropout'):
+            bruteforce_sqsum(loss_fn, list(net.params()), x, t)
+    # the exact hook itself is fine with dropout (it reads the real pass)
+    net.covered = True
+    PerSampleSquares(net).backward(loss_fn(x, t), batch=(x, t))
+    # without dropout (evaluation mode), brute force runs and is exact
+    with chainer.using_config('train', False):
+        exact, brute = _exact_and_brute(net, loss_fn, (x, t))
+    for e, b in zip(exact, brute):
+        numpy.testing.assert_allclose(b, e, rtol=1e-4)
+
+
+def test_bruteforce_reports_nothing():
+    """L.Classifier reports main/loss and main/accuracy; after backward the
+    observation holds the real (batch) pass's values only."""
+    rng = numpy.random.default_rng(14)
+    numpy.random.seed(14)
+    net = TwinNet(n_out=3)
+    net.covered = False
+    model = L.Classifier(net)
+    x = _data(rng, numpy.float32, 6, 3)
+    t = rng.integers(0, 3, 6).astype(numpy.int32)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    observation = {}
+    with reporter.scope(observation):
+        loss = model(x, t)
+        before = {k: float(v.array) for k, v in observation.items()}
+        assert sorted(before) == ['main/accuracy', 'main/loss']
+        sums = PerSampleSquares(model, uncovered='bruteforce').backward(
+            loss, loss_fn=model, batch=(x, t))
+        assert reporter.observation is observation
+    after = {k: float(v.array) for k, v in observation.items()}
+    assert after == before
+    assert after['main/loss'] == float(loss.array)
+    assert all(s is not None for s in sums)
