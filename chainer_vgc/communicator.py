@@ -11,7 +11,9 @@ The per-sample statistics come from the user's ordinary backward pass when
 the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 """
 
+import json
 import time
+import warnings
 
 import chainer
 from chainermn.communicators import _memory_utility
@@ -41,6 +43,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         chunk_words: pipelining chunk of the ring, in 32-bit words.
         max_memory, uncovered: passed to
             :class:`~chainer_vgc.statistics.PerSampleSquares`.
+        resume_other_method: allow loading a snapshot saved with another
+            method (its residuals are then dropped, with a warning); by
+            default a snapshot of other settings is an error.
         **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
             ``bucket``, ``seed``, ``quantize``, ...).
     """
@@ -48,8 +53,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
-                 **hyperparams):
+                 resume_other_method=False, **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm)
+        self.resume_other_method = bool(resume_other_method)
         if allgatherv not in transport.ALLGATHERV:
             raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
                              .format(allgatherv))
@@ -87,7 +93,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             mpi_comm=self.mpi_comm.Split(color, key), method=self.method,
             allgatherv=self.allgatherv_method, chunk_words=self.chunk_words,
             max_memory=self.max_memory, uncovered=self.uncovered,
-            **self.hyperparams)
+            resume_other_method=self.resume_other_method, **self.hyperparams)
 
     @property
     def needs_sqsum(self):
@@ -133,6 +139,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 '{} but rank {} has {}. Every rank must build the same model '
                 'and communicator'.format(diffs, label, mine, diffs[0],
                                           theirs))
+        # residuals are kept per parameter name: a parameter initialized
+        # later (a branch reached mid-run) starts fresh, the others go on
+        kept = {}
+        if self.compressor is not None:
+            kept = {n: st for n, st in zip(self.compressor.names,
+                                           self.compressor.states)
+                    if st is not None}
         self.compressor = GradientCompressor(
             self.rule, names, [p.shape for p in params],
             [p.dtype for p in params])
@@ -142,9 +155,14 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             threads = native.default_threads(self.intra_size)
             if threads:
                 native.set_num_threads(threads)
-        for i, p in enumerate(params):
-            self.compressor.states[i] = self.rule.init_state(
-                p.size, p.dtype, p.xp)
+        for i, (name, p) in enumerate(zip(names, params)):
+            old = kept.get(name)
+            if old is not None and all(a.size == p.size for a in
+                                       old.values()):
+                self.compressor.states[i] = old
+            else:
+                self.compressor.states[i] = self.rule.init_state(
+                    p.size, p.dtype, p.xp)
         self._names = names
         if self._loaded_state is not None:
             self._install_loaded_state(params)
@@ -269,35 +287,110 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def serialize_state(self, model, serializer):
         """Save or load this rank's residual state (r, v) for ``model``.
 
-        Loading may happen before the model's parameters are initialized
-        (trainer snapshots load the optimizer before the model), so loaded
-        arrays are kept and installed by :meth:`setup`.
+        Saving runs no collective (a snapshot taken on one rank only cannot
+        hang): it writes what this rank holds, with a record of the method,
+        hyperparameters, rank count and model.  Loading checks that record
+        against this communicator and the model (a mismatch raises
+        ValueError naming both, unless ``resume_other_method`` allows a
+        different method: its residuals then start fresh) and may happen
+        before the model's parameters are initialized (trainer snapshots
+        load the optimizer before the model), so loaded arrays are kept and
+        installed by :meth:`setup`.
         """
-        names, _ = model_params(model)
-        keys = sorted(self.rule.init_state(0, numpy.float32, numpy))
-        self._serialize_run(serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
-            loaded = {}
-            for name in names:
-                for key in keys:
-                    try:  # absent: the parameter was not initialized then
-                        arr = serializer(_state_key(name, key), None)
-                    except KeyError:
-                        arr = None
-                    if arr is not None:
-                        loaded.setdefault(name, {})[key] = arr
-            if keys and names and not loaded:
-                raise ValueError(
-                    'the snapshot has no residual state for method {!r} '
-                    '(was it saved with another method?)'.format(self.method))
-            self._loaded_state = loaded
-            self.compressor = None  # installed by the next setup()
-            return
-        self.setup(model)
-        for name, state in zip(self.compressor.names,
-                               self.compressor.states):
+            return self._load_state(model, serializer)
+        states = {}
+        if self.compressor is not None:
+            states = {n: st for n, st in zip(self.compressor.names,
+                                             self.compressor.states) if st}
+        elif self._loaded_state:  # loaded, not installed yet
+            states = self._loaded_state
+        serializer('meta', json.dumps(self._meta(model, sorted(states))))
+        self._serialize_run(serializer)
+        for name in sorted(states):
+            for key in sorted(states[name]):
+                serializer(_state_key(name, key), states[name][key])
+
+    def _meta(self, model, state_names):
+        names, params = _initialized(model)
+        return {'format': 1, 'method': self.method,
+                'hyperparams': sorted([k, v] for k, v in
+                                      self.hyperparams.items()),
+                'ranks': self.size,
+                'model': [[n, list(p.shape), str(p.dtype)]
+                          for n, p in zip(names, params)],
+                'states': state_names}
+
+    def _load_state(self, model, serializer):
+        keys = sorted(self.rule.init_state(0, numpy.float32, numpy))
+        try:
+            text = str(serializer('meta', ''))
+        except KeyError:  # a snapshot from before the record existed
+            text = ''
+        meta = json.loads(text) if text else None
+        fresh = False
+        if meta is not None:
+            fresh = self._check_meta(meta, model)
+        if not fresh:
+            self._serialize_run(serializer)
+        loaded = {}
+        if meta is None:
+            names, _ = model_params(model)
+        else:
+            names = [] if fresh else meta['states']
+        for name in names:
             for key in keys:
-                serializer(_state_key(name, key), state[key])
+                try:  # absent: the parameter was not initialized then
+                    arr = serializer(_state_key(name, key), None)
+                except KeyError:
+                    arr = None
+                if arr is not None:
+                    loaded.setdefault(name, {})[key] = arr
+        if meta is None and keys and names and not loaded:
+            raise ValueError(
+                'the snapshot has no residual state for method {!r} '
+                '(was it saved with another method?)'.format(self.method))
+        self._loaded_state = loaded
+        self.compressor = None  # installed by the next setup()
+
+    def _check_meta(self, meta, model):
+        """Compare a snapshot's record with this run; returns True when the
+        method differs and ``resume_other_method`` allows it."""
+        saved = (meta['method'], [tuple(kv) for kv in meta['hyperparams']])
+        here = (self.method, [tuple(kv) for kv in
+                              sorted(self.hyperparams.items())])
+        if meta['ranks'] != self.size:
+            raise ValueError(
+                'chainer_vgc: the snapshot was saved by a run of {} ranks; '
+                'this run has {}. Resume with the same number of ranks'
+                .format(meta['ranks'], self.size))
+        names, params = _initialized(model)
+        if names:  # loaded before the model's lazy params: setup() checks
+            mine = [[n, list(p.shape), str(p.dtype)]
+                    for n, p in zip(names, params)]
+            ours = {n: (s, d) for n, s, d in mine}
+            for n, s, d in meta['model']:
+                if n in ours and ours[n] != (s, d):
+                    raise ValueError(
+                        'chainer_vgc: the snapshot was saved for a model whose '
+                        'parameter {} has shape {} dtype {}; this model has '
+                        'shape {} dtype {}'.format(n, s, d, *ours[n]))
+        if saved != here:
+            if saved[0] != here[0] and self.resume_other_method:
+                warnings.warn(
+                    'chainer_vgc: resuming a {!r} snapshot with method {!r}: '
+                    'its residuals start fresh (resume_other_method=True)'
+                    .format(saved[0], here[0]))
+                return True
+            raise ValueError(
+                'chainer_vgc: the snapshot was saved with method {!r} {} but '
+                'this run uses {!r} {}; resume with the same settings{}'
+                .format(saved[0], dict(saved[1]), here[0], dict(here[1]),
+                        '' if saved[0] == here[0] else
+                        ' (or, to switch method and start the residuals '
+                        'fresh, create_communicator(..., '
+                        'resume_other_method=True))'))
+        return False
 
     def _serialize_run(self, serializer):
         """Run totals and the rule's own state (QSGD's generator)."""

@@ -136,10 +136,21 @@ def make_trainer(args, comm, optimizer, train, test, device, test_batch,
 
 
 def resume(args, comm, trainer):
-    """Load this rank's snapshot from ``--resume DIR``, if given."""
-    if args.resume:
-        chainer.serializers.load_npz(os.path.join(
-            args.resume, 'snapshot_rank{}'.format(comm.rank)), trainer)
+    """Load this rank's snapshot from ``--resume DIR``, if given.  Every
+    rank first checks that every rank has its file, so a snapshot of a run
+    with fewer ranks fails on all of them with a message, not on some with
+    FileNotFoundError while the others wait."""
+    if not args.resume:
+        return
+    path = os.path.join(args.resume, 'snapshot_rank{}'.format(comm.rank))
+    present = comm.mpi_comm.allgather(os.path.isfile(path))
+    if not all(present):
+        raise SystemExit(
+            '--resume {}: snapshot files exist for ranks {} of {}; resume '
+            'with as many ranks as the run that saved them'.format(
+                args.resume, [r for r, ok in enumerate(present) if ok],
+                comm.size))
+    chainer.serializers.load_npz(path, trainer)
 
 
 def add_extensions(trainer, comm, model, test_iter, device, every, stop,

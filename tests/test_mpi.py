@@ -71,6 +71,17 @@ def test_nonfinite_steps_and_loss_scaling(p):
            expect='nonfinite OK at p={}'.format(p))
 
 
+@pytest.mark.parametrize('p', [2, 4])
+def test_residuals_per_name_and_snapshot_records(p):
+    """A branch initialized mid-run starts fresh while the other residuals
+    are kept; a snapshot saved on rank 0 only runs no collective and
+    changes nothing; a snapshot of another method, hyperparameter, model
+    or rank count is refused with an error naming both settings, unless
+    resume_other_method=True (fresh residuals, a warning)."""
+    run_ok(p, 'check_state.py', expect='state OK at p={}'.format(p),
+           timeout=120)
+
+
 def test_exception_on_one_rank_ends_the_job():
     proc, elapsed = run(4, 'check_abort.py', 2, timeout=60)
     assert proc.returncode != 0
