@@ -10,6 +10,7 @@ import sys
 import numpy
 import pytest
 
+from test_mpi import run
 from test_mpi import run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +44,29 @@ def test_train_mnist_smoke(tmp_path):
                  'snapshot_rank0', 'snapshot_rank1'):
         assert os.path.isfile(os.path.join(out, name)), name
     assert 'traffic saved' in proc.stdout
+
+
+def test_resume_with_other_ranks_or_method_fails_on_every_rank(tmp_path):
+    """Snapshots of a 2-rank vgc run: resuming on 3 ranks fails on every
+    rank with a message (no FileNotFoundError on some, no hang); resuming
+    with another method fails naming both methods."""
+    out = str(tmp_path)
+    example(2, 'train_mnist.py', '--iterations', 4, '--unit', 16,
+            '--batchsize', 8, '--out', out, expect='| test accuracy |')
+    script = os.path.join(EXAMPLES, 'train_mnist.py')
+    proc, _ = run(3, script, '--iterations', 8, '--unit', 16, '--batchsize',
+                  8, '--out', str(tmp_path / 'r3'), '--resume', out,
+                  timeout=120)
+    assert proc.returncode != 0
+    assert 'snapshot files exist for ranks [0, 1] of 3' in proc.stdout + \
+        proc.stderr
+    assert 'FileNotFoundError' not in proc.stdout + proc.stderr
+    proc, _ = run(2, script, '--method', 'hybrid', '--iterations', 8,
+                  '--unit', 16, '--batchsize', 8, '--out',
+                  str(tmp_path / 'h'), '--resume', out, timeout=120)
+    assert proc.returncode != 0
+    assert "saved with method 'vgc'" in proc.stdout + proc.stderr
+    assert "this run uses 'hybrid'" in proc.stdout + proc.stderr
 
 
 def test_train_cifar_synthetic_smoke(tmp_path):

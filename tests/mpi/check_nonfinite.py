@@ -65,6 +65,17 @@ def check_none_passes_nonfinite_like_naive():
     for x, y in zip(a, b):
         assert numpy.array_equal(x, y, equal_nan=True)
     assert numpy.isnan(b[0]).any()  # the NaN went through, as with naive
+    chainer.set_debug(True)  # then both raise ChainerMN's ValueError
+    try:
+        for comm in (naive, ours):
+            try:
+                grads_after_exchange(comm, make(), 0, 2)
+            except ValueError as e:
+                assert 'diverged' in str(e)
+            else:
+                raise AssertionError('no ValueError in debug mode')
+    finally:
+        chainer.set_debug(False)
 
 
 def check_compressed_step_is_skipped_collectively(method, kw):
