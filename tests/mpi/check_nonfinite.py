@@ -56,6 +56,19 @@ def grads_after_exchange(comm, model, nan_rank, step):
             for p in model.params()]
 
 
+def expect_diverged_in_debug_mode(comm, model):
+    """With chainer.set_debug(True) a NaN gradient raises ValueError."""
+    chainer.set_debug(True)
+    try:
+        grads_after_exchange(comm, model, 0, 20)
+    except ValueError as e:
+        assert 'diverged' in str(e)
+    else:
+        raise AssertionError('no ValueError in debug mode')
+    finally:
+        chainer.set_debug(False)
+
+
 def check_none_passes_nonfinite_like_naive():
     naive = chainermn.create_communicator('naive', world)
     ours = chainer_vgc.create_communicator('none', world,
@@ -65,17 +78,8 @@ def check_none_passes_nonfinite_like_naive():
     for x, y in zip(a, b):
         assert numpy.array_equal(x, y, equal_nan=True)
     assert numpy.isnan(b[0]).any()  # the NaN went through, as with naive
-    chainer.set_debug(True)  # then both raise ChainerMN's ValueError
-    try:
-        for comm in (naive, ours):
-            try:
-                grads_after_exchange(comm, make(), 0, 2)
-            except ValueError as e:
-                assert 'diverged' in str(e)
-            else:
-                raise AssertionError('no ValueError in debug mode')
-    finally:
-        chainer.set_debug(False)
+    for comm in (naive, ours):  # then both raise ChainerMN's ValueError
+        expect_diverged_in_debug_mode(comm, make())
 
 
 def check_compressed_step_is_skipped_collectively(method, kw):
@@ -122,15 +126,7 @@ def check_compressed_step_is_skipped_collectively(method, kw):
         assert numpy.isfinite(p.array).all()
         assert not numpy.array_equal(p.array, old)  # it did train after
     # debug mode: a ValueError on every rank, as ChainerMN's
-    chainer.set_debug(True)
-    try:
-        grads_after_exchange(comm, model, 0, 20)
-    except ValueError as e:
-        assert 'diverged' in str(e)
-    else:
-        raise AssertionError('no ValueError in debug mode')
-    finally:
-        chainer.set_debug(False)
+    expect_diverged_in_debug_mode(comm, model)
 
 
 def check_optimizer_keeps_params_on_a_bad_step():
