@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -420,6 +421,36 @@ template <typename I> static I vgc_lane_max(const I *a, int n) {
     return m;
 }
 
+/* ---- the block loop shared by the passes ------------------------------ */
+
+/* One pass over a chunk, one cache line of state at a time:
+ * arith(nn, i0, n, rr, vv, lanes) computes a block of n elements into the
+ * local rr, vv and per-lane results (nn: std::integral_constant, the block
+ * size for full blocks, 0 for the tail, so full blocks have a constant trip
+ * count the compiler unrolls and vectorizes); stage(i0, n, rr, vv, lanes)
+ * stages the selected lanes; then the new state is stored (v_out NULL: the
+ * rule keeps no v). */
+template <typename S, typename Arith, typename Stage>
+static void vgc_block_loop(vgc_chunk &c, S *r_out, S *v_out, Arith arith,
+                           Stage stage) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    c.count = 0;
+    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
+        const int n = (int)std::min<int64_t>(B, c.end - i0);
+        S rr[B], vv[B];
+        I lanes[B];
+        if (n == B)
+            arith(std::integral_constant<int, B>(), i0, n, rr, vv, lanes);
+        else
+            arith(std::integral_constant<int, 0>(), i0, n, rr, vv, lanes);
+        stage(i0, n, rr, vv, lanes);
+        vgc_store_block(r_out + i0, rr, n);
+        if (v_out) vgc_store_block(v_out + i0, vv, n);
+    }
+    vgc_fence();
+}
+
 /* ---- Fig. "Basic" (vgc) ------------------------------------------------ */
 
 /* The arithmetic of one block of n elements (NN > 0: n == NN, a constant
@@ -457,24 +488,16 @@ static void vgc_basic_pass(vgc_chunk &c, const G *g, const S *s, const S *r_in,
     const int B = vgc_block<S>::N;
     I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0},
       maxbits[B] = {0};
-    c.count = 0;
-    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
-        const int n = (int)std::min<int64_t>(B, c.end - i0);
-        S rr[B], vv[B];
-        I sel[B];
-        if (n == B)
-            vgc_basic_block<vgc_block<S>::N>(
+    vgc_block_loop<S>(
+        c, r_out, v_out,
+        [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sel) {
+            vgc_basic_block<decltype(nn)::value>(
                 n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, rr, vv,
                 sel, bad_g, bad_s, over_r, over_v, maxbits);
-        else
-            vgc_basic_block<0>(n, g + i0, s + i0, r_in + i0, v_in + i0, alpha,
-                               zeta, rr, vv, sel, bad_g, bad_s, over_r,
-                               over_v, maxbits);
-        vgc_stage_selected<S>(c, sel, n, i0, rr, vv, reset);
-        vgc_store_block(r_out + i0, rr, n);
-        vgc_store_block(v_out + i0, vv, n);
-    }
-    vgc_fence();
+        },
+        [&](int64_t i0, int n, S *rr, S *vv, I *sel) {
+            vgc_stage_selected<S>(c, sel, n, i0, rr, vv, reset);
+        });
     c.maxbits = (uint64_t)vgc_lane_max(maxbits, B);
     c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
 }
@@ -627,24 +650,16 @@ static void vgc_hybrid_pass(vgc_chunk &c, const G *g, const S *s,
     typedef typename vgc_lane<S>::I I;
     const int B = vgc_block<S>::N;
     I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0};
-    c.count = 0;
-    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
-        const int n = (int)std::min<int64_t>(B, c.end - i0);
-        S rr[B], vv[B];
-        I sign[B];
-        if (n == B)
-            vgc_hybrid_block<vgc_block<S>::N>(
+    vgc_block_loop<S>(
+        c, r_out, v_out,
+        [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sign) {
+            vgc_hybrid_block<decltype(nn)::value>(
                 n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, tau, rr,
                 vv, sign, bad_g, bad_s, over_r, over_v);
-        else
-            vgc_hybrid_block<0>(n, g + i0, s + i0, r_in + i0, v_in + i0,
-                                alpha, zeta, tau, rr, vv, sign, bad_g, bad_s,
-                                over_r, over_v);
-        vgc_stage_signs<S>(c, sign, n, i0);
-        vgc_store_block(r_out + i0, rr, n);
-        vgc_store_block(v_out + i0, vv, n);
-    }
-    vgc_fence();
+        },
+        [&](int64_t i0, int n, S *, S *, I *sign) {
+            vgc_stage_signs<S>(c, sign, n, i0);
+        });
     c.out = c.count;
     c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
 }
@@ -671,21 +686,15 @@ static void vgc_strom_pass(vgc_chunk &c, const G *g, const S *r_in, S *r_out,
     typedef typename vgc_lane<S>::I I;
     const int B = vgc_block<S>::N;
     I bad_g[B] = {0}, over_r[B] = {0};
-    c.count = 0;
-    for (int64_t i0 = c.begin; i0 < c.end; i0 += B) {
-        const int n = (int)std::min<int64_t>(B, c.end - i0);
-        S rr[B];
-        I sign[B];
-        if (n == B)
-            vgc_strom_block<vgc_block<S>::N>(n, g + i0, r_in + i0, tau, rr,
-                                             sign, bad_g, over_r);
-        else
-            vgc_strom_block<0>(n, g + i0, r_in + i0, tau, rr, sign, bad_g,
-                               over_r);
-        vgc_stage_signs<S>(c, sign, n, i0);
-        vgc_store_block(r_out + i0, rr, n);
-    }
-    vgc_fence();
+    vgc_block_loop<S>(
+        c, r_out, (S *)NULL,
+        [&](auto nn, int64_t i0, int n, S *rr, S *, I *sign) {
+            vgc_strom_block<decltype(nn)::value>(n, g + i0, r_in + i0, tau,
+                                                 rr, sign, bad_g, over_r);
+        },
+        [&](int64_t i0, int n, S *, S *, I *sign) {
+            vgc_stage_signs<S>(c, sign, n, i0);
+        });
     c.out = c.count;
     c.flags = vgc_lane_flags(bad_g, (I *)NULL, over_r, (I *)NULL, B);
 }
