@@ -157,8 +157,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 native.set_num_threads(threads)
         for i, (name, p) in enumerate(zip(names, params)):
             old = kept.get(name)
-            if old is not None and all(a.size == p.size for a in
-                                       old.values()):
+            if old is not None and all(
+                    a.size == p.size and
+                    a.dtype == backend.state_dtype(p.dtype)
+                    for a in old.values()):
                 self.compressor.states[i] = old
             else:
                 self.compressor.states[i] = self.rule.init_state(
@@ -215,12 +217,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                if self.allgatherv_method == 'ring' else {}))
         blocks = [xp.asarray(b) for b in gathered]
         t2 = time.perf_counter()
+        # the mean, times the loss scale for Chainer to divide again
         elements = mean_gradients(blocks, comp, params, grads, self.size,
-                                  zero_fill, False)
-        if loss_scale not in (None, 1):  # Chainer divides by it again
-            for p in params:
-                if p.grad is not None:
-                    p.grad *= p.grad.dtype.type(loss_scale)
+                                  zero_fill, False, rescale=loss_scale)
         t3 = time.perf_counter()
         #: seconds of the last exchange's phases on this rank
         self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
@@ -305,7 +304,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                                              self.compressor.states) if st}
         elif self._loaded_state:  # loaded, not installed yet
             states = self._loaded_state
-        serializer('meta', json.dumps(self._meta(model, sorted(states))))
+        serializer('meta', json.dumps(self._meta(model, sorted(states)),
+                                      default=_plain))
         self._serialize_run(serializer)
         for name in sorted(states):
             for key in sorted(states[name]):
@@ -419,6 +419,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                     state.dtype)
 
 
+def _plain(value):
+    """JSON for NumPy scalars among the hyperparameters."""
+    if isinstance(value, numpy.generic):
+        return value.item()
+    raise TypeError('not JSON serializable: {!r}'.format(value))
+
+
 def _state_key(name, key):
     return name.lstrip('/') + '/' + key
 
@@ -500,7 +507,7 @@ def sum_messages(blocks, compressor, params, dense):
 
 
 def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
-                   dense):
+                   dense, rescale=None):
     """``param.grad`` = (sum of every worker's elements) * (1 / size).
 
     On the native backend one call validates the messages and writes the
@@ -508,12 +515,13 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     applied (float16 parameters through a float32 buffer); elsewhere, and
     for the rank-order tree of ``dense`` ('none'), the reference
     :func:`sum_messages` + :func:`write_mean`, which it equals bit for bit.
+    ``rescale``: the loss scale to multiply back (:func:`_finish_mean`).
     Returns the number of elements each message carries.
     """
     if dense or not _native_decode_applies(blocks, compressor):
         write_mean(params, grads,
                    sum_messages(blocks, compressor, params, dense), size,
-                   zero_fill)
+                   zero_fill, rescale)
         return [codec.message_count(b) for b in blocks]
     scale = 1.0 / size
     sdts = [backend.state_dtype(p.dtype) for p in params]
@@ -538,12 +546,13 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     touched, elements = result
     for p, g, out, ok, n in zip(params, grads, outs, direct, touched):
         if ok:
+            if rescale not in (None, 1):
+                p.grad *= p.grad.dtype.type(rescale)
             continue
         if g is None and not zero_fill and not (n and out.any()):
             continue  # nothing (or a zero sum) for a gradient-less param
-        mean = out.reshape(p.shape).astype(p.dtype, copy=True)
-        mean *= scale
-        p.grad = mean
+        p.grad = _finish_mean(out.reshape(p.shape).copy(), p.dtype, size,
+                              rescale)
     return [int(e) for e in elements]
 
 
@@ -553,15 +562,29 @@ def _native_decode_applies(blocks, compressor):
             and all(d in native.DTYPE_CODES for d in compressor.dtypes))
 
 
-def write_mean(params, grads, sums, size, zero_fill):
-    """param.grad = sum * (1 / size) in the parameter dtype (as ChainerMN)."""
-    scale = 1.0 / size
+def write_mean(params, grads, sums, size, zero_fill, rescale=None):
+    """param.grad = sum * (1 / size) in the parameter dtype (as ChainerMN);
+    ``rescale`` (the loss scale): times it, in the sum's dtype before the
+    cast to a float16 parameter's dtype (see :func:`_finish_mean`)."""
     for p, g, total in zip(params, grads, sums):
         if g is None and not zero_fill and not bool((total != 0).any()):
             continue  # nobody sent anything for a gradient-less param
-        mean = total.astype(p.dtype, copy=False)  # total is ours to reuse
-        mean *= scale
-        p.grad = mean
+        p.grad = _finish_mean(total, p.dtype, size, rescale)
+
+
+def _finish_mean(total, dtype, size, rescale):
+    """The mean in ``dtype`` of a sum (ours to reuse): the sum cast to
+    ``dtype`` times 1/size (as ChainerMN); with a loss scale S, the sum
+    times 1/size times S in its own (state) dtype, then the cast, so that a
+    float16 gradient is neither rounded unscaled nor multiplied by an S
+    that float16 cannot hold."""
+    if rescale in (None, 1):
+        mean = total.astype(dtype, copy=False)
+        mean *= 1.0 / size
+        return mean
+    total *= total.dtype.type(1.0 / size)
+    total *= total.dtype.type(rescale)
+    return total.astype(dtype, copy=False)
 
 
 def step_figures(blocks, n_params, elements=None, param_bytes=None):

@@ -215,6 +215,11 @@ class GradientCompressor(object):
             if agree is None:
                 raise
             _settle(agree(NONFINITE), e)
+        if agree is not None:
+            # both paths agree twice a step, before any state (or a rule's
+            # generator) moves and after the passes, so ranks on different
+            # paths still make the same collective calls
+            _settle(agree(OK), None)
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(
@@ -323,7 +328,9 @@ class _InputFault(FloatingPointError):
 def _settle(codes, error):
     """Act on every worker's fault codes: continue, skip, or fail."""
     codes = list(codes)
-    worst = max(codes) if codes else OK
+    # a non-finite gradient anywhere skips the step on every rank (no state
+    # was committed), even where another rank's residual overflowed
+    worst = NONFINITE if NONFINITE in codes else max(codes or [OK])
     if worst == OK:
         return
     bad = [r for r, c in enumerate(codes) if c == worst]

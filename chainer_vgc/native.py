@@ -315,10 +315,12 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
     bad = numpy.zeros(1, dtype=numpy.int64)
     for o, size, dt in zip(outs, sizes, state_dtypes):
         if o is not None and (o.size != size or o.dtype != dt
+                              or o.dtype not in (numpy.float32,
+                                                 numpy.float64)
                               or not o.flags.c_contiguous):
             raise ValueError('decode_mean: output arrays must be '
                              'C-contiguous, of the tensor sizes, in the state '
-                             'dtypes')
+                             'dtypes (float32 or float64)')
     rc = lib.vgc_native_decode(
         p, ctypes.cast(ptrs, ctypes.c_void_p), lens.ctypes.data, n,
         sizes_a.ctypes.data, codes.ctypes.data,

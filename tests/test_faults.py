@@ -1,0 +1,123 @@
+"""Fault handling of the compressor and the mean, without MPI: the
+agreement between ranks is a stand-in returning the other ranks' codes."""
+
+import chainer
+import numpy
+import pytest
+
+from chainer_vgc import codec
+from chainer_vgc import communicator
+from chainer_vgc import GradientCompressor
+from chainer_vgc.compressor import NONFINITE, OK, OVERFLOW, SkippedStep
+
+BACKENDS = ['numpy', 'native']
+
+
+def others(*codes):
+    """agree() of a 2-rank run whose other rank reports ``codes`` in turn;
+    records how many times it was called."""
+    seq = iter(codes)
+    calls = []
+
+    def agree(mine):
+        calls.append(mine)
+        return [mine, next(seq)]
+    agree.calls = calls
+    return agree
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_both_paths_agree_twice_a_step(backend):
+    comp = GradientCompressor('vgc', ['w'], [(4,)], [numpy.float32],
+                              backend=backend, alpha=1.0)
+    agree = others(OK, OK)
+    comp.compress([numpy.ones(4, numpy.float32)],
+                  [numpy.ones(4, numpy.float32)], agree=agree)
+    assert agree.calls == [OK, OK]
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_nonfinite_anywhere_skips_even_with_an_overflow_elsewhere(backend):
+    """This rank has a NaN gradient, the other rank's residual overflows:
+    every rank skips (no state was committed), on both paths."""
+    comp = GradientCompressor('vgc', ['w'], [(4,)], [numpy.float32],
+                              backend=backend, alpha=1.0)
+    g = numpy.array([1, numpy.nan, 1, 1], numpy.float32)
+    with pytest.raises(SkippedStep) as info:
+        comp.compress([g], [numpy.ones(4, numpy.float32)],
+                      agree=others(OK, OVERFLOW))
+    assert info.value.ranks == [0]
+    assert comp.states[0] is None or not comp.states[0]['r'].any()
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_overflow_elsewhere_fails_here_too(backend):
+    comp = GradientCompressor('vgc', ['w'], [(4,)], [numpy.float32],
+                              backend=backend, alpha=1.0)
+    with pytest.raises(FloatingPointError, match=r'rank\(s\) \[1\]'):
+        comp.compress([numpy.ones(4, numpy.float32)],
+                      [numpy.ones(4, numpy.float32)],
+                      agree=others(OK, OVERFLOW))
+
+
+def test_qsgd_generator_does_not_move_on_a_skipped_step():
+    """A step skipped because of another rank leaves the generator where it
+    was: the next message equals that of a run without the skipped step,
+    on both backends."""
+    g = [numpy.linspace(-1, 1, 50).astype(numpy.float32)]
+    runs = []
+    for backend, skip in [('numpy', True), ('native', True),
+                          ('native', False)]:
+        comp = GradientCompressor('qsgd', ['w'], [(50,)], [numpy.float32],
+                                  backend=backend, seed=4)
+        comp.compress(g)
+        if skip:
+            with pytest.raises(SkippedStep):
+                comp.compress(g, agree=others(NONFINITE))
+        runs.append(comp.compress(g))
+    assert numpy.array_equal(runs[0], runs[1])
+    assert numpy.array_equal(runs[1], runs[2])
+
+
+def _mean(backend, sums, dtype, rescale):
+    """mean_gradients of one rank's raw message of ``sums``."""
+    n = sums.size
+    comp = GradientCompressor('vgc', ['w'], [(n,)], [dtype], backend=backend,
+                              alpha=1.0, quantize=False)
+    msg = codec.pack([codec.raw_group(0, None, sums, n)])
+    p = chainer.Parameter(numpy.zeros(n, dtype))
+    p.grad = numpy.zeros(n, dtype)
+    communicator.mean_gradients([msg, msg], comp, [p], [p.grad], 2, True,
+                                False, rescale=rescale)
+    return p.grad
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_loss_scale_is_applied_before_the_float16_cast(backend):
+    """An unscaled float16 mean of 1e-8 (below float16's range) times
+    S = 2**16 (above it) is 6.55e-4, not 0 or inf."""
+    sums = numpy.array([1e-8, 3e-7, 1e-6, 1e-4], numpy.float32)
+    got = _mean(backend, sums, numpy.float16, 2.0 ** 16)
+    want = (sums * numpy.float32(2 ** 16)).astype(numpy.float16)
+    assert numpy.isfinite(got).all()
+    assert numpy.array_equal(got, want)
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32,
+                                   numpy.float64])
+def test_rescaled_mean_is_identical_on_both_backends(dtype):
+    rng = numpy.random.default_rng(0)
+    sdt = numpy.float64 if dtype == numpy.float64 else numpy.float32
+    sums = rng.normal(size=70001).astype(sdt) * 1e-3
+    for rescale in (None, 128.0, 2.0 ** 16, 3.0):
+        a = _mean('numpy', sums, dtype, rescale)
+        b = _mean('native', sums, dtype, rescale)
+        assert a.dtype == b.dtype and numpy.array_equal(a, b), rescale
+
+
+def test_snapshot_record_takes_numpy_scalar_hyperparameters():
+    import json
+    from chainer_vgc.communicator import _plain
+    text = json.dumps({'alpha': numpy.float32(2.0), 'bits': numpy.int64(3)},
+                      default=_plain)
+    assert json.loads(text) == {'alpha': 2.0, 'bits': 3}
