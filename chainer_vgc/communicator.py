@@ -46,6 +46,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         resume_other_method: allow loading a snapshot saved with another
             method (its residuals are then dropped, with a warning); by
             default a snapshot of other settings is an error.
+        cuda_aware_mpi: declare that MPI accepts device pointers; by
+            default (False) every collective on GPU arrays goes through
+            host memory (the compressed exchange always does).
         **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
             ``bucket``, ``seed``, ``quantize``, ...).
     """
@@ -53,9 +56,11 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
-                 resume_other_method=False, **hyperparams):
+                 resume_other_method=False, cuda_aware_mpi=False,
+                 **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm)
         self.resume_other_method = bool(resume_other_method)
+        self.cuda_aware_mpi = bool(cuda_aware_mpi)
         if allgatherv not in transport.ALLGATHERV:
             raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
                              .format(allgatherv))
@@ -93,7 +98,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             mpi_comm=self.mpi_comm.Split(color, key), method=self.method,
             allgatherv=self.allgatherv_method, chunk_words=self.chunk_words,
             max_memory=self.max_memory, uncovered=self.uncovered,
-            resume_other_method=self.resume_other_method, **self.hyperparams)
+            resume_other_method=self.resume_other_method,
+            cuda_aware_mpi=self.cuda_aware_mpi, **self.hyperparams)
 
     @property
     def needs_sqsum(self):
@@ -225,6 +231,44 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
                             'decode': t3 - t2}
         self._report(blocks, elements)
+
+    def bcast_data(self, model):
+        """Rank 0's parameters to every rank (ChainerMN's first update).
+
+        Unless ``cuda_aware_mpi``, the parameters travel through one host
+        buffer (their bytes, float16 included), so MPI never sees a device
+        pointer; the result equals ChainerMN's ``bcast_data`` bit for bit.
+        """
+        if self.cuda_aware_mpi:
+            return super(VGCCommunicator, self).bcast_data(model)
+        params = [p for _, p in sorted(model.namedparams())
+                  if p.array is not None]
+        hosts = [numpy.ascontiguousarray(backend.to_numpy(p.array))
+                 for p in params]
+        buf = numpy.empty(sum(h.nbytes for h in hosts), dtype=numpy.uint8)
+        pos = 0
+        for h in hosts:
+            buf[pos:pos + h.nbytes] = h.reshape(-1).view(numpy.uint8)
+            pos += h.nbytes
+        self.mpi_comm.Bcast(buf, root=0)
+        pos = 0
+        for p, h in zip(params, hosts):
+            got = buf[pos:pos + h.nbytes].view(h.dtype).reshape(h.shape)
+            pos += h.nbytes
+            p.array[...] = p.xp.asarray(got)
+
+    def _multi_node_mean(self, sendbuf, recvbuf):
+        """ChainerMN's mean of one array over the ranks; a device array is
+        staged through host memory unless ``cuda_aware_mpi`` (same
+        per-array Allreduce, so the same sums)."""
+        if self.cuda_aware_mpi or isinstance(recvbuf, numpy.ndarray):
+            return super(VGCCommunicator, self)._multi_node_mean(sendbuf,
+                                                                 recvbuf)
+        host = backend.to_numpy(recvbuf)
+        src = None if sendbuf is None else backend.to_numpy(sendbuf)
+        super(VGCCommunicator, self)._multi_node_mean(src, host)
+        with recvbuf.device:  # a CuPy array: back onto its device
+            recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
 
     def _agree(self, code):
         """Every rank's fault code (one small allgather)."""
