@@ -268,8 +268,7 @@ def report(results, p):
         dense = next((d for d in results if d['rate'] == r['rate'] and
                       d['method'] == 'naive'), None)
         c = r['compression'] if r['method'] != 'naive' else 1.0
-        model = costmodel.cost(r['params'], p, c, r['rate'].replace(
-            'gbit', 'Gbit').replace('mbit', 'Mbit'))
+        model = costmodel.cost(r['params'], p, c, r['rate'])
         predicted = model.allreduce_s if r['method'] == 'naive' \
             else model.allgatherv_s
         ratio = dense['step_s'] / r['step_s'] if dense else float('nan')
@@ -290,8 +289,7 @@ def report(results, p):
         for r in phased:
             ph = r['phases_s']
             model = costmodel.cost(r['params'], p, r['compression'],
-                                   r['rate'].replace('gbit', 'Gbit')
-                                   .replace('mbit', 'Mbit'))
+                                   r['rate'])
             print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |'.format(
                 r['rate'], r['method'], ph.get('compress', float('nan')),
                 ph.get('transport', float('nan')),

@@ -323,8 +323,6 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.last = report_step(blocks, self.compressor.n_params,
                                 self.totals, elements,
                                 self.compressor.n_bytes)
-        self.last['vgc/skipped'] = 0.0
-        chainer.reporter.report({'vgc/skipped': 0.0})
 
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
@@ -356,13 +354,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 serializer(_state_key(name, key), states[name][key])
 
     def _meta(self, model, state_names):
-        names, params = _initialized(model)
         return {'format': 1, 'method': self.method,
                 'hyperparams': sorted([k, v] for k, v in
                                       self.hyperparams.items()),
-                'ranks': self.size,
-                'model': [[n, list(p.shape), str(p.dtype)]
-                          for n, p in zip(names, params)],
+                'ranks': self.size, 'model': _model_record(model),
                 'states': state_names}
 
     def _load_state(self, model, serializer):
@@ -408,11 +403,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'chainer_vgc: the snapshot was saved by a run of {} ranks; '
                 'this run has {}. Resume with the same number of ranks'
                 .format(meta['ranks'], self.size))
-        names, params = _initialized(model)
-        if names:  # loaded before the model's lazy params: setup() checks
-            mine = [[n, list(p.shape), str(p.dtype)]
-                    for n, p in zip(names, params)]
-            ours = {n: (s, d) for n, s, d in mine}
+        ours = {n: (s, d) for n, s, d in _model_record(model)}
+        if ours:  # loaded before the model's lazy params: setup() checks
             for n, s, d in meta['model']:
                 if n in ours and ours[n] != (s, d):
                     raise ValueError(
@@ -461,6 +453,12 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                             key, name, arr.size, state.size))
                 state[...] = p.xp.asarray(arr).reshape(state.shape).astype(
                     state.dtype)
+
+
+def _model_record(model):
+    """[name, shape, dtype] of each initialized parameter (JSON-ready)."""
+    names, params = _initialized(model)
+    return [[n, list(p.shape), str(p.dtype)] for n, p in zip(names, params)]
 
 
 def _plain(value):
@@ -637,7 +635,8 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None):
     ``vgc/compression``: parameters / average elements sent per rank (the
     paper's definition); ``vgc/density``: its inverse; ``vgc/bytes``: bytes
     each rank sends on the wire with the ring, on average
-    ((p - 1) / p of all messages).  Keys with '_' feed the run totals,
+    ((p - 1) / p of all messages); ``vgc/skipped``: 0 (an exchange took
+    place; a skipped step reports 1).  Keys with '_' feed the run totals,
     with ``dense_bytes`` what a dense ring allreduce of the gradients in
     their own dtypes would send per rank, 2 (p - 1) / p * ``param_bytes``
     (Sec. 5; ``param_bytes`` = sum of size * itemsize, default 4 N).
@@ -655,6 +654,7 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None):
         'vgc/compression': n_params / per_rank if per_rank else float('inf'),
         'vgc/density': per_rank / n_params if n_params else 0.0,
         'vgc/bytes': wire,
+        'vgc/skipped': 0.0,  # an exchange took place
         '_elements': elements,
         '_bytes': wire,
         '_dense_bytes': 2 * (p - 1) * param_bytes / p,

@@ -163,14 +163,7 @@ class GradientCompressor(object):
         if self.uses_native(grads):
             message = self._compress_native(grads, sqsums, agree)
             return message.copy() if copy else message
-        try:
-            sqsums = self._check(grads, sqsums)
-        except _InputFault as e:
-            if agree is None:
-                raise
-            _settle(agree(NONFINITE), e)
-        if agree is not None:
-            _settle(agree(OK), None)
+        sqsums = self._validate(grads, sqsums, True, agree)
         groups = []
         xp = numpy
         for i, (g, s) in enumerate(zip(grads, sqsums)):
@@ -199,6 +192,21 @@ class GradientCompressor(object):
         self.last_bytes = int(message.nbytes)
         return message
 
+    def _validate(self, grads, sqsums, values, agree):
+        """:meth:`_check`, then the first of the two agreements of a step
+        (before any state, or a rule's generator, moves; the second comes
+        after the passes), so that both paths make the same collective
+        calls.  Returns the sums of squares."""
+        try:
+            sqsums = self._check(grads, sqsums, values=values)
+        except _InputFault as e:
+            if agree is None:
+                raise
+            _settle(agree(NONFINITE), e)
+        if agree is not None:
+            _settle(agree(OK), None)
+        return sqsums
+
     def _compress_native(self, grads, sqsums, agree=None):
         """:meth:`compress` on the native backend.
 
@@ -208,18 +216,8 @@ class GradientCompressor(object):
         in, so a NaN gradient or an overflow leaves every state untouched.
         """
         rule = self.rule
-        try:
-            sqsums = self._check(grads, sqsums,
-                                 values=not rule.native_checks_inputs)
-        except _InputFault as e:
-            if agree is None:
-                raise
-            _settle(agree(NONFINITE), e)
-        if agree is not None:
-            # both paths agree twice a step, before any state (or a rule's
-            # generator) moves and after the passes, so ranks on different
-            # paths still make the same collective calls
-            _settle(agree(OK), None)
+        sqsums = self._validate(grads, sqsums,
+                                not rule.native_checks_inputs, agree)
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(

@@ -232,62 +232,47 @@ class Workspace(object):
             self._lib.vgc_native_workspace_free(handle)
 
 
-def _code(a):
-    return DTYPE_CODES[a.dtype]
-
-
-def _info():
-    return numpy.zeros(3, dtype=numpy.int64)
+def _compress(rule, ws, tensor_id, g, *args):
+    """``vgc_native_<rule>(workspace, tensor_id, dtype code of g, g, *args,
+    info)``, arrays passed by address; returns (words, elements, flags)."""
+    info = numpy.zeros(3, dtype=numpy.int64)
+    getattr(load(), 'vgc_native_' + rule)(
+        ws.handle, tensor_id, DTYPE_CODES[g.dtype], g.ctypes.data,
+        *[a.ctypes.data if isinstance(a, numpy.ndarray) else a
+          for a in args], info.ctypes.data)
+    return tuple(int(x) for x in info)
 
 
 def compress_vgc(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
                  quantize, keep_unrepresentable, out):
     """Fig. "Basic" on one tensor; returns (words, elements, flags)."""
-    info = _info()
-    load().vgc_native_vgc(
-        ws.handle, tensor_id, _code(g), g.ctypes.data, s.ctypes.data,
-        r.ctypes.data, v.ctypes.data, r_out.ctypes.data, v_out.ctypes.data,
-        g.size, alpha, zeta, int(quantize), int(keep_unrepresentable),
-        out.ctypes.data, info.ctypes.data)
-    return tuple(int(x) for x in info)
+    return _compress('vgc', ws, tensor_id, g, s, r, v, r_out, v_out, g.size,
+                     alpha, zeta, int(quantize), int(keep_unrepresentable),
+                     out)
 
 
 def compress_hybrid(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
                     tau, out):
     """Fig. "Hybrid" on one tensor; returns (words, elements, flags)."""
-    info = _info()
-    load().vgc_native_hybrid(
-        ws.handle, tensor_id, _code(g), g.ctypes.data, s.ctypes.data,
-        r.ctypes.data, v.ctypes.data, r_out.ctypes.data, v_out.ctypes.data,
-        g.size, alpha, zeta, tau, out.ctypes.data, info.ctypes.data)
-    return tuple(int(x) for x in info)
+    return _compress('hybrid', ws, tensor_id, g, s, r, v, r_out, v_out,
+                     g.size, alpha, zeta, tau, out)
 
 
 def compress_strom(ws, tensor_id, g, r, r_out, tau, out):
     """Strom's threshold on one tensor; returns (words, elements, flags)."""
-    info = _info()
-    load().vgc_native_strom(ws.handle, tensor_id, _code(g), g.ctypes.data,
-                            r.ctypes.data, r_out.ctypes.data, g.size, tau,
-                            out.ctypes.data, info.ctypes.data)
-    return tuple(int(x) for x in info)
+    return _compress('strom', ws, tensor_id, g, r, r_out, g.size, tau, out)
 
 
 def compress_qsgd(ws, tensor_id, g, u, bucket, levels, out):
     """QSGD levels of one tensor from the uniform draws ``u`` (state dtype);
     returns (words, elements, flags)."""
-    info = _info()
-    load().vgc_native_qsgd(ws.handle, tensor_id, _code(g), g.ctypes.data,
-                           u.ctypes.data, g.size, bucket, levels,
-                           out.ctypes.data, info.ctypes.data)
-    return tuple(int(x) for x in info)
+    return _compress('qsgd', ws, tensor_id, g, u, g.size, bucket, levels,
+                     out)
 
 
 def compress_none(ws, tensor_id, g, out):
     """The dense gradient as a FMT_RAW group; (words, elements, flags)."""
-    info = _info()
-    load().vgc_native_none(ws.handle, tensor_id, _code(g), g.ctypes.data,
-                           g.size, out.ctypes.data, info.ctypes.data)
-    return tuple(int(x) for x in info)
+    return _compress('none', ws, tensor_id, g, g.size, out)
 
 
 def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):

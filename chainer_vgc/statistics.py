@@ -606,21 +606,12 @@ class PerSampleSquares(chainer.FunctionHook):
         """Function nodes that consume each parameter: {index: [(fn, k)]}."""
         index = {id(p.node): i for i, p in enumerate(self.params)}
         uses = {}
-        seen = set()
-        self._graph_functions = []
-        stack = [loss.creator_node] if loss.creator_node is not None else []
-        while stack:
-            fn = stack.pop()
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            self._graph_functions.append(fn)
+        self._graph_functions = _functions_of(loss)
+        for fn in self._graph_functions:
             for k, node in enumerate(fn.inputs):
                 i = index.get(id(node))
                 if i is not None:
                     uses.setdefault(i, []).append((fn, k))
-                elif node.creator_node is not None:
-                    stack.append(node.creator_node)
         return uses
 
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):

@@ -134,6 +134,7 @@ static int vgc_nthreads() {
 
 struct vgc_chunk {
     std::vector<uint32_t> words; /* index words (or final words) */
+    std::vector<uint32_t> records; /* QSGD bucket records */
     /* staged r (and, keep_unrepresentable, v) of the selected elements,
      * in the state dtype */
     std::vector<float> fvalues, fvs;
@@ -826,9 +827,10 @@ static double vgc_bucket_sq(const G *x, int64_t bucket, int64_t valid) {
     return total;
 }
 
-/* One tensor: bucket norms, stochastic levels l = floor(|g| / n * levels +
- * u) with the uniform draws u given, and the FMT_QSGD group (records of
- * the buckets that send something, then one word per element). */
+/* One tensor, one pass: per bucket its norm, the stochastic levels
+ * l = floor(|g| / n * levels + u) with the uniform draws u given, a record
+ * (id, count, scale) for a bucket that sends something and one staged word
+ * per sent element; then the FMT_QSGD group: the records, the words. */
 template <typename G, typename S>
 static int64_t vgc_qsgd(vgc_workspace *ws, int tid, const G *g, const S *u,
                         int64_t n, int64_t bucket, int levels, uint32_t *out,
@@ -836,61 +838,47 @@ static int64_t vgc_qsgd(vgc_workspace *ws, int tid, const G *g, const S *u,
     info[0] = info[1] = info[2] = 0;
     vgc_plan(ws, 0); /* one chunk, serial */
     vgc_chunk &c = ws->chunks[0];
+    c.words.clear();
+    c.records.clear();
     const int64_t nb = (n + bucket - 1) / bucket;
-    std::vector<uint32_t> &records = c.words; /* reused as scratch */
-    int64_t n_rec = 0, count = 0;
     bool bad = false;
-    /* pass 1: records (ids, counts, scales) */
-    records.resize((size_t)VGC_QSGD_RECORD_WORDS * (nb + 1));
     for (int64_t k = 0; k < nb; ++k) {
         const int64_t lo = k * bucket, len = std::min(bucket, n - lo);
         for (int64_t i = lo; i < lo + len; ++i)
             bad |= !vgc_finite((double)g[i]);
         const double norm = sqrt(vgc_bucket_sq(g + lo, bucket, len));
         const double safe = norm > 0 ? norm : 1.0;
-        int64_t sent = 0;
+        const size_t first = c.words.size();
         for (int64_t i = lo; i < lo + len; ++i) {
             double x = (double)g[i];
             double scaled = (x < 0 ? -x : x) / safe * (double)levels;
             double lv = floor(scaled + (double)u[i]);
             int64_t level = norm > 0 ? (int64_t)lv : 0;
             level = level < 0 ? 0 : (level > levels ? levels : level);
-            sent += level != 0;
+            if (level)
+                c.words.push_back((std::signbit(x) ? 0x80000000u : 0u) |
+                                  ((uint32_t)level << VGC_QSGD_OFFSET_BITS) |
+                                  (uint32_t)(i - lo));
         }
+        const size_t sent = c.words.size() - first;
         if (!sent) continue;
+        uint32_t rec[VGC_QSGD_RECORD_WORDS];
         double scale = norm / (double)levels;
-        uint32_t *rec = &records[VGC_QSGD_RECORD_WORDS * n_rec];
         rec[0] = (uint32_t)k;
         rec[1] = (uint32_t)sent;
         memcpy(rec + 2, &scale, sizeof scale);
-        ++n_rec;
-        count += sent;
+        c.records.insert(c.records.end(), rec, rec + VGC_QSGD_RECORD_WORDS);
     }
     info[2] = bad ? VGC_BAD_GRAD : 0;
+    const int64_t count = (int64_t)c.words.size();
     if (count == 0) return 0;
+    const int64_t n_rec = (int64_t)c.records.size() / VGC_QSGD_RECORD_WORDS;
     uint32_t *body = out + VGC_HEADER_WORDS;
-    memcpy(body, records.data(), 4 * VGC_QSGD_RECORD_WORDS * n_rec);
-    uint32_t *words = body + VGC_QSGD_RECORD_WORDS * n_rec;
-    /* pass 2: the words of the records' buckets */
-    int64_t w = 0;
-    for (int64_t r = 0; r < n_rec; ++r) {
-        const int64_t k = body[VGC_QSGD_RECORD_WORDS * r];
-        const int64_t lo = k * bucket, len = std::min(bucket, n - lo);
-        const double norm = sqrt(vgc_bucket_sq(g + lo, bucket, len));
-        for (int64_t i = lo; i < lo + len; ++i) {
-            double x = (double)g[i];
-            double scaled = (x < 0 ? -x : x) / norm * (double)levels;
-            int64_t level = (int64_t)floor(scaled + (double)u[i]);
-            level = level < 0 ? 0 : (level > levels ? levels : level);
-            if (!level) continue;
-            words[w++] = (std::signbit(x) ? 0x80000000u : 0u) |
-                         ((uint32_t)level << VGC_QSGD_OFFSET_BITS) |
-                         (uint32_t)(i - lo);
-        }
-    }
+    memcpy(body, c.records.data(), 4 * c.records.size());
+    memcpy(body + c.records.size(), c.words.data(), 4 * count);
     vgc_header(out, tid, VGC_FMT_QSGD, count, (uint32_t)n_rec,
                ((uint32_t)levels << 24) | (uint32_t)bucket);
-    info[0] = VGC_HEADER_WORDS + VGC_QSGD_RECORD_WORDS * n_rec + count;
+    info[0] = VGC_HEADER_WORDS + (int64_t)c.records.size() + count;
     info[1] = count;
     return info[0];
 }
@@ -1221,6 +1209,23 @@ static int64_t vgc_sum_sequential(vgc_group **heads, int p, S *out,
 
 /* ---- exported API ------------------------------------------------------ */
 
+template <typename T> struct vgc_tag { typedef T type; };
+
+/* f(gradient type tag, state type tag) for a gradient dtype code: float16
+ * and float32 gradients keep float32 state, float64 float64. */
+template <typename F> static int64_t vgc_dispatch(int gcode, F f) {
+    switch (gcode) {
+    case VGC_F16: return f(vgc_tag<vgc_half>(), vgc_tag<float>());
+    case VGC_F32: return f(vgc_tag<float>(), vgc_tag<float>());
+    default: return f(vgc_tag<double>(), vgc_tag<double>());
+    }
+}
+
+/* G and S from the tags of a vgc_dispatch lambda. */
+#define VGC_TYPES(gt, st)                                                      \
+    typedef typename decltype(gt)::type G;                                     \
+    typedef typename decltype(st)::type S
+
 extern "C" {
 
 int vgc_native_abi(void) { return 1; }
@@ -1282,16 +1287,13 @@ int64_t vgc_native_vgc(void *ws, int tid, int gcode, const void *g,
                        void *r_out, void *v_out, int64_t n, double alpha,
                        double zeta, int quantize, int keep_unrep,
                        uint32_t *out, int64_t *info) {
-    vgc_workspace *w = (vgc_workspace *)ws;
-#define VGC_ARGS(G, S)                                                         \
-    w, tid, (const G *)g, (const S *)s, (const S *)r_in, (const S *)v_in,     \
-        (S *)r_out, (S *)v_out, n, alpha, zeta, quantize, keep_unrep, out, info
-    switch (gcode) {
-    case VGC_F16: return vgc_basic<vgc_half, float>(VGC_ARGS(vgc_half, float));
-    case VGC_F32: return vgc_basic<float, float>(VGC_ARGS(float, float));
-    default: return vgc_basic<double, double>(VGC_ARGS(double, double));
-    }
-#undef VGC_ARGS
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_basic<G, S>((vgc_workspace *)ws, tid, (const G *)g,
+                               (const S *)s, (const S *)r_in,
+                               (const S *)v_in, (S *)r_out, (S *)v_out, n,
+                               alpha, zeta, quantize, keep_unrep, out, info);
+    });
 }
 
 int64_t vgc_native_hybrid(void *ws, int tid, int gcode, const void *g,
@@ -1299,71 +1301,43 @@ int64_t vgc_native_hybrid(void *ws, int tid, int gcode, const void *g,
                           void *r_out, void *v_out, int64_t n, double alpha,
                           double zeta, double tau, uint32_t *out,
                           int64_t *info) {
-    vgc_workspace *w = (vgc_workspace *)ws;
-#define VGC_ARGS(G, S)                                                         \
-    w, tid, (const G *)g, (const S *)s, (const S *)r_in, (const S *)v_in,     \
-        (S *)r_out, (S *)v_out, n, alpha, zeta, tau, out, info
-    switch (gcode) {
-    case VGC_F16: return vgc_hybrid<vgc_half, float>(VGC_ARGS(vgc_half, float));
-    case VGC_F32: return vgc_hybrid<float, float>(VGC_ARGS(float, float));
-    default: return vgc_hybrid<double, double>(VGC_ARGS(double, double));
-    }
-#undef VGC_ARGS
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_hybrid<G, S>((vgc_workspace *)ws, tid, (const G *)g,
+                                (const S *)s, (const S *)r_in,
+                                (const S *)v_in, (S *)r_out, (S *)v_out, n,
+                                alpha, zeta, tau, out, info);
+    });
 }
 
 int64_t vgc_native_strom(void *ws, int tid, int gcode, const void *g,
                          const void *r_in, void *r_out, int64_t n, double tau,
                          uint32_t *out, int64_t *info) {
-    vgc_workspace *w = (vgc_workspace *)ws;
-    switch (gcode) {
-    case VGC_F16:
-        return vgc_strom<vgc_half, float>(w, tid, (const vgc_half *)g,
-                                          (const float *)r_in, (float *)r_out,
-                                          n, tau, out, info);
-    case VGC_F32:
-        return vgc_strom<float, float>(w, tid, (const float *)g,
-                                       (const float *)r_in, (float *)r_out, n,
-                                       tau, out, info);
-    default:
-        return vgc_strom<double, double>(w, tid, (const double *)g,
-                                         (const double *)r_in,
-                                         (double *)r_out, n, tau, out, info);
-    }
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_strom<G, S>((vgc_workspace *)ws, tid, (const G *)g,
+                               (const S *)r_in, (S *)r_out, n, tau, out,
+                               info);
+    });
 }
 
 int64_t vgc_native_qsgd(void *ws, int tid, int gcode, const void *g,
                         const void *u, int64_t n, int64_t bucket, int levels,
                         uint32_t *out, int64_t *info) {
-    vgc_workspace *w = (vgc_workspace *)ws;
-    switch (gcode) {
-    case VGC_F16:
-        return vgc_qsgd<vgc_half, float>(w, tid, (const vgc_half *)g,
-                                         (const float *)u, n, bucket, levels,
-                                         out, info);
-    case VGC_F32:
-        return vgc_qsgd<float, float>(w, tid, (const float *)g,
-                                      (const float *)u, n, bucket, levels, out,
-                                      info);
-    default:
-        return vgc_qsgd<double, double>(w, tid, (const double *)g,
-                                        (const double *)u, n, bucket, levels,
-                                        out, info);
-    }
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_qsgd<G, S>((vgc_workspace *)ws, tid, (const G *)g,
+                              (const S *)u, n, bucket, levels, out, info);
+    });
 }
 
 int64_t vgc_native_none(void *ws, int tid, int gcode, const void *g,
                         int64_t n, uint32_t *out, int64_t *info) {
-    vgc_workspace *w = (vgc_workspace *)ws;
-    switch (gcode) {
-    case VGC_F16:
-        return vgc_none<vgc_half, float>(w, tid, (const vgc_half *)g, n, out,
-                                         info);
-    case VGC_F32:
-        return vgc_none<float, float>(w, tid, (const float *)g, n, out, info);
-    default:
-        return vgc_none<double, double>(w, tid, (const double *)g, n, out,
-                                        info);
-    }
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_none<G, S>((vgc_workspace *)ws, tid, (const G *)g, n, out,
+                              info);
+    });
 }
 
 /* Validates the p messages, then writes for every tensor t with outs[t]
