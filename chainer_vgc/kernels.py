@@ -25,15 +25,17 @@ SPECS = collections.OrderedDict([
     # Fig. "Basic": accumulate, criterion (eq. 4), decay of unselected v.
     ('vgc_basic_select', KernelSpec(
         'G g, H s, S alpha, S zeta', 'S r, S v, bool sel',
-        'sel = vgc_basic_select<S>((S)g, (S)s, alpha, zeta, r, v)')),
+        'sel = vgc_basic_select<S>(vgc_to<S>(g), vgc_to<S>(s), alpha, zeta, '
+        'r, v)')),
     # Fig. "Hybrid".
     ('vgc_hybrid_step', KernelSpec(
         'G g, H s, S alpha, S zeta, S tau', 'S r, S v, int8 sign',
-        'sign = vgc_hybrid_step<S>((S)g, (S)s, alpha, zeta, tau, r, v)')),
+        'sign = vgc_hybrid_step<S>(vgc_to<S>(g), vgc_to<S>(s), alpha, zeta, '
+        'tau, r, v)')),
     # Strom's threshold method.
     ('vgc_strom_step', KernelSpec(
         'G g, S tau', 'S r, int8 sign',
-        'sign = vgc_strom_step<S>((S)g, tau, r)')),
+        'sign = vgc_strom_step<S>(vgc_to<S>(g), tau, r)')),
     # Sec. 4.2 quantization + 32-bit word encoding.
     ('vgc_pow2_encode', KernelSpec(
         'S x, I index, int32 e_k', 'uint32 word, bool ok',

@@ -24,8 +24,76 @@ VGC_FN unsigned int vgc_bits(float x) { return __float_as_uint(x); }
 VGC_FN unsigned long long vgc_bits(double x) {
     return (unsigned long long)__double_as_longlong(x);
 }
-VGC_FN float vgc_ldexp(float x, int e) { return ldexpf(x, e); }
-VGC_FN double vgc_ldexp(double x, int e) { return ldexp(x, e); }
+VGC_FN float vgc_from_bits(unsigned int u) { return __uint_as_float(u); }
+VGC_FN double vgc_from_bits(unsigned long long u) {
+    return __longlong_as_double((long long)u);
+}
+/* The subnormal rule: every backend keeps subnormals (IEEE-754 gradual
+ * underflow) and rounds each operation once (no FMA).  CuPy appends
+ * -ftz=true to every kernel it compiles, which would make NVVM emit
+ * add.rn.ftz.f32, mul.rn.ftz.f32 and setp.*.ftz.f32 for plain C operators,
+ * flushing subnormal operands and results to zero.  So on the device every
+ * floating-point operation of these kernels is written in PTX: .rn without
+ * .ftz (an explicit rounding mode also keeps ptxas from fusing a multiply
+ * and an add into an FMA), comparisons by setp without .ftz, absolute value
+ * and negation on the bits.  On the host they are the plain operators
+ * (compiled with -ffp-contract=off), which is what NumPy does. */
+VGC_FN float vgc_add(float a, float b) {
+    float c;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+VGC_FN double vgc_add(double a, double b) {
+    double c;
+    asm("add.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
+    return c;
+}
+VGC_FN float vgc_sub(float a, float b) {
+    float c;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+VGC_FN double vgc_sub(double a, double b) {
+    double c;
+    asm("sub.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
+    return c;
+}
+VGC_FN float vgc_mul(float a, float b) {
+    float c;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+VGC_FN double vgc_mul(double a, double b) {
+    double c;
+    asm("mul.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
+    return c;
+}
+/* a > b (false when either is NaN) */
+VGC_FN bool vgc_gt(float a, float b) {
+    unsigned int p;
+    asm("{\n\t.reg .pred q;\n\tsetp.gt.f32 q, %1, %2;\n\t"
+        "selp.u32 %0, 1, 0, q;\n\t}" : "=r"(p) : "f"(a), "f"(b));
+    return p != 0;
+}
+VGC_FN bool vgc_gt(double a, double b) {
+    unsigned int p;
+    asm("{\n\t.reg .pred q;\n\tsetp.gt.f64 q, %1, %2;\n\t"
+        "selp.u32 %0, 1, 0, q;\n\t}" : "=r"(p) : "d"(a), "d"(b));
+    return p != 0;
+}
+/* the state dtype from a gradient or sum of squares dtype: exact widening
+ * (float16/float32 -> float32/float64), or float64 -> float32 rounded to
+ * nearest without flushing */
+template <typename S, typename T> struct vgc_convert {
+    static VGC_FN S run(T x) { return (S)x; }
+};
+template <> struct vgc_convert<float, double> {
+    static VGC_FN float run(double x) {
+        float y;
+        asm("cvt.rn.f32.f64 %0, %1;" : "=f"(y) : "d"(x));
+        return y;
+    }
+};
 #else
 #include <math.h>
 #include <string.h>
@@ -40,9 +108,30 @@ VGC_FN unsigned long long vgc_bits(double x) {
     memcpy(&u, &x, sizeof u);
     return u;
 }
-VGC_FN float vgc_ldexp(float x, int e) { return ldexpf(x, e); }
-VGC_FN double vgc_ldexp(double x, int e) { return ldexp(x, e); }
+VGC_FN float vgc_from_bits(unsigned int u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+VGC_FN double vgc_from_bits(unsigned long long u) {
+    double x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+/* host: the plain operators (the build uses -ffp-contract=off) */
+template <typename F> VGC_FN F vgc_add(F a, F b) { return a + b; }
+template <typename F> VGC_FN F vgc_sub(F a, F b) { return a - b; }
+template <typename F> VGC_FN F vgc_mul(F a, F b) { return a * b; }
+template <typename F> VGC_FN bool vgc_gt(F a, F b) { return a > b; }
+template <typename S, typename T> struct vgc_convert {
+    static S run(T x) { return (S)x; }
+};
 #endif
+
+/* (S)x by the rule above; used by the kernels' operation strings */
+template <typename S, typename T> VGC_FN S vgc_to(T x) {
+    return vgc_convert<S, T>::run(x);
+}
 
 /* IEEE-754 layout of the state dtypes (float32 for float16/float32
  * parameters, float64 for float64 parameters). */
@@ -66,6 +155,48 @@ template <> struct vgc_float_traits<double> {
     static const unsigned long long ABS_MASK = 0x7FFFFFFFFFFFFFFFull;
 };
 
+/* |x| and -x on the bits (exact, and never flushed) */
+template <typename F> VGC_FN F vgc_abs(F x) {
+    return vgc_from_bits(vgc_bits(x) & vgc_float_traits<F>::ABS_MASK);
+}
+template <typename F> VGC_FN F vgc_neg(F x) {
+    return vgc_from_bits(vgc_bits(x) ^ ~vgc_float_traits<F>::ABS_MASK);
+}
+
+/* x * 2^n rounded once to nearest-even, built from the bits: normal and
+ * subnormal results alike (ldexpf would be lowered to a flushing multiply
+ * under -ftz=true).  Infinity past the largest finite value. */
+template <typename F> VGC_FN F vgc_ldexp(F x, int n) {
+    typedef vgc_float_traits<F> T;
+    typedef typename T::U U;
+    const U one = (U)1;
+    const U implicit = one << T::MANT;
+    U b = vgc_bits(x);
+    U sign = b & ~T::ABS_MASK;
+    U mag = b & T::ABS_MASK;
+    int field = (int)(mag >> T::MANT);
+    const int max_field = (int)(T::EXP_MASK >> T::MANT);
+    if (mag == 0 || field == max_field) return x; /* zero, inf, NaN */
+    U mant = field ? (mag & (implicit - one)) | implicit : mag;
+    int e = field ? field : 1; /* biased exponent of mant's implicit bit */
+    while (mant < implicit) { /* subnormal input: normalize */
+        mant <<= 1;
+        e -= 1;
+    }
+    long long target = (long long)e + n;
+    if (target >= max_field) return vgc_from_bits(sign | T::EXP_MASK);
+    if (target >= 1)
+        return vgc_from_bits(sign | ((U)target << T::MANT) |
+                             (mant & (implicit - one)));
+    long long shift = 1 - target; /* subnormal result */
+    if (shift > T::MANT + 1) return vgc_from_bits(sign);
+    U kept = mant >> shift;
+    U rem = mant & ((one << shift) - one);
+    U half = one << (shift - 1);
+    if (rem > half || (rem == half && (kept & one))) kept += one;
+    return vgc_from_bits(sign | kept); /* a carry makes it normal: right */
+}
+
 /* log2 of a value the quantizer treats as zero (0 and subnormals). */
 #define VGC_LOG2_ZERO (-(1 << 30))
 /* Word layout (Sec. 4.2): sign bit | 3-bit d | 28-bit index. */
@@ -76,15 +207,19 @@ template <> struct vgc_float_traits<double> {
 /* ---- Fig. "Basic": accumulate, criterion (eq. 4), decay ---------------- */
 
 /* r += sum_z grad_z / B  and  v += sum_z (grad_z / B)^2 */
-template <typename F> VGC_FN F vgc_accumulate(F acc, F x) { return acc + x; }
+template <typename F> VGC_FN F vgc_accumulate(F acc, F x) {
+    return vgc_add(acc, x);
+}
 
 /* eq. (4): (sum_z g_z/B)^2 > alpha * sum_z (g_z/B)^2 */
 template <typename F> VGC_FN bool vgc_criterion(F r, F v, F alpha) {
-    return r * r > alpha * v;
+    return vgc_gt(vgc_mul(r, r), vgc_mul(alpha, v));
 }
 
 /* v *= zeta for elements that were not sent (Sec. 4.1, 4.4). */
-template <typename F> VGC_FN F vgc_decay(F v, F zeta) { return v * zeta; }
+template <typename F> VGC_FN F vgc_decay(F v, F zeta) {
+    return vgc_mul(v, zeta);
+}
 
 /* One step of Fig. "Basic" up to the criterion.  Returns whether the element
  * is selected.  v is decayed for every element: the caller resets r and v of
@@ -112,15 +247,18 @@ template <typename F>
 VGC_FN int vgc_hybrid_step(F g, F s, F alpha, F zeta, F tau, F &r, F &v) {
     r = vgc_accumulate(r, g);
     v = vgc_accumulate(v, s);
-    F mag = r < (F)0 ? -r : r;
+    F mag = vgc_abs(r);
     /* written without branches (selects only), so that the host compiler
      * vectorizes it; the values are those of the if/else form */
-    bool sel = (mag > tau) & vgc_criterion(r, v, alpha);
-    int sent = sel ? (r > (F)0 ? 1 : -1) : 0;
-    F reduced = r > (F)0 ? r - tau : r + tau;
-    F corrected = v - (F)2 * mag * tau + tau * tau;
+    bool sel = vgc_gt(mag, tau) & vgc_criterion(r, v, alpha);
+    bool positive = vgc_gt(r, (F)0);
+    int sent = sel ? (positive ? 1 : -1) : 0;
+    F reduced = positive ? vgc_sub(r, tau) : vgc_add(r, tau);
+    /* v - 2 |r| tau + tau^2, evaluated left to right */
+    F corrected = vgc_add(vgc_sub(v, vgc_mul(vgc_mul((F)2, mag), tau)),
+                          vgc_mul(tau, tau));
     r = sel ? reduced : r;
-    v = sel ? (corrected > (F)0 ? corrected : (F)0) : v;
+    v = sel ? (vgc_gt(corrected, (F)0) ? corrected : (F)0) : v;
     v = vgc_decay(v, zeta);
     return sent;
 }
@@ -128,8 +266,8 @@ VGC_FN int vgc_hybrid_step(F g, F s, F alpha, F zeta, F tau, F &r, F &v) {
 /* ---- Strom (2015): threshold tau, send +-tau, keep the residual --------- */
 template <typename F> VGC_FN int vgc_strom_step(F g, F tau, F &r) {
     r = vgc_accumulate(r, g);
-    bool up = r > tau, down = r < -tau;
-    r = up ? r - tau : (down ? r + tau : r);
+    bool up = vgc_gt(r, tau), down = vgc_gt(vgc_neg(tau), r);
+    r = up ? vgc_sub(r, tau) : (down ? vgc_add(r, tau) : r);
     return (int)up - (int)down;
 }
 
@@ -187,7 +325,7 @@ VGC_FN F vgc_pow2_decode(unsigned int word, int e_k, F scale,
     index = (long long)(word & VGC_INDEX_MASK);
     int d = (int)((word >> VGC_INDEX_BITS) & 7u);
     F mag = vgc_ldexp(scale, e_k - d);
-    return (word >> 31) ? -mag : mag;
+    return (word >> 31) ? vgc_neg(mag) : mag;
 }
 
 #endif /* CHAINER_VGC_NUMERICS_CUH */

@@ -217,14 +217,15 @@ def find_nvcc():
     return shutil.which('nvcc')
 
 
-def compile_ptx(instances, workdir, arch='compute_80'):
-    """Compile instantiations with nvcc to PTX; returns the PTX text."""
+def compile_ptx(instances, workdir, arch='compute_80', extra=('-ftz=true',)):
+    """Compile instantiations with nvcc to PTX; returns the PTX text.
+    ``extra`` follows the kernels' options, as CuPy appends ``-ftz=true``."""
     cu = os.path.join(workdir, 'vgc_kernels_check.cu')
     ptx = os.path.join(workdir, 'vgc_kernels_check.ptx')
     with open(cu, 'w') as f:
         f.write(generated_source(instances, device=True))
     cmd = [find_nvcc(), '-ptx', '-arch=' + arch, '-std=c++14',
-           '-o', ptx, cu] + list(kernels.NVRTC_OPTIONS)
+           '-o', ptx, cu] + list(kernels.NVRTC_OPTIONS) + list(extra)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError('nvcc failed:\n' + proc.stderr)
@@ -234,3 +235,86 @@ def compile_ptx(instances, workdir, arch='compute_80'):
 
 def ptx_entries(ptx):
     return re.findall(r'\.entry\s+(\w+)', ptx)
+
+
+# ---- the kernels as CuPy 13 itself generates and compiles them ---------------
+
+def cupy_available():
+    """CuPy importable (it imports without a GPU) and NVRTC loadable."""
+    try:
+        from chainer_vgc import cuda_support
+        if cuda_support.preload_nvrtc() is None:
+            return False
+        import cupy  # noqa: F401
+        from cupy._core import _kernel  # noqa: F401
+        from cupy_backends.cuda.libs import nvrtc  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def cupy_generated_source(kname, args):
+    """The translation unit CuPy 13 compiles for ``kernels.get_kernel(kname)``
+    called with arrays/scalars like ``args``: CuPy's own code generator
+    (``_get_elementwise_kernel_code``) on the kernel object, after CuPy's
+    header includes, as ``compile_with_cache`` prepends them."""
+    import cupy
+    from cupy._core import _carray
+    from cupy._core import _kernel
+    from cupy._core import _scalar
+    from cupy._core import core
+    spec = kernels.SPECS[kname]
+    params, dtypes, is_array, binding = _resolve(spec, args)
+    infos = []
+    for dt, arr in zip(dtypes, is_array):
+        if arr:  # a contiguous 1-D array: CuPy reduces it to one axis
+            infos.append(_kernel._ArgInfo(1, cupy.ndarray, dt, 1, True, True))
+        else:  # a scalar, cast to the parameter's type
+            infos.append(_kernel._ArgInfo(3, _scalar.CScalar, dt, 0, True,
+                                          True))
+    infos.append(_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True))
+    type_map = _kernel._TypeMap(tuple(sorted(binding.items())))
+    kern = kernels.get_kernel(kname)
+    code = _kernel._get_elementwise_kernel_code(
+        tuple(infos), type_map, kern.params, kern.operation, kern.name,
+        kern.preamble, '', '', ())
+    header = ''.join('#include <{}>\n'.format(h)
+                     for h in core._cupy_header_list)
+    return header + code
+
+
+def cupy_compile_options(arch='compute_80'):
+    """CuPy 13's option list for our kernels: ``assemble_cupy_compiler_options``
+    on the kernels' own options, the CUDA headers bundled in the wheel (CuPy
+    uses them when no CUDA toolkit is installed), then what
+    ``_compile_with_cache_cuda`` appends last: ``-ftz=true``."""
+    import cupy
+    from cupy._core import core
+    bundled = os.path.join(os.path.dirname(cupy.__file__), '_core',
+                           'include', 'cupy', '_cuda', 'cuda-12')
+    return (tuple(core.assemble_cupy_compiler_options(
+        tuple(kernels.NVRTC_OPTIONS))) + ('-I' + bundled, '-ftz=true',
+                                          '-arch=' + arch))
+
+
+def nvrtc_ptx(source, options):
+    """Compile with NVRTC (the compiler CuPy uses at run time); PTX text."""
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source, 'vgc_check.cu', (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError:
+            raise RuntimeError('NVRTC failed:\n' +
+                               nvrtc.getProgramLog(prog))
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def ptx_float_instructions(ptx):
+    """Floating-point instructions of a PTX text (one per line)."""
+    return [line.strip() for line in ptx.splitlines()
+            if re.search(r'\b(add|sub|mul|div|fma|setp|cvt|neg|abs|min|max)'
+                         r'\.[a-z.]*f(16|32|64)\b', line)]

@@ -64,6 +64,7 @@ def instances():
 
 
 def test_every_kernel_compiles_to_ptx_without_fma(tmp_path):
+    """nvcc, with -ftz=true after the kernels' options as CuPy adds it."""
     if kernel_harness.find_nvcc() is None:
         pytest.skip('nvcc not found: the CUDA sources were not compiled '
                     '(install the CUDA toolkit to run this check)')
@@ -73,7 +74,78 @@ def test_every_kernel_compiles_to_ptx_without_fma(tmp_path):
     assert entries == ['{}_{}_kernel'.format(name, k)
                        for k, (name, _) in enumerate(insts)]
     assert {name for name, _ in insts} == set(kernels.SPECS)
-    assert 'fma.' not in ptx  # --fmad=false: same rounding as host/NumPy
+    assert 'fma.' not in ptx  # same rounding as host/NumPy
+    assert '.ftz' not in ptx  # subnormals kept, as on the host
+
+
+needs_cupy = pytest.mark.skipif(
+    not kernel_harness.cupy_available(),
+    reason='CuPy or the nvidia-cuda-nvrtc wheel is missing (make test '
+           'installs both): the kernels were not compiled as CuPy does')
+
+
+@needs_cupy
+@pytest.mark.parametrize('k', range(len(instances())))
+def test_kernel_as_cupy_compiles_it_keeps_subnormals_and_has_no_fma(k):
+    """The subnormal rule (kernels/vgc_numerics.cuh): CuPy's own generated
+    source, CuPy's option list with the -ftz=true it appends, NVRTC: no
+    flushing (.ftz) and no fused multiply-add in the PTX."""
+    name, args = instances()[k]
+    source = kernel_harness.cupy_generated_source(name, args)
+    assert '__global__ void {}('.format(name) in source
+    ptx = kernel_harness.nvrtc_ptx(source,
+                                   kernel_harness.cupy_compile_options())
+    float_ops = kernel_harness.ptx_float_instructions(ptx)
+    if name.endswith(('_select', '_step')):  # the arithmetic kernels
+        assert any(op.startswith('setp.gt.f') for op in float_ops), float_ops
+    # (the codec kernels work on the bits only: no float instruction)
+    assert not [op for op in float_ops if '.ftz' in op or 'fma' in op], \
+        float_ops
+
+
+@needs_cupy
+def test_cupy_options_flush_plain_operators():
+    """The control: the same pipeline on plain C operators does emit .ftz
+    (so the test above can fail), and -ftz=true is CuPy's last option."""
+    options = kernel_harness.cupy_compile_options()
+    assert '-ftz=true' in options and '--fmad=false' in options
+    source = ('extern "C" __global__ void plain(float *x, float a) '
+              '{ x[0] = x[0] * a + a; x[1] = x[0] > a ? 1.0f : 0.0f; }')
+    ptx = kernel_harness.nvrtc_ptx(source, options)
+    assert any('.ftz' in op for op in
+               kernel_harness.ptx_float_instructions(ptx))
+
+
+@pytest.mark.parametrize('sdt', [F32, F64])
+def test_subnormal_state_is_kept_by_kernels_and_numpy(host_kernels, sdt):
+    """Subnormal gradients and sums of squares: r += g, v += s, the
+    criterion and v *= zeta in the kernels (which the device runs without
+    flushing) equal NumPy bit for bit, and nothing is flushed to zero."""
+    tiny = numpy.finfo(sdt).tiny
+    g = numpy.array([tiny / 4, -tiny / 2, tiny * 0.75, tiny / 1024,
+                     -tiny / 3, tiny * 3], sdt)
+    s = numpy.abs(g[::-1]).copy()
+    rule = VGC(alpha=1.0, zeta=0.5)
+    st = rule.init_state(g.size, sdt, numpy)
+    r, v = numpy.zeros(g.size, sdt), numpy.zeros(g.size, sdt)
+    sel = numpy.zeros(g.size, bool)
+    host_kernels('vgc_basic_select', g, s, sdt(1.0), sdt(0.5), r, v, sel)
+    want = rule.select(g, s, st)
+    assert (sel == want).all()
+    assert_bitwise(r, st['r'])
+    assert_bitwise(v, st['v'])
+    assert (r != 0).all() and (v != 0).all()  # nothing flushed
+    hyb = Hybrid(tau=float(tiny / 8), alpha=1.0, zeta=0.5)
+    st = hyb.init_state(g.size, sdt, numpy)
+    r, v = numpy.zeros(g.size, sdt), numpy.zeros(g.size, sdt)
+    sign = numpy.zeros(g.size, numpy.int8)
+    host_kernels('vgc_hybrid_step', g, s, sdt(1.0), sdt(0.5),
+                 sdt(tiny / 8), r, v, sign)
+    # (r**2 underflows to 0: the criterion holds nowhere, on every path)
+    assert (sign == hyb.step(g, s, st)).all()
+    assert_bitwise(r, st['r'])
+    assert_bitwise(v, st['v'])
+    assert (r != 0).all() and (v != 0).all()
 
 
 def test_placeholders_are_deduced_from_arrays_only(host_kernels):
