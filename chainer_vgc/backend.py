@@ -1,13 +1,15 @@
 """NumPy/CuPy dispatch helpers (CuPy is optional) and the CPU backend choice."""
 
+import contextlib
 import os
 
 import numpy
 
 try:  # pragma: no cover - exercised only where CuPy is installed
     import cupy
+    import cupyx
 except Exception:  # ImportError, or a CUDA library missing at import
-    cupy = None
+    cupy = cupyx = None
 
 
 def get_array_module(*arrays):
@@ -21,6 +23,24 @@ def get_array_module(*arrays):
 
 def is_cupy(xp):
     return cupy is not None and xp is cupy
+
+
+def device_scope(a):
+    """The context in which new arrays land on ``a``'s device: the CuPy
+    array's device, a no-op for anything else.  State and buffers follow
+    the parameters' device, not whichever device is current."""
+    if cupy is not None and isinstance(a, cupy.ndarray):
+        return a.device
+    return contextlib.nullcontext()
+
+
+def host_buffer(n, dtype):
+    """A 1-D host array of ``n`` elements for device<->host copies:
+    page-locked (pinned) memory where CuPy is installed, so that the copy
+    runs at full bus speed; ordinary memory otherwise."""
+    if cupyx is not None:
+        return cupyx.empty_pinned((int(n),), dtype=dtype)
+    return numpy.empty(int(n), dtype=dtype)
 
 
 def to_numpy(a):

@@ -94,9 +94,12 @@ def _bit_fields(x):
 def floor_log2(x):
     """floor(log2 |x|) of a scalar by truncating the mantissa (Sec. 4.4).
 
-    Returns :data:`LOG2_ZERO` for 0 and subnormal values.
+    Returns :data:`LOG2_ZERO` for 0 and subnormal values.  A device scalar
+    is read as one value (no array download).
     """
-    x = numpy.asarray(backend.to_numpy(x))
+    if not isinstance(x, (numpy.ndarray, numpy.generic, float, int)):
+        x = numpy.asarray(x.item(), dtype=x.dtype)  # a CuPy 0-d array
+    x = numpy.asarray(x)
     if x.dtype not in _TRAITS:
         x = x.astype(numpy.float32)
     x = x.reshape(1)
@@ -229,27 +232,49 @@ def _run_lengths(sorted_values, xp):
                              sorted_values[1:] != sorted_values[:-1]])
     pos = xp.nonzero(starts)[0]
     counts = xp.diff(xp.concatenate(
-        [pos, xp.asarray([sorted_values.size], dtype=pos.dtype)]))
+        [pos, xp.full(1, sorted_values.size, dtype=pos.dtype)]))
     return sorted_values[pos], counts
 
 
 # ---- message ----------------------------------------------------------------
 
 def pack(groups, xp=numpy):
-    """Concatenate groups (tensor ids strictly increasing) into a message."""
-    parts = [numpy.array([MAGIC, len(groups)], dtype=numpy.uint32)]
+    """Concatenate groups (tensor ids strictly increasing) into a message.
+
+    The message is always a host (NumPy) array: it is what MPI sends.  Groups
+    with CuPy bodies are assembled in host memory with one download: the
+    bodies are concatenated on the device and copied once into a pinned
+    buffer; the headers are written on the host.
+    """
     last = -1
     for g in groups:
         if g.tensor_id <= last:
             raise ValueError('pack: tensor ids must increase, got {} after '
                              '{}'.format(g.tensor_id, last))
         last = g.tensor_id
-        parts.append(numpy.array([g.tensor_id, g.fmt, g.count, g.a, g.b],
-                                 dtype=numpy.uint32))
-        parts.append(g.body)
-    if backend.is_cupy(xp):
-        parts = [xp.asarray(p) for p in parts]
-    return xp.concatenate(parts).astype(numpy.uint32, copy=False)
+    total = 2 + sum(HEADER_WORDS + int(g.body.size) for g in groups)
+    message = numpy.empty(total, dtype=numpy.uint32)
+    message[0], message[1] = MAGIC, len(groups)
+    bodies = [g.body for g in groups if g.body.size]
+    if backend.is_cupy(xp) and bodies:
+        flat = xp.concatenate([b.astype(numpy.uint32, copy=False)
+                               for b in bodies])
+        staged = backend.host_buffer(flat.size, numpy.uint32)
+        flat.get(out=staged)
+        bodies, start = [], 0
+        for g in groups:
+            bodies.append(staged[start:start + g.body.size])
+            start += g.body.size
+    else:
+        bodies = [g.body for g in groups]
+    pos = 2
+    for g, body in zip(groups, bodies):
+        message[pos:pos + HEADER_WORDS] = (g.tensor_id, g.fmt, g.count, g.a,
+                                           g.b)
+        pos += HEADER_WORDS
+        message[pos:pos + body.size] = body
+        pos += body.size
+    return message
 
 
 def message_count(message):
@@ -311,6 +336,66 @@ def decode_into(message, outs, sizes=None):
         flat[dec.index] += dec.value.astype(flat.dtype, copy=False)
         n += int(dec.index.size)
     return n
+
+
+def add_validated(host, device, outs, sizes):
+    """Add every element of a message into the flat arrays ``outs`` on the
+    device, reading the headers from the host copy ``host`` and the bodies
+    from ``device`` (the same words, uploaded once).  The message must have
+    been validated first (:func:`unpack` or the native decoder): nothing is
+    checked here, so no device value is read back.  The sums are those of
+    :func:`decode_into`, bit for bit.  Returns the number of elements."""
+    xp = backend.get_array_module(device)
+    n = 0
+    for g in _walk(host, sizes):
+        out = outs[g.tensor_id]
+        body = device[g.body[0]:g.body[1]]
+        if g.fmt == FMT_POW2:
+            e_k = int(numpy.uint32(g.a).view(numpy.int32))
+            scale = numpy.uint32(g.b).view(numpy.float32)
+            index, value = pow2_decode(body, e_k, scale, out.dtype)
+        elif g.fmt == FMT_RAW:
+            index, value = _raw_values(body, g, sizes[g.tensor_id],
+                                       out.dtype, xp)
+        else:
+            index, value = _qsgd_values(body, g, out.dtype, xp)
+        out[index] += value.astype(out.dtype, copy=False)
+        n += g.count
+    return n
+
+
+def _raw_values(body, g, size, dtype, xp):
+    """(index, value) of a FMT_RAW body, values cast to ``dtype``."""
+    if g.a & RAW_DENSE:
+        index = xp.arange(size, dtype=numpy.int64)
+        vals = body
+    else:
+        index = body[:g.count].astype(numpy.int64)
+        vals = body[g.count:]
+    wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
+                            else numpy.float32)
+    return index, wire.astype(dtype, copy=False)
+
+
+def _qsgd_values(body, g, dtype, xp):
+    """(index, value) of a FMT_QSGD body, computed where the body lives (no
+    record is read back): value = sign * level * scale, in float64, then
+    cast to ``dtype`` as :func:`_qsgd_decode` does."""
+    n_rec, bucket = g.a, g.b & 0xFFFFFF
+    rec = body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec, QSGD_RECORD_WORDS)
+    words = body[QSGD_RECORD_WORDS * n_rec:]
+    ids = rec[:, 0].astype(numpy.int64)
+    ends = xp.cumsum(rec[:, 1].astype(numpy.int64))
+    scales = xp.ascontiguousarray(rec[:, 2:]).view(numpy.float64).reshape(-1)
+    per_word = xp.searchsorted(ends, xp.arange(g.count, dtype=numpy.int64),
+                               side='right')
+    offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
+    level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
+             & numpy.uint32(0xFF)).astype(numpy.int64)
+    index = ids[per_word] * bucket + offset
+    mag = level * scales[per_word]
+    value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
+    return index, value.astype(dtype)
 
 
 _Span = collections.namedtuple(

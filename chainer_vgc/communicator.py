@@ -169,8 +169,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                     for a in old.values()):
                 self.compressor.states[i] = old
             else:
-                self.compressor.states[i] = self.rule.init_state(
-                    p.size, p.dtype, p.xp)
+                with backend.device_scope(p.array):
+                    self.compressor.states[i] = self.rule.init_state(
+                        p.size, p.dtype, p.xp)
         self._names = names
         if self._loaded_state is not None:
             self._install_loaded_state(params)
@@ -214,14 +215,14 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                                     agree=self._agree)
         except SkippedStep as e:
             return self._skip(params, e)
-        xp = backend.get_array_module(message)
         t1 = time.perf_counter()
-        gathered, counts = transport.allgatherv(
-            self.mpi_comm, backend.to_numpy(message),
-            method=self.allgatherv_method,
+        # the message is in host memory on every path (codec.pack): MPI
+        # never sees a device pointer; the blocks stay on the host, where
+        # the headers, checks and reports read them
+        blocks, counts = transport.allgatherv(
+            self.mpi_comm, message, method=self.allgatherv_method,
             **({'chunk_words': self.chunk_words}
                if self.allgatherv_method == 'ring' else {}))
-        blocks = [xp.asarray(b) for b in gathered]
         t2 = time.perf_counter()
         # the mean, times the loss scale for Chainer to divide again
         elements = mean_gradients(blocks, comp, params, grads, self.size,
@@ -438,7 +439,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 pass
         extra = self.rule.get_extra_state()
         for key in sorted(extra):
-            extra[key] = str(serializer('rule/' + key, extra[key]))
+            try:
+                extra[key] = str(serializer('rule/' + key, extra[key]))
+            except KeyError:  # a snapshot from before this state existed
+                pass
         self.rule.set_extra_state(extra)
 
     def _install_loaded_state(self, params):
@@ -451,8 +455,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                         'residual state {!r} of parameter {!r} has {} '
                         'elements in the snapshot, the model has {}'.format(
                             key, name, arr.size, state.size))
-                state[...] = p.xp.asarray(arr).reshape(state.shape).astype(
-                    state.dtype)
+                with backend.device_scope(state):
+                    state[...] = p.xp.asarray(arr).reshape(
+                        state.shape).astype(state.dtype)
 
 
 def _model_record(model):
@@ -492,7 +497,8 @@ def _unscaled(grads, sqsums, loss_scale):
         if a is None:
             return None
         sdt = backend.state_dtype(a.dtype)
-        return a.astype(sdt) / sdt.type(by)
+        with backend.device_scope(a):
+            return a.astype(sdt) / sdt.type(by)
     grads = [div(g, scale) for g in grads]
     if sqsums is not None:
         sqsums = [div(s, scale * scale) for s in sqsums]
@@ -509,10 +515,13 @@ def local_gradients(params, sqsums, zero_fill):
     if sqsums is not None:
         sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
     if zero_fill:
+        def zeros(p):
+            with backend.device_scope(p.array):
+                return p.xp.zeros_like(p.array)
         if sqsums is not None:
-            sqsums = [p.xp.zeros_like(p.array) if g is None else s
+            sqsums = [zeros(p) if g is None else s
                       for p, g, s in zip(params, grads, sqsums)]
-        grads = [p.xp.zeros_like(p.array) if g is None else g
+        grads = [zeros(p) if g is None else g
                  for p, g in zip(params, grads)]
     return grads, sqsums
 
@@ -560,6 +569,9 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     ``rescale``: the loss scale to multiply back (:func:`_finish_mean`).
     Returns the number of elements each message carries.
     """
+    if not dense and _on_device(params):
+        return _device_mean(blocks, compressor, params, grads, size,
+                            zero_fill, rescale)
     if dense or not _native_decode_applies(blocks, compressor):
         write_mean(params, grads,
                    sum_messages(blocks, compressor, params, dense), size,
@@ -598,6 +610,79 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     return [int(e) for e in elements]
 
 
+def _on_device(params):
+    return any(backend.get_array_module(p.array) is not numpy
+               for p in params if p.array is not None)
+
+
+def validate_messages(blocks, compressor, dtypes):
+    """Check every host message against the model, as :func:`codec.unpack`
+    does (the native decoder's walk where it applies: same checks, no
+    output); returns the elements each carries.  A fault raises
+    :class:`~chainer_vgc.codec.WireFormatError` as the reference names
+    it."""
+    sizes = compressor.sizes
+    sdts = [backend.state_dtype(d) for d in dtypes]
+    if _native_decode_applies(blocks, compressor):
+        result = native.decode_mean(blocks, sizes, sdts, [None] * len(sizes),
+                                    [0] * len(sizes), 1.0)
+        if result is not None:
+            return [int(e) for e in result[1]]
+    counts = []
+    for block in blocks:
+        counts.append(sum(int(d.index.size)
+                          for d in codec.unpack(block, sizes, dtypes)))
+    if _native_decode_applies(blocks, compressor):
+        raise RuntimeError('chainer_vgc: the native decoder rejected a '
+                           'message the reference decoder accepts; please '
+                           'report this with CHAINER_VGC_BACKEND=numpy as '
+                           'the workaround')
+    return counts
+
+
+def upload_blocks(blocks, xp, like):
+    """Every rank's message on ``like``'s device with one host-to-device
+    copy (through one pinned buffer); returns a device view per block."""
+    sizes = [int(b.size) for b in blocks]
+    staged = backend.host_buffer(sum(sizes), numpy.uint32)
+    pos = 0
+    for b, n in zip(blocks, sizes):
+        staged[pos:pos + n] = b
+        pos += n
+    with backend.device_scope(like):
+        device = xp.asarray(staged)
+    views, pos = [], 0
+    for n in sizes:
+        views.append(device[pos:pos + n])
+        pos += n
+    return views
+
+
+def _device_mean(blocks, compressor, params, grads, size, zero_fill,
+                 rescale):
+    """:func:`mean_gradients` for parameters on a GPU.  The messages are
+    validated on the host (where MPI left them), uploaded once, decoded and
+    summed in rank order on the device, then :func:`write_mean`: one upload
+    per step, no device value read back, the reference's sums bit for bit.
+    (Parameters on several devices: the blocks are uploaded to the first
+    one's device and read from there.)"""
+    dtypes = [p.dtype for p in params]
+    elements = validate_messages(blocks, compressor, dtypes)
+    arrays = [p.array for p in params if p.array is not None]
+    xp = backend.get_array_module(*arrays)
+    device = upload_blocks(blocks, xp, next(
+        a for a in arrays if backend.get_array_module(a) is xp))
+    sums = []
+    for p, n in zip(params, compressor.sizes):
+        with backend.device_scope(p.array):
+            sums.append(xp.zeros(n, dtype=backend.state_dtype(p.dtype)))
+    for host, dev in zip(blocks, device):
+        codec.add_validated(host, dev, sums, compressor.sizes)
+    write_mean(params, grads, [s.reshape(p.shape) for s, p in
+                               zip(sums, params)], size, zero_fill, rescale)
+    return elements
+
+
 def _native_decode_applies(blocks, compressor):
     return (compressor.backend == 'native'
             and all(isinstance(b, numpy.ndarray) for b in blocks)
@@ -611,7 +696,8 @@ def write_mean(params, grads, sums, size, zero_fill, rescale=None):
     for p, g, total in zip(params, grads, sums):
         if g is None and not zero_fill and not bool((total != 0).any()):
             continue  # nobody sent anything for a gradient-less param
-        p.grad = _finish_mean(total, p.dtype, size, rescale)
+        with backend.device_scope(p.array):
+            p.grad = _finish_mean(total, p.dtype, size, rescale)
 
 
 def _finish_mean(total, dtype, size, rescale):

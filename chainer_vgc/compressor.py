@@ -146,7 +146,10 @@ class GradientCompressor(object):
         return sqsums
 
     def compress(self, grads, sqsums=None, copy=True, agree=None):
-        """One step: returns the message (uint32 array on the grads' device).
+        """One step: returns the message, a uint32 NumPy array (host memory
+        on every path: MPI sends it; CuPy gradients are compressed on their
+        device and the message assembled with one download, see
+        :func:`chainer_vgc.codec.pack`).
 
         ``grads[i]`` is the minibatch gradient of parameter i (None: the
         parameter has no gradient this step and its state is untouched);
@@ -164,17 +167,20 @@ class GradientCompressor(object):
             message = self._compress_native(grads, sqsums, agree)
             return message.copy() if copy else message
         sqsums = self._validate(grads, sqsums, True, agree)
+        self.rule.begin_step()
         groups = []
         xp = numpy
         for i, (g, s) in enumerate(zip(grads, sqsums)):
             if g is None:
                 continue
             xp = _backend.get_array_module(g)
-            if self.states[i] is None:
-                self.states[i] = self.rule.init_state(self.sizes[i],
-                                                      self.dtypes[i], xp)
             flat_s = None if s is None else s.reshape(-1)
-            with numpy.errstate(over='ignore', invalid='ignore'):
+            # state and work arrays on the gradient's device
+            with _backend.device_scope(g), numpy.errstate(over='ignore',
+                                                           invalid='ignore'):
+                if self.states[i] is None:
+                    self.states[i] = self.rule.init_state(
+                        self.sizes[i], self.dtypes[i], xp)
                 group = self.rule.compress(i, g.reshape(-1), flat_s,
                                            self.states[i])
             for key, arr in self.states[i].items():
@@ -218,6 +224,7 @@ class GradientCompressor(object):
         rule = self.rule
         sqsums = self._validate(grads, sqsums,
                                 not rule.native_checks_inputs, agree)
+        rule.begin_step()
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(
@@ -297,7 +304,8 @@ class GradientCompressor(object):
 
     def decode(self, message):
         """The dense update a message carries: list of arrays in the state
-        dtypes, on the message's device, zero where nothing was sent."""
+        dtypes, on the message's device (a host message: NumPy), zero where
+        nothing was sent."""
         xp = _backend.get_array_module(message)
         outs = [xp.zeros(shape, dtype=_backend.state_dtype(dt))
                 for shape, dt in zip(self.shapes, self.dtypes)]

@@ -46,8 +46,20 @@ SPECS = collections.OrderedDict([
         'value = vgc_pow2_decode<S>(word, e_k, scale, index)')),
 ])
 
+#: ReductionKernels: name -> ReductionSpec.
+ReductionSpec = collections.namedtuple(
+    'ReductionSpec', ['in_params', 'out_params', 'map_expr', 'reduce_expr',
+                      'post_map_expr', 'identity'])
+REDUCTION_SPECS = collections.OrderedDict([
+    # the statistics' per-sample sum of squares, sum_z g_z**2 over axis 0
+    # (chainer_vgc.statistics), without a temporary of g's size
+    ('vgc_sum_squares', ReductionSpec(
+        'T g', 'T y', 'vgc_mul(g, g)', 'vgc_add(a, b)', 'y = a', '0')),
+])
+
 #: Compiler options: no FMA contraction, so that device results equal the
-#: host and NumPy results bit for bit.
+#: host and NumPy results bit for bit (CuPy appends -ftz=true; the
+#: numerics avoid it, see kernels/vgc_numerics.cuh).
 NVRTC_OPTIONS = ('--fmad=false',)
 
 _SOURCE_NAME = 'vgc_numerics.cuh'
@@ -76,8 +88,22 @@ def source():
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(name):
-    """The ``cupy.ElementwiseKernel`` named ``name`` (see :data:`SPECS`)."""
+    """The ``cupy.ElementwiseKernel`` (:data:`SPECS`) or
+    ``cupy.ReductionKernel`` (:data:`REDUCTION_SPECS`) named ``name``.
+
+    Checks the CuPy version first and loads NVRTC from the
+    ``nvidia-cuda-nvrtc-cu12`` wheel where it is installed
+    (:mod:`chainer_vgc.cuda_support`)."""
     import cupy
+    from chainer_vgc import cuda_support
+    cuda_support.check_cupy(cupy)
+    cuda_support.preload_nvrtc()
+    if name in REDUCTION_SPECS:
+        spec = REDUCTION_SPECS[name]
+        return cupy.ReductionKernel(
+            spec.in_params, spec.out_params, spec.map_expr, spec.reduce_expr,
+            spec.post_map_expr, spec.identity, name, preamble=source(),
+            options=NVRTC_OPTIONS)
     spec = SPECS[name]
     return cupy.ElementwiseKernel(
         spec.in_params, spec.out_params, spec.operation, name,

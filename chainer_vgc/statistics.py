@@ -334,8 +334,15 @@ class _Use(object):
 
 
 def _sum_squares(xp, g):
-    """sum over axis 0 of g**2 without a temporary of g's size."""
-    return xp.einsum('i...,i...->...', g, g)
+    """sum over axis 0 of g**2 without a temporary of g's size: NumPy's
+    einsum; on the GPU the ``vgc_sum_squares`` ReductionKernel
+    (:mod:`chainer_vgc.kernels`; CuPy's einsum would make two transposed
+    copies of g).  The GPU adds the examples in another order than NumPy,
+    so the last bits of the statistics may differ between devices."""
+    if xp is numpy:
+        return xp.einsum('i...,i...->...', g, g)
+    from chainer_vgc import kernels
+    return kernels.get_kernel('vgc_sum_squares')(g, axis=0)
 
 
 def _chunk(max_memory, bytes_per_item):
@@ -507,6 +514,10 @@ def _example_major(node, b):
 
 
 def _scatter_add(xp, out, index, values):
+    """out[index] += values, repeated indices summed.  On the GPU
+    ``cupyx.scatter_add`` adds with atomics in no fixed order, so EmbedID
+    statistics may differ in their last bits from run to run there (they
+    are deterministic on the CPU)."""
     if xp is numpy:
         numpy.add.at(out, index, values)
     else:  # pragma: no cover - GPU only

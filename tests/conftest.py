@@ -22,12 +22,41 @@ def host_kernels(tmp_path_factory):
 
 
 @pytest.fixture
-def kernel_backend(host_kernels, monkeypatch):
-    """Routes the rules' and codec's CuPy branches to the host-compiled
-    kernels, so the GPU code path runs end to end on NumPy arrays."""
-    from chainer_vgc import backend
+def device(host_kernels, monkeypatch):
+    """The GPU code path on the CPU: chainer_vgc sees a fake CuPy whose
+    arrays are not NumPy arrays and whose every host<->device copy is
+    recorded (tests/fake_cupy.py), and the CuPy kernels run as the
+    host-compiled kernels of kernels/vgc_numerics.cuh.  Returns the fake
+    module: ``device.asarray(x)`` puts x on the "device"."""
+    import fake_cupy
+    import kernel_harness
     from chainer_vgc import kernels
-    monkeypatch.setattr(backend, 'is_cupy', lambda xp: True)
-    monkeypatch.setattr(kernels, 'get_kernel',
-                        lambda name: (lambda *a: host_kernels(name, *a)))
-    return host_kernels
+    fake = fake_cupy.install(monkeypatch)
+
+    def get_kernel(name):
+        if name in kernels.REDUCTION_SPECS:
+            def reduce(x, axis=None):
+                assert axis == 0, 'the harness reduces axis 0 only'
+                return fake_cupy.DeviceArray(
+                    fake, host_kernels.reduce_axis0(name, x._a))
+            return reduce
+
+        def launch(*args):
+            host = []
+            for a in args:
+                if isinstance(a, fake_cupy.DeviceArray):
+                    host.append(a._a)
+                else:  # CuPy refuses host arrays as kernel arguments
+                    fake_cupy._reject_host(a)
+                    host.append(a)
+            outs = host_kernels(name, *host)
+            n_in = len(kernel_harness.parse_params(
+                kernels.SPECS[name].in_params))
+            given = args[n_in:]  # outputs passed in are written in place
+            result = [given[k] if k < len(given) else
+                      fake_cupy.DeviceArray(fake, o)
+                      for k, o in enumerate(outs)]
+            return tuple(result)
+        return launch
+    monkeypatch.setattr(kernels, 'get_kernel', get_kernel)
+    return fake

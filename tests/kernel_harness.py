@@ -182,6 +182,31 @@ class HostKernels(object):
                                  binding[typ])
                      for typ, _ in parse_params(spec.out_params))
 
+    def reduce_axis0(self, kname, x):
+        """Run reduction kernel ``kname`` over axis 0 of ``x``."""
+        x = numpy.ascontiguousarray(x)
+        src = reduction_source(kname, x.dtype)
+        key = hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+        if key not in self._libs:
+            cpp = os.path.join(self.workdir, key + '.cpp')
+            so = os.path.join(self.workdir, key + '.so')
+            with open(cpp, 'w') as f:
+                f.write(src)
+            subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
+                           check=True, capture_output=True, text=True)
+            lib = ctypes.CDLL(so)
+            fn = getattr(lib, kname + '_run')
+            fn.argtypes = [ctypes.c_longlong, ctypes.c_longlong,
+                           ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = None
+            self._libs[key] = (lib, fn, None, None)
+        fn = self._libs[key][1]
+        rows = x.shape[0] if x.ndim else 1
+        out = numpy.empty(x.shape[1:], dtype=x.dtype)
+        fn(rows, out.size, x.ctypes.data_as(ctypes.c_void_p),
+           out.ctypes.data_as(ctypes.c_void_p))
+        return out
+
     def __call__(self, kname, *args):
         """Run kernel ``kname``: inputs then (preallocated) outputs.
 
@@ -211,6 +236,34 @@ class HostKernels(object):
                              else bool(a))
         fn(n or 0, *cargs)
         return args[n_in:]
+
+
+def reduction_source(kname, dtype):
+    """C++ for ``kernels.REDUCTION_SPECS[kname]`` over axis 0 of a
+    C-contiguous (rows, cols) array: for each column, a = identity, then
+    a = reduce(a, map(row)) row after row, then the post-map.  CuPy's order
+    of the rows differs (a tree); the map and reduce are the same text."""
+    spec = kernels.REDUCTION_SPECS[kname]
+    (tin, xin), = parse_params(spec.in_params)
+    (tout, yout), = parse_params(spec.out_params)
+    ctype = _HOST_TYPES[numpy.dtype(dtype)][0]
+    return '\n'.join([
+        '#include "{}"'.format(os.path.join(kernels.source_dir(),
+                                            'vgc_numerics.cuh')),
+        'typedef {} {};'.format(ctype, tin),
+        'extern "C" void {}_run(long long rows, long long cols, '
+        'const {} *in_p, {} *out_p) {{'.format(kname, tin, tout),
+        '  for (long long j = 0; j < cols; ++j) {',
+        '    {} a = ({})({});'.format(tin, tin, spec.identity),
+        '    for (long long i = 0; i < rows; ++i) {',
+        '      const {} {} = in_p[i * cols + j];'.format(tin, xin),
+        '      {} b = {};'.format(tin, spec.map_expr),
+        '      a = {};'.format(spec.reduce_expr),
+        '    }',
+        '    {} &{} = out_p[j];'.format(tout, yout),
+        '    {};'.format(spec.post_map_expr),
+        '  }',
+        '}', ''])
 
 
 def find_nvcc():
@@ -278,6 +331,36 @@ def cupy_generated_source(kname, args):
     code = _kernel._get_elementwise_kernel_code(
         tuple(infos), type_map, kern.params, kern.operation, kern.name,
         kern.preamble, '', '', ())
+    header = ''.join('#include <{}>\n'.format(h)
+                     for h in core._cupy_header_list)
+    return header + code
+
+
+def cupy_reduction_source(kname, dtype, block_size=512):
+    """The translation unit CuPy 13 compiles for the ReductionKernel
+    ``kname`` reducing axis 0 of a C-contiguous 2-D array of ``dtype`` to
+    1-D: CuPy's own generator (``_ReductionKernel_get_cached_function_code``)
+    with the kernel object's parameters, after CuPy's header includes."""
+    import cupy
+    from cupy._core import _carray
+    from cupy._core import _kernel
+    from cupy._core import _reduction
+    from cupy._core import _scalar
+    from cupy._core import core
+    kern = kernels.get_kernel(kname)
+    dt = numpy.dtype(dtype)
+    infos = (_kernel._ArgInfo(1, cupy.ndarray, dt, 2, True, True),
+             _kernel._ArgInfo(1, cupy.ndarray, dt, 1, True, True),
+             _kernel._ArgInfo(2, _carray.Indexer, None, 2, True, True),
+             _kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True),
+             _kernel._ArgInfo(3, _scalar.CScalar, numpy.dtype(numpy.int32),
+                              0, True, True))
+    (typ, _), = parse_params(kernels.REDUCTION_SPECS[kname].in_params)
+    code = _reduction._ReductionKernel_get_cached_function_code(
+        1, 1, kern._params, infos,
+        _kernel._TypeMap(((typ, dt), ('IndexT', numpy.dtype(numpy.int32)))),
+        kern.name, block_size, typ, kern.identity, kern.map_expr,
+        kern.reduce_expr, kern.post_map_expr, kern.preamble, kern.options)
     header = ''.join('#include <{}>\n'.format(h)
                      for h in core._cupy_header_list)
     return header + code

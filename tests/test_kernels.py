@@ -11,10 +11,12 @@ import pytest
 
 import kernel_harness
 from chainer_vgc import GradientCompressor
+from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
 from chainer_vgc.backend import state_dtype
 from chainer_vgc.rules import Hybrid
+from chainer_vgc.rules import QSGD
 from chainer_vgc.rules import Strom
 from chainer_vgc.rules import VGC
 
@@ -268,9 +270,10 @@ RULE_ARGS = [
 
 @pytest.mark.parametrize('method,kw', RULE_ARGS)
 def test_gpu_code_path_matches_numpy_path(request, method, kw):
-    """Runs GradientCompressor twice over the same stream: once on the NumPy
-    path, once with the rules' CuPy branches driving the host-compiled
-    kernels.  Messages and states must be identical."""
+    """Runs GradientCompressor twice over the same stream: once on the CPU,
+    once on "device" arrays (tests/fake_cupy.py), where the rules' CuPy
+    branches drive the host-compiled kernels.  Messages, states and the
+    device decoder's sums must be identical."""
     shapes = [(17, 3), (5,), (0,), (64,)]
     dtypes = [F16, F32, F32, F64]
     rng = numpy.random.default_rng(4)
@@ -281,25 +284,55 @@ def test_gpu_code_path_matches_numpy_path(request, method, kw):
               for g in gs]
         steps.append((gs, ss))
     numpy_msgs, numpy_comp = _run(method, kw, shapes, dtypes, steps)
-    request.getfixturevalue('kernel_backend')
-    kernel_msgs, kernel_comp = _run(method, kw, shapes, dtypes, steps)
+    fake = request.getfixturevalue('device')
+    on_device = [([fake.asarray(g) for g in gs], [fake.asarray(s) for s in ss])
+                 for gs, ss in steps]
+    kernel_msgs, kernel_comp = _run(method, kw, shapes, dtypes, on_device)
     sent = 0
     for a, b in zip(numpy_msgs, kernel_msgs):
+        assert isinstance(b, numpy.ndarray)  # assembled in host memory
         assert_bitwise(a, b)
         sent += codec.message_count(a)
     assert sent > 0
     for sa, sb in zip(numpy_comp.states, kernel_comp.states):
         for k in sa:
-            assert_bitwise(sa[k], sb[k])
-    decoded = kernel_comp.decode(kernel_msgs[-1])  # kernel decode path
+            assert isinstance(sb[k], fake.ndarray)
+            assert_bitwise(sa[k], fake.asnumpy(sb[k]))
+    decoded = device_decode(fake, kernel_comp, kernel_msgs[-1])
     want = numpy_comp.decode(numpy_msgs[-1])
     for a, b in zip(decoded, want):
         assert_bitwise(a.ravel(), b.ravel())
 
 
+def device_decode(fake, comp, message):
+    """The GPU decoder (codec.add_validated) on an uploaded message."""
+    codec.unpack(message, comp.sizes, comp.dtypes)  # validated first
+    outs = [fake.zeros(n, state_dtype(dt)) for n, dt in zip(comp.sizes,
+                                                           comp.dtypes)]
+    codec.add_validated(message, fake.asarray(message), outs, comp.sizes)
+    return [fake.asnumpy(o) for o in outs]
+
+
+class _GpuStreamQSGD(QSGD):
+    """QSGD drawing from the GPU path's stream on the CPU as well (a
+    generator from (entropy, step), new each step), so that both paths
+    round with the same uniforms and must send the same words."""
+
+    def _rng(self, xp):
+        if xp is not numpy:  # the GPU path: the rule's own code
+            return super(_GpuStreamQSGD, self)._rng(xp)
+        step, rng = self._rngs.get('gpu_stream', (None, None))
+        if step != self._step:
+            rng = numpy.random.default_rng(numpy.random.SeedSequence(
+                self._entropy, spawn_key=(self._step,)))
+            self._rngs['gpu_stream'] = (self._step, rng)
+        return rng
+
+
 def _run(method, kw, shapes, dtypes, steps):
-    comp = GradientCompressor(method, ['a', 'b', 'c', 'd'], shapes, dtypes,
-                              **kw)
+    rule = _GpuStreamQSGD(**kw) if method == 'qsgd' else method
+    comp = GradientCompressor(rule, ['a', 'b', 'c', 'd'], shapes, dtypes,
+                              **({} if method == 'qsgd' else kw))
     return [comp.compress(gs, ss).copy() for gs, ss in steps], comp
 
 
@@ -321,12 +354,16 @@ def test_edge_tensors_through_both_paths(request, dtype):
     zeros = [numpy.zeros(s, dtype) for s in shapes]
     msgs = []
     for use_kernels in (False, True):
-        if use_kernels:
-            request.getfixturevalue('kernel_backend')
         comp = GradientCompressor('vgc', list('abcd'), shapes,
                                   [dtype] * 4, alpha=1.0)
-        msgs.append(comp.compress(tensors, zeros).copy())
-        out = comp.decode(msgs[-1])
+        if use_kernels:
+            fake = request.getfixturevalue('device')
+            msgs.append(comp.compress([fake.asarray(t) for t in tensors],
+                                      [fake.asarray(z) for z in zeros]))
+            out = device_decode(fake, comp, msgs[-1])
+        else:
+            msgs.append(comp.compress(tensors, zeros).copy())
+            out = comp.decode(msgs[-1])
         assert (out[0] == 0).all() and (out[1] == 0).all()
         # 8 = 2**3 is the maximum: e_k = 3; 6 -> 8 (tie 1.5*4 rounds up,
         # truncated to 2**e_k); 5.9 -> 4; 0.75 -> 1; 1/16 -> d = 7;
@@ -334,5 +371,36 @@ def test_edge_tensors_through_both_paths(request, dtype):
         assert out[2].tolist() == [8, -8, 4, 1, 1 / 16, 0, 0]
         # max 3 -> e_k = 1; 1.5 -> 2; 0.046875 = 1.5 * 2**-5 -> 2**-4 (d 5)
         assert out[3].tolist() == [2, -2, 1 / 16, 0]
-        assert (comp.state(2)['r'] == 0).all()  # dropped by d > 7 (paper)
+        # dropped by d > 7 (paper)
+        assert (backend.to_numpy(comp.state(2)['r']) == 0).all()
     assert_bitwise(msgs[0], msgs[1])
+
+
+@pytest.mark.parametrize('dtype', [F32, F64])
+def test_sum_squares_reduction_kernel_matches_numpy(host_kernels, dtype):
+    """vgc_sum_squares, run row after row on the CPU: NumPy's sum of g*g
+    over axis 0 bit for bit, subnormal squares included."""
+    rng = numpy.random.default_rng(8)
+    g = rng.normal(0, 1, (37, 5, 3)).astype(dtype)
+    g[3] = numpy.finfo(dtype).tiny * 2 ** 10  # squares far below tiny
+    g[7, 0] = numpy.sqrt(numpy.finfo(dtype).tiny) / 4  # subnormal square
+    got = host_kernels.reduce_axis0('vgc_sum_squares', g)
+    assert got.shape == (5, 3)
+    assert_bitwise(got.ravel(), (g * g).sum(axis=0).ravel())
+    assert_bitwise(got.ravel(), numpy.einsum('i...,i...->...', g,
+                                             g).ravel())
+
+
+@needs_cupy
+@pytest.mark.parametrize('dtype', [F32, F64])
+def test_sum_squares_as_cupy_compiles_it_keeps_subnormals(dtype):
+    """The reduction kernel from CuPy's own generated source, CuPy's option
+    list (-ftz=true) and NVRTC: no .ftz, no fma."""
+    source = kernel_harness.cupy_reduction_source('vgc_sum_squares', dtype)
+    assert '__global__ void vgc_sum_squares(' in source
+    ptx = kernel_harness.nvrtc_ptx(source,
+                                   kernel_harness.cupy_compile_options())
+    ops = kernel_harness.ptx_float_instructions(ptx)
+    assert any(op.startswith('mul.rn.f') for op in ops), ops
+    assert any(op.startswith('add.rn.f') for op in ops), ops
+    assert not [op for op in ops if '.ftz' in op or 'fma' in op], ops

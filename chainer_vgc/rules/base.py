@@ -53,6 +53,10 @@ class CompressionRule(object):
     def set_extra_state(self, state):
         """Restore what :meth:`get_extra_state` returned."""
 
+    def begin_step(self):
+        """Called once per step by the compressor, after every worker's
+        inputs were accepted and before the first tensor is compressed."""
+
     def compress(self, tensor_id, grad, sqsum, state):
         """Update ``state`` in place; return a Group, or None if nothing is
         sent.  ``grad`` is the minibatch gradient sum_z grad_z / B, ``sqsum``

@@ -6,8 +6,10 @@ table) and n the bucket's L2 norm, element g is sent as
 ``sign(g) * n * l / levels`` where l = floor(|g| / n * levels + u),
 u ~ U[0, 1): stochastic rounding, unbiased.  Elements with l = 0 are not sent.
 No residual is kept.  The uniform draws come from a seedable generator
-(``numpy.random.default_rng(seed)`` on the CPU, ``cupy.random`` on the GPU;
-the two streams differ).
+(``numpy.random.default_rng(seed)`` on the CPU; on the GPU, a fresh
+``cupy.random.default_rng(SeedSequence(entropy, spawn_key=(step,)))`` each
+step, so that its whole state is ``(entropy, step)``; the two streams
+differ).  Both states are saved with snapshots (:meth:`get_extra_state`).
 """
 
 import json
@@ -33,15 +35,26 @@ class QSGD(base.CompressionRule):
         self.levels = (1 << self.bits) - 1
         self.seed = seed
         self._rngs = {}
+        #: the GPU stream: entropy of the seed, and the step it is at
+        self._entropy = numpy.random.SeedSequence(seed).entropy
+        self._step = 0
 
     def _rng(self, xp):
         key = xp.__name__
         if key not in self._rngs:
             if backend.is_cupy(xp):
-                self._rngs[key] = xp.random.default_rng(self.seed)
+                self._rngs[key] = xp.random.default_rng(
+                    numpy.random.SeedSequence(self._entropy,
+                                              spawn_key=(self._step,)))
             else:
                 self._rngs[key] = numpy.random.default_rng(self.seed)
         return self._rngs[key]
+
+    def begin_step(self):
+        """A new step: the GPU generator is re-seeded from (entropy, step)
+        at its first draw."""
+        self._step += 1
+        self._rngs.pop('cupy', None)
 
     native_checks_inputs = False  # the generator must not draw on a fault
 
@@ -66,14 +79,20 @@ class QSGD(base.CompressionRule):
                                     self.levels, out)
 
     def get_extra_state(self):
-        """The CPU generator's state (JSON), so a resumed run draws the
-        same numbers."""
-        return {'numpy_rng': json.dumps(self._rng(numpy).bit_generator.state)}
+        """Both generators' states (JSON), so a resumed run draws the same
+        numbers: the CPU generator's, and the GPU stream's (entropy, step)."""
+        return {'numpy_rng': json.dumps(self._rng(numpy).bit_generator.state),
+                'cupy_stream': json.dumps({'entropy': str(self._entropy),
+                                           'step': self._step})}
 
     def set_extra_state(self, state):
         if 'numpy_rng' in state:
             self._rng(numpy).bit_generator.state = json.loads(
                 state['numpy_rng'])
+        if 'cupy_stream' in state:
+            gpu = json.loads(state['cupy_stream'])
+            self._entropy, self._step = int(gpu['entropy']), int(gpu['step'])
+            self._rngs.pop('cupy', None)
 
     def quantize(self, grad, dtype):
         """Returns (level int64, negative bool, per-bucket float64 scale).

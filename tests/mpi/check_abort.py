@@ -23,8 +23,11 @@ def main():
     model(x, t)
     for step in range(1000):
         if comm.rank == int(sys.argv[1]) and step == 3:
-            raise RuntimeError('deliberate failure on rank {}'.format(
-                comm.rank))
+            why = 'deliberate failure on rank {}'.format(comm.rank)
+            # said before raising: mpiexec may cut the traceback short
+            # when the abort kills the job
+            print(why, file=sys.stderr, flush=True)
+            raise RuntimeError(why)
         opt.update(model, x, t)
 
 

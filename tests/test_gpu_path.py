@@ -1,0 +1,210 @@
+"""The GPU code path, run on the CPU through tests/fake_cupy.py (arrays that
+are not NumPy arrays, every host<->device copy recorded) with the CuPy
+kernels compiled for the host (the ``device`` fixture in conftest.py).
+
+The transfer budget of one step on one rank (issue 11): the message is
+assembled in host memory with one download; every rank's message is
+uploaded once; headers, checks and reports read the host copies, so the
+decode reads no device value back.  Sums equal the CPU path bit for bit.
+"""
+
+import types
+
+import numpy
+import pytest
+
+from chainer_vgc import GradientCompressor
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc import communicator
+from chainer_vgc.backend import state_dtype
+
+from test_kernels import assert_bitwise
+
+F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
+SHAPES = [(17, 3), (5,), (0,), (64,), (9, 2)]
+DTYPES = [F16, F32, F32, F64, F32]
+RANKS = 4
+METHODS = [('vgc', dict(alpha=1.0)), ('vgc', dict(alpha=1.5, quantize=False)),
+           ('hybrid', dict(alpha=1.0, tau=0.05)), ('strom', dict(tau=0.05)),
+           ('qsgd', dict(bits=2, bucket=8, seed=3)), ('none', {})]
+
+
+def param(xp, array, grad):
+    """What mean_gradients reads of a chainer.Parameter."""
+    return types.SimpleNamespace(array=array, grad=grad, dtype=array.dtype,
+                                 shape=array.shape, size=array.size, xp=xp)
+
+
+def stream(seed, steps):
+    rng = numpy.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        gs = [rng.normal(0, 1, s).astype(d) for s, d in zip(SHAPES, DTYPES)]
+        ss = [(g.astype(F64) ** 2 * rng.random(g.shape) * 2).astype(g.dtype)
+              for g in gs]
+        out.append((gs, ss))
+    return out
+
+
+def compressors(method, kw):
+    return [GradientCompressor(method, list('abcde'), SHAPES, DTYPES,
+                               **dict(kw, **({'seed': kw['seed'] + r}
+                                             if 'seed' in kw else {})))
+            for r in range(RANKS)]
+
+
+#: scalar reads a compress step may make per tensor (input and overflow
+#: checks, e_k, sizes of the selections): bounded by the model, never by
+#: the number of ranks or of elements
+SCALAR_READS_PER_TENSOR = 6
+
+
+@pytest.mark.parametrize('method,kw', METHODS)
+def test_one_step_costs_one_download_and_one_upload(device, method, kw):
+    fake = device
+    streams = [stream(10 + r, 3) for r in range(RANKS)]
+    comps = compressors(method, kw)
+    for step in range(3):
+        blocks = []
+        for r, comp in enumerate(comps):
+            gs = [fake.asarray(g) for g in streams[r][step][0]]
+            ss = [fake.asarray(s) for s in streams[r][step][1]]
+            fake.reset()
+            blocks.append(comp.compress(gs, ss))
+            # compress: the message leaves the device once, as a whole
+            assert isinstance(blocks[-1], numpy.ndarray)
+            assert fake.count('download') == 1
+            assert fake.bytes('download') == 4 * blocks[-1].size - 4 * (
+                2 + codec.HEADER_WORDS * int(blocks[-1][1]))
+            assert fake.count('upload') == 0
+            assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
+                SHAPES)
+        # rank 0 decodes every rank's message into its device gradients
+        grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(SHAPES,
+                                                                DTYPES)]
+        params = [param(fake, fake.zeros(s, d), g)
+                  for s, d, g in zip(SHAPES, DTYPES, grads)]
+        fake.reset()
+        elements = communicator.mean_gradients(
+            blocks, comps[0], params, grads, RANKS, True, False)
+        assert fake.count('upload') == 1
+        assert fake.bytes('upload') == 4 * sum(b.size for b in blocks)
+        assert fake.count('download') == 0 and fake.count('scalar') == 0
+        assert elements == [codec.message_count(b) for b in blocks]
+        # the CPU decoder's means of the same messages, bit for bit
+        host = [param(numpy, numpy.zeros(s, d), numpy.ones(s, d))
+                for s, d in zip(SHAPES, DTYPES)]
+        communicator.mean_gradients(blocks, comps[0], host,
+                                    [h.grad for h in host], RANKS, True,
+                                    False)
+        for h, p in zip(host, params):
+            assert isinstance(p.grad, fake.ndarray)
+            assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
+
+
+def test_state_and_sums_live_on_the_parameters_device(device):
+    """A model on device 1 while device 0 is current: residuals, work arrays
+    and decoded gradients stay on device 1."""
+    fake = device
+    with fake.cuda.Device(1):
+        gs = [fake.asarray(g) for g in stream(0, 1)[0][0]]
+        ss = [fake.asarray(s) for s in stream(0, 1)[0][1]]
+        params = [param(fake, fake.zeros(s, d), fake.zeros(s, d))
+                  for s, d in zip(SHAPES, DTYPES)]
+    assert fake.cuda.Device().id == 0
+    comp = GradientCompressor('vgc', list('abcde'), SHAPES, DTYPES,
+                              alpha=1.0)
+    message = comp.compress(gs, ss)
+    for st in comp.states:
+        assert all(a.device.id == 1 for a in st.values())
+    communicator.mean_gradients([message], comp, params,
+                                [p.grad for p in params], 1, True, False)
+    assert all(p.grad.device.id == 1 for p in params)
+    assert fake.cuda.Device().id == 0
+
+
+def test_qsgd_gpu_stream_resumes_from_saved_state(device):
+    """The GPU generator's state, (entropy, step), is saved with the rule's
+    extra state: a restored rule draws what the original drew next."""
+    fake = device
+    steps = [([fake.asarray(g) for g in gs], None) for gs, _ in
+             stream(5, 5)]
+
+    def fresh():
+        return GradientCompressor('qsgd', list('abcde'), SHAPES, DTYPES,
+                                  bits=2, bucket=8, seed=None)
+    first = fresh()
+    for gs, _ in steps[:2]:
+        first.compress(gs)
+    saved = first.rule.get_extra_state()
+    assert set(saved) == {'numpy_rng', 'cupy_stream'}
+    want = [first.compress(gs) for gs, _ in steps[2:]]
+    again = fresh()  # another seed (None: fresh entropy)
+    assert not all(numpy.array_equal(a, b) for a, b in zip(
+        want, [again.compress(gs) for gs, _ in steps[2:]]))
+    resumed = fresh()
+    resumed.rule.set_extra_state(saved)
+    got = [resumed.compress(gs) for gs, _ in steps[2:]]
+    for a, b in zip(want, got):
+        assert_bitwise(a, b)
+
+
+class _FakeModel(object):
+    def __init__(self, params):
+        self._params = params
+
+    def namedparams(self):
+        return list(self._params.items())
+
+
+def test_communicator_step_on_device_arrays(device):
+    """VGCCommunicator.multi_node_mean_grad on a one-rank world with device
+    gradients: one download, one upload, no value read back by the decode,
+    and the mean equals the CPU path's."""
+    from mpi4py import MPI
+    fake = device
+    rng = numpy.random.default_rng(7)
+    host = {}
+    for name, s, d in zip('abcde', SHAPES, DTYPES):
+        g = rng.normal(0, 1, s).astype(d)
+        host['/' + name] = types.SimpleNamespace(
+            array=numpy.zeros(s, d), grad=g, data=None, dtype=numpy.dtype(d),
+            shape=s, size=int(numpy.prod(s)), xp=numpy)
+    dev = {k: types.SimpleNamespace(
+        array=fake.asarray(p.array), grad=fake.asarray(p.grad), data=None,
+        dtype=p.dtype, shape=p.shape, size=p.size, xp=fake)
+        for k, p in host.items()}
+    sq = [(p.grad.astype(F64) ** 2).astype(p.dtype)
+          for _, p in sorted(host.items())]
+    results = []
+    for params, xp in ((host, numpy), (dev, fake)):
+        comm = communicator.VGCCommunicator(MPI.COMM_SELF, method='vgc',
+                                            alpha=1.0)
+        comm.set_sqsums([xp.asarray(s) if xp is fake else s for s in sq])
+        fake.reset()
+        comm.multi_node_mean_grad(_FakeModel(params))
+        if xp is fake:
+            assert fake.count('download') == 1
+            assert fake.count('upload') == 1
+            assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
+                SHAPES)
+        results.append([backend.to_numpy(p.grad) for _, p in
+                        sorted(params.items())])
+        assert comm.last['vgc/compression'] > 1
+    for a, b in zip(*results):
+        assert_bitwise(a.ravel(), b.ravel())
+
+
+def test_statistics_square_sum_on_device_is_the_reduction_kernel(device):
+    """The statistics' per-sample square sum on device arrays runs the
+    vgc_sum_squares ReductionKernel: no transfer, NumPy's einsum values."""
+    from chainer_vgc import statistics
+    fake = device
+    g = numpy.random.default_rng(2).normal(0, 1, (16, 4, 3)).astype(F32)
+    dg = fake.asarray(g)
+    fake.reset()
+    got = statistics._sum_squares(fake, dg)
+    assert isinstance(got, fake.ndarray) and fake.log == []
+    assert_bitwise(fake.asnumpy(got).ravel(),
+                   numpy.einsum('i...,i...->...', g, g).ravel())
