@@ -10,6 +10,11 @@ try:  # pragma: no cover - exercised only where CuPy is installed
     import cupyx
 except Exception:  # ImportError, or a CUDA library missing at import
     cupy = cupyx = None
+else:
+    # NVRTC from its wheel before CuPy compiles anything (CuPy's own
+    # kernels included); a no-op where the wheel is absent
+    from chainer_vgc import cuda_support as _cuda_support
+    _cuda_support.preload_nvrtc()
 
 
 def get_array_module(*arrays):

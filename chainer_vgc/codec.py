@@ -257,8 +257,11 @@ def pack(groups, xp=numpy):
     message[0], message[1] = MAGIC, len(groups)
     bodies = [g.body for g in groups if g.body.size]
     if backend.is_cupy(xp) and bodies:
-        flat = xp.concatenate([b.astype(numpy.uint32, copy=False)
-                               for b in bodies])
+        with backend.device_scope(bodies[0]):
+            # (a host body, from a model partly on the CPU, is uploaded)
+            flat = xp.concatenate([xp.asarray(b).astype(numpy.uint32,
+                                                        copy=False)
+                                   for b in bodies])
         staged = backend.host_buffer(flat.size, numpy.uint32)
         flat.get(out=staged)
         bodies, start = [], 0
@@ -355,17 +358,23 @@ def add_validated(host, device, outs, sizes):
             scale = numpy.uint32(g.b).view(numpy.float32)
             index, value = pow2_decode(body, e_k, scale, out.dtype)
         elif g.fmt == FMT_RAW:
-            index, value = _raw_values(body, g, sizes[g.tensor_id],
-                                       out.dtype, xp)
+            index, value = _raw_values(body, g, sizes[g.tensor_id], xp)
         else:
-            index, value = _qsgd_values(body, g, out.dtype, xp)
-        out[index] += value.astype(out.dtype, copy=False)
+            index, value = _qsgd_values(body, g, xp)
+        value = kernels.cast(value, out.dtype)
+        if g.fmt == FMT_RAW and g.a & RAW_DENSE:
+            kernels.add_into(out, value)
+        else:  # indices are unique: gather, add, scatter back
+            part = out[index]
+            kernels.add_into(part, value)
+            out[index] = part
         n += g.count
     return n
 
 
-def _raw_values(body, g, size, dtype, xp):
-    """(index, value) of a FMT_RAW body, values cast to ``dtype``."""
+
+def _raw_values(body, g, size, xp):
+    """(index, value as sent) of a FMT_RAW body."""
     if g.a & RAW_DENSE:
         index = xp.arange(size, dtype=numpy.int64)
         vals = body
@@ -374,28 +383,29 @@ def _raw_values(body, g, size, dtype, xp):
         vals = body[g.count:]
     wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
                             else numpy.float32)
-    return index, wire.astype(dtype, copy=False)
+    return index, wire  # cast by the caller
 
 
-def _qsgd_values(body, g, dtype, xp):
-    """(index, value) of a FMT_QSGD body, computed where the body lives (no
-    record is read back): value = sign * level * scale, in float64, then
-    cast to ``dtype`` as :func:`_qsgd_decode` does."""
+def _qsgd_values(body, g, xp):
+    """(index, float64 value) of a FMT_QSGD body, computed where the body
+    lives (no record is read back): value = sign * level * scale, cast to
+    the state dtype by the caller, as :func:`_qsgd_decode` does."""
     n_rec, bucket = g.a, g.b & 0xFFFFFF
     rec = body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec, QSGD_RECORD_WORDS)
     words = body[QSGD_RECORD_WORDS * n_rec:]
     ids = rec[:, 0].astype(numpy.int64)
     ends = xp.cumsum(rec[:, 1].astype(numpy.int64))
-    scales = xp.ascontiguousarray(rec[:, 2:]).view(numpy.float64).reshape(-1)
+    # a copy: the float64 view must start on an 8-byte boundary (the body
+    # may start at any word; a GPU faults on a misaligned load)
+    scales = rec[:, 2:].copy().view(numpy.float64).reshape(-1)
     per_word = xp.searchsorted(ends, xp.arange(g.count, dtype=numpy.int64),
                                side='right')
     offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
     level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
              & numpy.uint32(0xFF)).astype(numpy.int64)
     index = ids[per_word] * bucket + offset
-    mag = level * scales[per_word]
-    value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-    return index, value.astype(dtype)
+    mag = level * scales[per_word]  # float64: no flushing on a GPU
+    return index, xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
 
 
 _Span = collections.namedtuple(

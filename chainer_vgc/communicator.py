@@ -22,6 +22,7 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc import kernels
 from chainer_vgc import native
 from chainer_vgc import transport
 from chainer_vgc.compressor import GradientCompressor
@@ -497,8 +498,8 @@ def _unscaled(grads, sqsums, loss_scale):
         if a is None:
             return None
         sdt = backend.state_dtype(a.dtype)
-        with backend.device_scope(a):
-            return a.astype(sdt) / sdt.type(by)
+        with backend.device_scope(a):  # (the subnormal rule on a GPU)
+            return kernels.divide(kernels.cast(a, sdt), by)
     grads = [div(g, scale) for g in grads]
     if sqsums is not None:
         sqsums = [div(s, scale * scale) for s in sqsums]
@@ -544,13 +545,7 @@ def sum_messages(blocks, compressor, params, dense):
             outs = zeros()
             codec.decode_into(block, outs, compressor.sizes)
             per_rank.append(outs)
-        while len(per_rank) > 1:
-            nxt = [[a + b for a, b in zip(per_rank[k], per_rank[k + 1])]
-                   for k in range(0, len(per_rank) - 1, 2)]
-            if len(per_rank) % 2:
-                nxt.append(per_rank[-1])
-            per_rank = nxt
-        return per_rank[0]
+        return _tree_sum(per_rank)
     outs = zeros()
     for block in blocks:
         codec.decode_into(block, outs, compressor.sizes)
@@ -569,9 +564,9 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     ``rescale``: the loss scale to multiply back (:func:`_finish_mean`).
     Returns the number of elements each message carries.
     """
-    if not dense and _on_device(params):
+    if _on_device(params):
         return _device_mean(blocks, compressor, params, grads, size,
-                            zero_fill, rescale)
+                            zero_fill, dense, rescale)
     if dense or not _native_decode_applies(blocks, compressor):
         write_mean(params, grads,
                    sum_messages(blocks, compressor, params, dense), size,
@@ -658,29 +653,56 @@ def upload_blocks(blocks, xp, like):
     return views
 
 
-def _device_mean(blocks, compressor, params, grads, size, zero_fill,
+def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
                  rescale):
     """:func:`mean_gradients` for parameters on a GPU.  The messages are
     validated on the host (where MPI left them), uploaded once, decoded and
-    summed in rank order on the device, then :func:`write_mean`: one upload
-    per step, no device value read back, the reference's sums bit for bit.
-    (Parameters on several devices: the blocks are uploaded to the first
-    one's device and read from there.)"""
+    summed on the device (in rank order; ``dense``: in the rank-order tree
+    of :func:`sum_messages`) without reading a value back, then
+    :func:`write_mean`: the reference's sums bit for bit.  (Parameters on
+    several devices: the blocks are uploaded to the first one's device and
+    read from there.)"""
     dtypes = [p.dtype for p in params]
     elements = validate_messages(blocks, compressor, dtypes)
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
-    device = upload_blocks(blocks, xp, next(
-        a for a in arrays if backend.get_array_module(a) is xp))
-    sums = []
-    for p, n in zip(params, compressor.sizes):
-        with backend.device_scope(p.array):
-            sums.append(xp.zeros(n, dtype=backend.state_dtype(p.dtype)))
-    for host, dev in zip(blocks, device):
-        codec.add_validated(host, dev, sums, compressor.sizes)
+    first = next(a for a in arrays if backend.get_array_module(a) is xp)
+
+    def zeros():
+        out = []
+        for p, n in zip(params, compressor.sizes):
+            with backend.device_scope(p.array):
+                out.append(xp.zeros(n, dtype=backend.state_dtype(p.dtype)))
+        return out
+    device = upload_blocks(blocks, xp, first)
+    with backend.device_scope(first):
+        if dense:
+            per_rank = []
+            for host, dev in zip(blocks, device):
+                per_rank.append(zeros())
+                codec.add_validated(host, dev, per_rank[-1],
+                                    compressor.sizes)
+            sums = _tree_sum(per_rank)
+        else:
+            sums = zeros()
+            for host, dev in zip(blocks, device):
+                codec.add_validated(host, dev, sums, compressor.sizes)
     write_mean(params, grads, [s.reshape(p.shape) for s, p in
                                zip(sums, params)], size, zero_fill, rescale)
     return elements
+
+
+def _tree_sum(per_rank):
+    """Pairwise sums of per-rank lists of arrays in rank order (MPI's
+    recursive doubling), added with :func:`chainer_vgc.kernels.add_into`."""
+    while len(per_rank) > 1:
+        nxt = [[kernels.add_into(a.copy(), b)
+                for a, b in zip(per_rank[k], per_rank[k + 1])]
+               for k in range(0, len(per_rank) - 1, 2)]
+        if len(per_rank) % 2:
+            nxt.append(per_rank[-1])
+        per_rank = nxt
+    return per_rank[0]
 
 
 def _native_decode_applies(blocks, compressor):
@@ -706,6 +728,9 @@ def _finish_mean(total, dtype, size, rescale):
     times 1/size times S in its own (state) dtype, then the cast, so that a
     float16 gradient is neither rounded unscaled nor multiplied by an S
     that float16 cannot hold."""
+    dtype = numpy.dtype(dtype)
+    if backend.get_array_module(total) is not numpy:
+        return _device_finish_mean(total, dtype, size, rescale)
     if rescale in (None, 1):
         mean = total.astype(dtype, copy=False)
         mean *= 1.0 / size
@@ -713,6 +738,22 @@ def _finish_mean(total, dtype, size, rescale):
     total *= total.dtype.type(1.0 / size)
     total *= total.dtype.type(rescale)
     return total.astype(dtype, copy=False)
+
+
+def _device_finish_mean(total, dtype, size, rescale):
+    """:func:`_finish_mean` with the subnormal rule's kernels, the same
+    values: float16 products are taken in float32 (exact for two float16
+    numbers) and rounded once to float16, as NumPy's float16 multiply
+    does."""
+    if rescale not in (None, 1):
+        total = kernels.scale(kernels.scale(total, 1.0 / size), rescale)
+        return kernels.cast(total, dtype)
+    mean = kernels.cast(total, dtype)
+    if dtype == numpy.float16:
+        k = numpy.float32(numpy.float16(1.0 / size))
+        return kernels.cast(kernels.scale(kernels.cast(mean, numpy.float32),
+                                          k), dtype)
+    return kernels.scale(mean, 1.0 / size)
 
 
 def step_figures(blocks, n_params, elements=None, param_bytes=None):

@@ -115,35 +115,38 @@ class GradientCompressor(object):
                              .format(n, len(sqsums)))
         for name, shape, dtype, g, s in zip(self.names, self.shapes,
                                             self.dtypes, grads, sqsums):
-            if g is None:
-                continue
-            # the parameter's dtype, or its state dtype (a float16
-            # gradient unscaled in float32 by the communicator)
-            if tuple(g.shape) != shape or g.dtype not in (
-                    dtype, _backend.state_dtype(dtype)):
-                raise ValueError(
-                    'gradient of parameter {!r} has shape {} dtype {}; '
-                    'expected shape {} dtype {} (the model must match the one '
-                    'the compressor was built for)'.format(
-                        name, tuple(g.shape), g.dtype, shape, dtype))
-            if values and not _all_finite(g):
-                raise _bad_gradient(name)
-            if not self.rule.needs_sqsum:
-                continue
-            if s is None:
-                raise ValueError(
-                    'method {!r} needs the per-sample sum of squared '
-                    'gradients of parameter {!r}, got None'.format(
-                        self.rule.name, name))
-            if tuple(s.shape) != shape or s.dtype.kind != 'f':
-                raise ValueError(
-                    'per-sample sum of squares of parameter {!r} has shape {} '
-                    'dtype {}; expected shape {} floating point'.format(
-                        name, tuple(s.shape), s.dtype, shape))
-            if values and s.size and not (_all_finite(s) and
-                                          float(s.min()) >= 0):
-                raise _bad_sqsum(name)
+            if g is not None:
+                with _backend.device_scope(g):  # reductions on g's device
+                    self._check_one(name, shape, dtype, g, s, values)
         return sqsums
+
+    def _check_one(self, name, shape, dtype, g, s, values):
+        # the parameter's dtype, or its state dtype (a float16 gradient
+        # unscaled in float32 by the communicator)
+        if tuple(g.shape) != shape or g.dtype not in (
+                dtype, _backend.state_dtype(dtype)):
+            raise ValueError(
+                'gradient of parameter {!r} has shape {} dtype {}; '
+                'expected shape {} dtype {} (the model must match the one '
+                'the compressor was built for)'.format(
+                    name, tuple(g.shape), g.dtype, shape, dtype))
+        if values and not _all_finite(g):
+            raise _bad_gradient(name)
+        if not self.rule.needs_sqsum:
+            return
+        if s is None:
+            raise ValueError(
+                'method {!r} needs the per-sample sum of squared '
+                'gradients of parameter {!r}, got None'.format(
+                    self.rule.name, name))
+        if tuple(s.shape) != shape or s.dtype.kind != 'f':
+            raise ValueError(
+                'per-sample sum of squares of parameter {!r} has shape {} '
+                'dtype {}; expected shape {} floating point'.format(
+                    name, tuple(s.shape), s.dtype, shape))
+        if values and s.size and not (_all_finite(s) and
+                                      float(s.min()) >= 0):
+            raise _bad_sqsum(name)
 
     def compress(self, grads, sqsums=None, copy=True, agree=None):
         """One step: returns the message, a uint32 NumPy array (host memory
@@ -183,12 +186,13 @@ class GradientCompressor(object):
                         self.sizes[i], self.dtypes[i], xp)
                 group = self.rule.compress(i, g.reshape(-1), flat_s,
                                            self.states[i])
-            for key, arr in self.states[i].items():
-                if not _all_finite(arr):
-                    if agree is not None:  # the others must not wait
-                        _settle(agree(OVERFLOW),
-                                _overflow(key, self.names[i], arr.dtype))
-                    raise _overflow(key, self.names[i], arr.dtype)
+                overflowed = [(key, arr) for key, arr in
+                              self.states[i].items() if not _all_finite(arr)]
+            for key, arr in overflowed[:1]:
+                if agree is not None:  # the others must not wait
+                    _settle(agree(OVERFLOW),
+                            _overflow(key, self.names[i], arr.dtype))
+                raise _overflow(key, self.names[i], arr.dtype)
             if group is not None:
                 groups.append(group)
         if agree is not None:

@@ -16,6 +16,10 @@ import collections
 import functools
 import os
 
+import numpy
+
+from chainer_vgc import backend
+
 KernelSpec = collections.namedtuple(
     'KernelSpec', ['in_params', 'out_params', 'operation'])
 
@@ -44,6 +48,16 @@ SPECS = collections.OrderedDict([
     ('vgc_pow2_decode', KernelSpec(
         'uint32 word, int32 e_k, S scale', 'int64 index, S value',
         'value = vgc_pow2_decode<S>(word, e_k, scale, index)')),
+    # Arithmetic of the decoder, the mean and the loss scaling on the
+    # device, by the subnormal rule (CuPy's own kernels flush subnormals):
+    # y = x cast to y's dtype
+    ('vgc_cast', KernelSpec('T x', 'S y', 'y = vgc_to<S>(x)')),
+    # acc += x
+    ('vgc_add_to', KernelSpec('S x', 'S acc', 'acc = vgc_add(acc, x)')),
+    # y = x * k
+    ('vgc_scale', KernelSpec('S x, S k', 'S y', 'y = vgc_mul(x, k)')),
+    # y = x / k
+    ('vgc_divide', KernelSpec('S x, S k', 'S y', 'y = vgc_div(x, k)')),
 ])
 
 #: ReductionKernels: name -> ReductionSpec.
@@ -108,3 +122,54 @@ def get_kernel(name):
     return cupy.ElementwiseKernel(
         spec.in_params, spec.out_params, spec.operation, name,
         preamble=source(), options=NVRTC_OPTIONS)
+
+
+# ---- device arithmetic by the subnormal rule ---------------------------------
+# CuPy compiles its own kernels (astype, +, *, /) with -ftz=true, flushing
+# float32 subnormals; these helpers run the kernels above on CuPy arrays and
+# are the plain NumPy operations otherwise.
+
+def cast(x, dtype):
+    """``x`` as ``dtype`` (``x`` itself when it already is)."""
+    dtype = numpy.dtype(dtype)
+    if x.dtype == dtype or not backend.is_cupy(backend.get_array_module(x)):
+        return x.astype(dtype, copy=False)
+    out = backend.get_array_module(x).empty(x.shape, dtype=dtype)
+    get_kernel('vgc_cast')(x, out)
+    return out
+
+
+def add_into(acc, x):
+    """``acc += x`` (same dtype and shape)."""
+    if backend.is_cupy(backend.get_array_module(acc)):
+        get_kernel('vgc_add_to')(x, acc)
+    else:
+        acc += x
+    return acc
+
+
+def add(a, b):
+    """``a + b`` (same dtype and shape); a new array."""
+    if backend.is_cupy(backend.get_array_module(a)):
+        return add_into(a.copy(), b)
+    return a + b
+
+
+def scale(x, k):
+    """``x * k`` in x's dtype, ``k`` a scalar of that dtype; a new array."""
+    k = x.dtype.type(k)
+    if backend.is_cupy(backend.get_array_module(x)):
+        out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
+        get_kernel('vgc_scale')(x, k, out)
+        return out
+    return x * k
+
+
+def divide(x, k):
+    """``x / k`` in x's dtype, ``k`` a scalar of that dtype; a new array."""
+    k = x.dtype.type(k)
+    if backend.is_cupy(backend.get_array_module(x)):
+        out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
+        get_kernel('vgc_divide')(x, k, out)
+        return out
+    return x / k

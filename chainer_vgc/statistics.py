@@ -78,6 +78,7 @@ from chainer.utils import conv as conv_utils
 import numpy
 
 from chainer_vgc import backend
+from chainer_vgc import kernels
 
 #: default bound of each per-example intermediate (bytes)
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
@@ -329,7 +330,7 @@ class _Use(object):
         for z0 in range(0, b, step):
             g = self.examples(z0, min(b, z0 + step), group)
             part = _sum_squares(self.xp, g)
-            acc = part if acc is None else acc + part
+            acc = part if acc is None else kernels.add(acc, part)
         return acc
 
 
@@ -341,7 +342,6 @@ def _sum_squares(xp, g):
     so the last bits of the statistics may differ between devices."""
     if xp is numpy:
         return xp.einsum('i...,i...->...', g, g)
-    from chainer_vgc import kernels
     return kernels.get_kernel('vgc_sum_squares')(g, axis=0)
 
 
@@ -373,7 +373,7 @@ class _LinearW(_Use):
         for r0 in range(0, self.rows, step):
             gy, x = self.gy[r0:r0 + step], self.x[r0:r0 + step]
             part = (gy * gy).T.dot(x * x)
-            acc = part if acc is None else acc + part
+            acc = part if acc is None else kernels.add(acc, part)
         return acc
 
 
@@ -814,7 +814,7 @@ class PerSampleSquares(chainer.FunctionHook):
             total = None
             for use, g in use_list:
                 part = use.examples(z0, z1, g)
-                total = part if total is None else total + part
+                total = part if total is None else kernels.add(total, part)
             part = _sum_squares(backend.get_array_module(total), total)
-            acc = part if acc is None else acc + part
+            acc = part if acc is None else kernels.add(acc, part)
         return acc

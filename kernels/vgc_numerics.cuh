@@ -38,36 +38,23 @@ VGC_FN double vgc_from_bits(unsigned long long u) {
  * and an add into an FMA), comparisons by setp without .ftz, absolute value
  * and negation on the bits.  On the host they are the plain operators
  * (compiled with -ffp-contract=off), which is what NumPy does. */
-VGC_FN float vgc_add(float a, float b) {
-    float c;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-    return c;
-}
-VGC_FN double vgc_add(double a, double b) {
-    double c;
-    asm("add.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
-    return c;
-}
-VGC_FN float vgc_sub(float a, float b) {
-    float c;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-    return c;
-}
-VGC_FN double vgc_sub(double a, double b) {
-    double c;
-    asm("sub.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
-    return c;
-}
-VGC_FN float vgc_mul(float a, float b) {
-    float c;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-    return c;
-}
-VGC_FN double vgc_mul(double a, double b) {
-    double c;
-    asm("mul.rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));
-    return c;
-}
+/* name(a, b) = a OP b, rounded to nearest-even, for float and double */
+#define VGC_PTX_BINARY(name, op)                                           \
+    VGC_FN float name(float a, float b) {                                  \
+        float c;                                                           \
+        asm(op ".rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));          \
+        return c;                                                          \
+    }                                                                      \
+    VGC_FN double name(double a, double b) {                               \
+        double c;                                                          \
+        asm(op ".rn.f64 %0, %1, %2;" : "=d"(c) : "d"(a), "d"(b));          \
+        return c;                                                          \
+    }
+VGC_PTX_BINARY(vgc_add, "add")
+VGC_PTX_BINARY(vgc_sub, "sub")
+VGC_PTX_BINARY(vgc_mul, "mul")
+VGC_PTX_BINARY(vgc_div, "div")
+#undef VGC_PTX_BINARY
 /* a > b (false when either is NaN) */
 VGC_FN bool vgc_gt(float a, float b) {
     unsigned int p;
@@ -93,6 +80,23 @@ template <> struct vgc_convert<float, double> {
         asm("cvt.rn.f32.f64 %0, %1;" : "=f"(y) : "d"(x));
         return y;
     }
+};
+template <> struct vgc_convert<double, float> {
+    static VGC_FN double run(float x) {
+        double y;
+        asm("cvt.f64.f32 %0, %1;" : "=d"(y) : "f"(x));
+        return y;
+    }
+};
+/* float16 (CUDA's __half or CuPy's float16) -> float64 through float32,
+ * exactly, without a flushing cvt */
+template <typename T> struct vgc_convert<double, T> {
+    static VGC_FN double run(T x) {
+        return vgc_convert<double, float>::run((float)x);
+    }
+};
+template <> struct vgc_convert<double, double> {
+    static VGC_FN double run(double x) { return x; }
 };
 #else
 #include <math.h>
@@ -122,6 +126,7 @@ VGC_FN double vgc_from_bits(unsigned long long u) {
 template <typename F> VGC_FN F vgc_add(F a, F b) { return a + b; }
 template <typename F> VGC_FN F vgc_sub(F a, F b) { return a - b; }
 template <typename F> VGC_FN F vgc_mul(F a, F b) { return a * b; }
+template <typename F> VGC_FN F vgc_div(F a, F b) { return a / b; }
 template <typename F> VGC_FN bool vgc_gt(F a, F b) { return a > b; }
 template <typename S, typename T> struct vgc_convert {
     static S run(T x) { return (S)x; }

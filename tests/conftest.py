@@ -42,10 +42,14 @@ def device(host_kernels, monkeypatch):
             return reduce
 
         def launch(*args):
-            host = []
+            host, shape = [], ()
             for a in args:
                 if isinstance(a, fake_cupy.DeviceArray):
-                    host.append(a._a)
+                    fake._check_device(a)  # launched on the current device
+                    # element by element: any contiguous shape, flat
+                    assert a._a.flags.c_contiguous
+                    host.append(a._a.reshape(-1))
+                    shape = a.shape
                 else:  # CuPy refuses host arrays as kernel arguments
                     fake_cupy._reject_host(a)
                     host.append(a)
@@ -54,7 +58,7 @@ def device(host_kernels, monkeypatch):
                 kernels.SPECS[name].in_params))
             given = args[n_in:]  # outputs passed in are written in place
             result = [given[k] if k < len(given) else
-                      fake_cupy.DeviceArray(fake, o)
+                      fake_cupy.DeviceArray(fake, o.reshape(shape))
                       for k, o in enumerate(outs)]
             return tuple(result)
         return launch

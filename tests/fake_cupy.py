@@ -297,11 +297,21 @@ class _Namespace(object):
     pass
 
 
+class _BitGenerator(object):
+    """``cupy.random.Philox4x3210`` / ``XORWOW``: holds the seed (the fake's
+    generators all draw NumPy's stream for it)."""
+
+    def __init__(self, seed=None, size=-1):
+        self.seed = seed
+
+
 class _Generator(object):
     """``cupy.random.Generator`` over ``numpy.random.default_rng(seed)``."""
 
     def __init__(self, fake, seed=None):
         self._fake = fake
+        if isinstance(seed, _BitGenerator):
+            seed = seed.seed
         self._rng = numpy.random.default_rng(seed)
 
     def random(self, size=None, dtype=numpy.float64, out=None):
@@ -343,6 +353,8 @@ class FakeCupy(object):
         self.cuda.runtime.getDeviceCount = lambda: self.n_devices
         self.random = _Namespace()
         self.random.default_rng = lambda seed=None: _Generator(self, seed)
+        self.random.Philox4x3210 = _BitGenerator
+        self.random.XORWOW = _BitGenerator
         self.x = _Namespace()  # cupyx
         self.x.empty_pinned = self._empty_pinned
         self.x.zeros_pinned = self._zeros_pinned

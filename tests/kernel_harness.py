@@ -145,19 +145,27 @@ class HostKernels(object):
         self.workdir = workdir or tempfile.mkdtemp(prefix='vgc_host_')
         self._libs = {}
 
+    @staticmethod
+    def _key(src):
+        return hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+
+    def _build(self, key, src):
+        """Compile ``src`` with the host flags; the loaded library."""
+        cpp = os.path.join(self.workdir, key + '.cpp')
+        so = os.path.join(self.workdir, key + '.so')
+        with open(cpp, 'w') as f:
+            f.write(src)
+        subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
+                       check=True, capture_output=True, text=True)
+        return ctypes.CDLL(so)
+
     def _library(self, kname, args):
         spec = kernels.SPECS[kname]
         params, dtypes, is_array, binding = _resolve(spec, args)
         src = generated_source([(kname, args)], device=False)
-        key = hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+        key = self._key(src)
         if key not in self._libs:
-            cpp = os.path.join(self.workdir, key + '.cpp')
-            so = os.path.join(self.workdir, key + '.so')
-            with open(cpp, 'w') as f:
-                f.write(src)
-            subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
-                           check=True, capture_output=True, text=True)
-            lib = ctypes.CDLL(so)
+            lib = self._build(key, src)
             fn = getattr(lib, '{}_0_run'.format(kname))
             argtypes = [ctypes.c_longlong]
             for dt, arr in zip(dtypes, is_array):
@@ -186,15 +194,9 @@ class HostKernels(object):
         """Run reduction kernel ``kname`` over axis 0 of ``x``."""
         x = numpy.ascontiguousarray(x)
         src = reduction_source(kname, x.dtype)
-        key = hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+        key = self._key(src)
         if key not in self._libs:
-            cpp = os.path.join(self.workdir, key + '.cpp')
-            so = os.path.join(self.workdir, key + '.so')
-            with open(cpp, 'w') as f:
-                f.write(src)
-            subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
-                           check=True, capture_output=True, text=True)
-            lib = ctypes.CDLL(so)
+            lib = self._build(key, src)
             fn = getattr(lib, kname + '_run')
             fn.argtypes = [ctypes.c_longlong, ctypes.c_longlong,
                            ctypes.c_void_p, ctypes.c_void_p]

@@ -101,26 +101,61 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
         for h, p in zip(host, params):
             assert isinstance(p.grad, fake.ndarray)
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
+        # and in the rank-order tree ('dense', the simulation's 'none')
+        for ps in (host, params):
+            communicator.mean_gradients(blocks, comps[0], ps,
+                                        [p.grad for p in ps], RANKS, True,
+                                        True)
+        for h, p in zip(host, params):
+            assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
 
 
-def test_state_and_sums_live_on_the_parameters_device(device):
-    """A model on device 1 while device 0 is current: residuals, work arrays
-    and decoded gradients stay on device 1."""
+def test_a_bad_message_is_refused_on_the_host_before_any_transfer(device):
+    """The GPU decoder validates on the host copy first: a corrupt message
+    raises the reference's WireFormatError, nothing is uploaded and no
+    gradient changes."""
     fake = device
+    comp = compressors('vgc', dict(alpha=1.0))[0]
+    gs = [fake.asarray(g) for g in stream(1, 1)[0][0]]
+    ss = [fake.asarray(s) for s in stream(1, 1)[0][1]]
+    good = comp.compress(gs, ss)
+    bad = good.copy()
+    bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
+    params = [param(fake, fake.zeros(s, d), fake.ones(s, d))
+              for s, d in zip(SHAPES, DTYPES)]
+    with pytest.raises(codec.WireFormatError) as err:
+        codec.unpack(bad, comp.sizes, comp.dtypes)
+    fake.reset()
+    with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
+        communicator.mean_gradients([good, bad], comp, params,
+                                    [p.grad for p in params], 2, True,
+                                    False)
+    assert fake.count('upload') == 0
+    assert all((fake.asnumpy(p.grad) == 1).all() for p in params)
+
+
+@pytest.mark.parametrize('method,kw', METHODS)
+def test_state_and_sums_live_on_the_parameters_device(device, method, kw):
+    """A model on device 1 while device 0 is current: residuals, work arrays
+    and decoded gradients stay on device 1 (the fake is strict: an operand
+    on another device than the current one is an error, as in CuPy without
+    peer access)."""
+    fake = device
+    fake.strict_devices = True
     with fake.cuda.Device(1):
         gs = [fake.asarray(g) for g in stream(0, 1)[0][0]]
         ss = [fake.asarray(s) for s in stream(0, 1)[0][1]]
         params = [param(fake, fake.zeros(s, d), fake.zeros(s, d))
                   for s, d in zip(SHAPES, DTYPES)]
     assert fake.cuda.Device().id == 0
-    comp = GradientCompressor('vgc', list('abcde'), SHAPES, DTYPES,
-                              alpha=1.0)
+    comp = compressors(method, kw)[0]
     message = comp.compress(gs, ss)
     for st in comp.states:
-        assert all(a.device.id == 1 for a in st.values())
-    communicator.mean_gradients([message], comp, params,
-                                [p.grad for p in params], 1, True, False)
-    assert all(p.grad.device.id == 1 for p in params)
+        assert all(a.device.id == 1 for a in (st or {}).values())
+    for dense in (False, True):
+        communicator.mean_gradients([message, message], comp, params,
+                                    [p.grad for p in params], 2, True, dense)
+        assert all(p.grad.device.id == 1 for p in params)
     assert fake.cuda.Device().id == 0
 
 

@@ -53,6 +53,27 @@ def instances():
                                  numpy.zeros(2, numpy.int8))),
             ('vgc_strom_step', (g, sdt(1), r, numpy.zeros(2, numpy.int8))),
         ]
+    for gdt, hdt in ((F32, F64), (F64, F32), (F64, F16)):
+        # a sum of squares in another dtype than the state's
+        sdt = state_dtype(gdt).type
+        g, s, r = (numpy.zeros(2, gdt), numpy.zeros(2, hdt),
+                   numpy.zeros(2, sdt))
+        out += [
+            ('vgc_basic_select', (g, s, sdt(1), sdt(1), r, r,
+                                  numpy.zeros(2, bool))),
+            ('vgc_hybrid_step', (g, s, sdt(1), sdt(1), sdt(1), r, r,
+                                 numpy.zeros(2, numpy.int8))),
+        ]
+    for src, dst in ((F64, F32), (F32, F64), (F32, F16), (F16, F32),
+                     (F64, F16)):
+        out.append(('vgc_cast', (numpy.zeros(2, src), numpy.zeros(2, dst))))
+    for sdt in (F32, F64):
+        x = numpy.zeros(2, sdt)
+        out += [
+            ('vgc_add_to', (x, x)),
+            ('vgc_scale', (x, sdt(1), x)),
+            ('vgc_divide', (x, sdt(1), x)),
+        ]
     for sdt in (F32, F64):
         x = numpy.zeros(2, sdt)
         out += [
@@ -100,6 +121,10 @@ def test_kernel_as_cupy_compiles_it_keeps_subnormals_and_has_no_fma(k):
     float_ops = kernel_harness.ptx_float_instructions(ptx)
     if name.endswith(('_select', '_step')):  # the arithmetic kernels
         assert any(op.startswith('setp.gt.f') for op in float_ops), float_ops
+    if name in ('vgc_add_to', 'vgc_scale', 'vgc_divide'):
+        assert float_ops, 'no floating-point instruction found'
+    if name == 'vgc_cast' and not float_ops:  # f16 conversions: CuPy's
+        assert 'cvt.' in ptx  # header converts in inline asm of its own
     # (the codec kernels work on the bits only: no float instruction)
     assert not [op for op in float_ops if '.ftz' in op or 'fma' in op], \
         float_ops
@@ -404,3 +429,38 @@ def test_sum_squares_as_cupy_compiles_it_keeps_subnormals(dtype):
     assert any(op.startswith('mul.rn.f') for op in ops), ops
     assert any(op.startswith('add.rn.f') for op in ops), ops
     assert not [op for op in ops if '.ftz' in op or 'fma' in op], ops
+
+
+@pytest.mark.parametrize('src,dst', [(F64, F32), (F32, F64), (F32, F16),
+                                     (F16, F32), (F64, F16)])
+def test_cast_kernel_matches_numpy_on_edge_values(host_kernels, src, dst):
+    """vgc_cast (the device decoder's and the mean's casts): NumPy's astype
+    bit for bit, subnormal and overflowing values included."""
+    x = numpy.concatenate([edge_values(src), numpy.random.default_rng(9)
+                           .normal(0, 1e-3, 500).astype(src)])
+    out = numpy.empty(x.size, dst)
+    host_kernels('vgc_cast', x, out)
+    with numpy.errstate(over='ignore'):
+        assert_bitwise(out, x.astype(dst))
+
+
+@pytest.mark.parametrize('sdt', [F32, F64])
+def test_add_scale_divide_kernels_match_numpy(host_kernels, sdt):
+    """vgc_add_to, vgc_scale, vgc_divide: NumPy's +, * and / bit for bit,
+    subnormal operands and results included."""
+    rng = numpy.random.default_rng(10)
+    tiny = numpy.finfo(sdt).tiny
+    a = numpy.concatenate([edge_values(sdt), rng.normal(0, 1, 300).astype(
+        sdt), (rng.normal(0, 1, 200) * tiny).astype(sdt)])
+    b = numpy.roll(a, 7)
+    acc = a.copy()
+    host_kernels('vgc_add_to', b, acc)
+    with numpy.errstate(all='ignore'):
+        assert_bitwise(acc, a + b)
+        for k in (0.25, 1 / 3, 1024.0, 3e-39):
+            k = sdt(k)
+            got = numpy.empty_like(a)
+            host_kernels('vgc_scale', a, k, got)
+            assert_bitwise(got, a * k)
+            host_kernels('vgc_divide', a, k, got)
+            assert_bitwise(got, a / k)

@@ -5,11 +5,11 @@ Each tensor is cut into buckets of ``bucket`` elements.  With
 table) and n the bucket's L2 norm, element g is sent as
 ``sign(g) * n * l / levels`` where l = floor(|g| / n * levels + u),
 u ~ U[0, 1): stochastic rounding, unbiased.  Elements with l = 0 are not sent.
-No residual is kept.  The uniform draws come from a seedable generator
-(``numpy.random.default_rng(seed)`` on the CPU; on the GPU, a fresh
-``cupy.random.default_rng(SeedSequence(entropy, spawn_key=(step,)))`` each
-step, so that its whole state is ``(entropy, step)``; the two streams
-differ).  Both states are saved with snapshots (:meth:`get_extra_state`).
+No residual is kept.  The uniform draws come from a seedable generator:
+``numpy.random.default_rng(seed)`` on the CPU; on the GPU, a fresh
+Philox4x32-10 generator from ``SeedSequence(entropy, spawn_key=(step,))``
+each step, so that its whole state is ``(entropy, step)``.  The two streams
+differ.  Both states are saved with snapshots (:meth:`get_extra_state`).
 """
 
 import json
@@ -43,9 +43,11 @@ class QSGD(base.CompressionRule):
         key = xp.__name__
         if key not in self._rngs:
             if backend.is_cupy(xp):
+                # Philox: counter-based, so a new generator each step is
+                # cheap (XORWOW would initialize ~10^5 states every step)
                 self._rngs[key] = xp.random.default_rng(
-                    numpy.random.SeedSequence(self._entropy,
-                                              spawn_key=(self._step,)))
+                    xp.random.Philox4x3210(numpy.random.SeedSequence(
+                        self._entropy, spawn_key=(self._step,))))
             else:
                 self._rngs[key] = numpy.random.default_rng(self.seed)
         return self._rngs[key]
