@@ -157,19 +157,18 @@ def add(a, b):
 
 def scale(x, k):
     """``x * k`` in x's dtype, ``k`` a scalar of that dtype; a new array."""
-    k = x.dtype.type(k)
-    if backend.is_cupy(backend.get_array_module(x)):
-        out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
-        get_kernel('vgc_scale')(x, k, out)
-        return out
-    return x * k
+    return _with_scalar('vgc_scale', x, k, numpy.multiply)
 
 
 def divide(x, k):
     """``x / k`` in x's dtype, ``k`` a scalar of that dtype; a new array."""
+    return _with_scalar('vgc_divide', x, k, numpy.divide)
+
+
+def _with_scalar(name, x, k, host_op):
     k = x.dtype.type(k)
     if backend.is_cupy(backend.get_array_module(x)):
         out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
-        get_kernel('vgc_divide')(x, k, out)
+        get_kernel(name)(x, k, out)
         return out
-    return x / k
+    return host_op(x, k)
