@@ -39,12 +39,16 @@ def device_scope(a):
     return contextlib.nullcontext()
 
 
-def host_buffer(n, dtype):
+def host_buffer(n, dtype, pinned=True):
     """A 1-D host array of ``n`` elements for device<->host copies:
-    page-locked (pinned) memory where CuPy is installed, so that the copy
-    runs at full bus speed; ordinary memory otherwise."""
-    if cupyx is not None:
-        return cupyx.empty_pinned((int(n),), dtype=dtype)
+    page-locked (pinned) memory where CuPy is installed and ``pinned``, so
+    that the copy runs at full bus speed; ordinary memory otherwise (also
+    where CuPy cannot pin memory: no GPU or driver)."""
+    if pinned and cupyx is not None:
+        try:
+            return cupyx.empty_pinned((int(n),), dtype=dtype)
+        except Exception:  # cupy's CUDARuntimeError without a driver
+            pass
     return numpy.empty(int(n), dtype=dtype)
 
 

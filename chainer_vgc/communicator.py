@@ -12,6 +12,7 @@ the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 """
 
 import json
+import numbers
 import time
 import warnings
 
@@ -27,6 +28,8 @@ from chainer_vgc import native
 from chainer_vgc import transport
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.compressor import SkippedStep
+from chainer_vgc.rules import CompressionRule
+from chainer_vgc.rules import RULES
 from chainer_vgc.rules import create_rule
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
@@ -38,12 +41,33 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
     Args:
         mpi_comm: an mpi4py communicator.
-        method: ``'vgc'``, ``'hybrid'``, ``'strom'``, ``'qsgd'``, ``'none'``.
+        method: a rule name (``'vgc'``, ``'hybrid'``, ``'strom'``,
+            ``'qsgd'``, ``'none'``) or a
+            :class:`~chainer_vgc.rules.CompressionRule` object (a rule of
+            your own: see the README).
         allgatherv: ``'ring'`` (pipelined ring on point-to-point calls) or
             ``'mpi'`` (``MPI_Allgatherv``).
         chunk_words: pipelining chunk of the ring, in 32-bit words.
-        max_memory, uncovered: passed to
+        max_memory: passed to
             :class:`~chainer_vgc.statistics.PerSampleSquares`.
+        uncovered: parameters the per-sample statistics do not cover (LSTM,
+            attention, ...): ``'error'`` (default), ``'bruteforce'`` (exact,
+            one backward pass per example) or ``'dense'`` (sent in the dense
+            group, with one warning listing them).
+        exclude: parameters sent uncompressed, in the dense group: names
+            (as in ``model.namedparams()``) and/or predicates
+            ``f(name, param) -> bool``.
+        min_size: parameters of fewer elements go to the dense group too
+            (biases, batch normalization); 0: none.
+        warmup: exchanges (steps) with every parameter dense before
+            compression starts; the residuals start empty after it.
+        alpha_ramp: ``(alpha0, steps)``: after the warm-up, the rule's
+            ``alpha`` goes linearly from alpha0 to its own value over that
+            many steps (DGC-style); None: constant.
+        dense_dtype: None (the parameters' dtypes, exactly ChainerMN's naive
+            allreduce) or ``'float16'``: the dense group is cast to float16
+            and summed in float16 in one allreduce, as ChainerMN's
+            ``allreduce_grad_dtype``.
         resume_other_method: allow loading a snapshot saved with another
             method (its residuals are then dropped, with a warning); by
             default a snapshot of other settings is an error.
@@ -51,14 +75,19 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             default (False) every collective on GPU arrays goes through
             host memory (the compressed exchange always does).
         **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
-            ``bucket``, ``seed``, ``quantize``, ...).
+            ``bucket``, ``seed``, ``quantize``, ...), with a method name.
+
+    The compressed group goes through the allgatherv (ring by default); the
+    dense group through MPI allreduce, after it.  Every argument is checked
+    on every rank before any exchange.
     """
 
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
                  resume_other_method=False, cuda_aware_mpi=False,
-                 **hyperparams):
+                 exclude=None, min_size=0, warmup=0, alpha_ramp=None,
+                 dense_dtype=None, **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm)
         self.resume_other_method = bool(resume_other_method)
         self.cuda_aware_mpi = bool(cuda_aware_mpi)
@@ -68,19 +97,28 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         if int(chunk_words) < 1:
             raise ValueError('chunk_words must be >= 1, got {!r}'.format(
                 chunk_words))
-        self.method = method
+        if uncovered not in ('error', 'bruteforce', 'dense'):
+            raise ValueError("uncovered must be 'error', 'bruteforce' or "
+                             "'dense', got {!r}".format(uncovered))
+        self.base_rule = _make_rule(method, hyperparams)
+        self.method = self.base_rule.name
         self.hyperparams = dict(hyperparams)
-        rule_args = dict(hyperparams)
-        if rule_args.get('seed') is not None:
-            # QSGD: independent rounding on every rank
-            rule_args['seed'] = int(rule_args['seed']) + self.rank
-        self.rule = create_rule(method, **rule_args)
+        self._method_arg = method
+        #: this rank's rule (QSGD: its own random stream)
+        self.rule = self.base_rule.for_rank(self.rank)
+        self.exclude = _check_exclude(exclude)
+        self.min_size = _check_count('min_size', min_size)
+        self.warmup = _check_count('warmup', warmup)
+        self.alpha_ramp = _check_ramp(alpha_ramp, self.base_rule)
+        self.dense_dtype = _check_dense_dtype(dense_dtype)
         self.allgatherv_method = allgatherv
         self.chunk_words = int(chunk_words)
         self.max_memory = max_memory
         self.uncovered = uncovered
         self.compressor = None
         self._names = None
+        self._dense = set()
+        self._uncovered_dense = set()
         self._stats = None
         self._sqsums = None
         self._loaded_state = None
@@ -96,23 +134,37 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
     def split(self, color, key):
         return self.__class__(
-            mpi_comm=self.mpi_comm.Split(color, key), method=self.method,
-            allgatherv=self.allgatherv_method, chunk_words=self.chunk_words,
-            max_memory=self.max_memory, uncovered=self.uncovered,
+            mpi_comm=self.mpi_comm.Split(color, key),
+            method=self._method_arg, allgatherv=self.allgatherv_method,
+            chunk_words=self.chunk_words, max_memory=self.max_memory,
+            uncovered=self.uncovered,
             resume_other_method=self.resume_other_method,
-            cuda_aware_mpi=self.cuda_aware_mpi, **self.hyperparams)
+            cuda_aware_mpi=self.cuda_aware_mpi, exclude=self.exclude,
+            min_size=self.min_size, warmup=self.warmup,
+            alpha_ramp=self.alpha_ramp, dense_dtype=self.dense_dtype,
+            **self.hyperparams)
 
     @property
     def needs_sqsum(self):
-        return self.rule.needs_sqsum
+        """Whether this step needs the per-sample statistics (not during
+        the warm-up, nor for a rule that does not use them)."""
+        return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
+                and not self.warming_up)
+
+    @property
+    def warming_up(self):
+        """Whether the next exchange is a warm-up (dense) one."""
+        return self.totals['steps'] < self.warmup
 
     # -- statistics ---------------------------------------------------------
     def statistics(self, model):
-        """The PerSampleSquares hook for ``model`` (kept between steps)."""
+        """The PerSampleSquares hook for ``model`` (kept between steps);
+        parameters of the dense group are skipped."""
         names, _ = model_params(model)
         if self._stats is None or self._stats.names != names:
-            self._stats = PerSampleSquares(model, max_memory=self.max_memory,
-                                           uncovered=self.uncovered)
+            self._stats = PerSampleSquares(
+                model, max_memory=self.max_memory, uncovered=self.uncovered)
+        self._stats.skip = self.dense_group(model)
         return self._stats
 
     def set_sqsums(self, sqsums):
@@ -123,19 +175,24 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     # -- set-up and consistency ---------------------------------------------
     def setup(self, model):
         """Build the compressor for ``model`` and check that every rank has
-        the same model (names, shapes, dtypes) and the same method.
+        the same model (names, shapes, dtypes), method, dense group and
+        warm-up.
 
         Raises ValueError on every rank otherwise.  Called by the first
         :meth:`multi_node_mean_grad` and before loading state.
         """
         names, params = _initialized(model)
-        if self._names == names and self.compressor is not None:
+        dense = self.dense_group(model)
+        if (self._names == names and self._dense == dense
+                and self.compressor is not None):
             return
-        signature = ((self.method, sorted(self.hyperparams.items())),
+        signature = ((self.method, _record(self.base_rule.hyperparams())),
                      (self.allgatherv_method, self.chunk_words,
                       backend.cpu_backend()),
                      [(n, tuple(p.shape), str(p.dtype))
-                      for n, p in zip(names, params)])
+                      for n, p in zip(names, params)],
+                     (sorted(dense), self.warmup, self.alpha_ramp,
+                      str(self.dense_dtype)))
         everyone = self.mpi_comm.allgather(signature)
         diffs = [r for r, sig in enumerate(everyone) if sig != everyone[0]]
         if diffs:
@@ -146,6 +203,14 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 '{} but rank {} has {}. Every rank must build the same model '
                 'and communicator'.format(diffs, label, mine, diffs[0],
                                           theirs))
+        if self.dense_dtype == numpy.float16:
+            wide = [n for n, p in zip(names, params)
+                    if n in dense and p.dtype == numpy.float64]
+            if wide:
+                raise ValueError(
+                    "dense_dtype='float16' would round the float64 "
+                    'parameters {} of the dense group to float16; use '
+                    'dense_dtype=None for this model'.format(wide))
         # residuals are kept per parameter name: a parameter initialized
         # later (a branch reached mid-run) starts fresh, the others go on
         kept = {}
@@ -153,16 +218,17 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             kept = {n: st for n, st in zip(self.compressor.names,
                                            self.compressor.states)
                     if st is not None}
+        pairs = [(n, p) for n, p in zip(names, params) if n not in dense]
         self.compressor = GradientCompressor(
-            self.rule, names, [p.shape for p in params],
-            [p.dtype for p in params])
+            self.rule, [n for n, _ in pairs], [p.shape for _, p in pairs],
+            [p.dtype for _, p in pairs])
         if self.compressor.backend == 'native':
             # the cores of this node, shared by its ranks (OMP_NUM_THREADS
             # wins where set)
             threads = native.default_threads(self.intra_size)
             if threads:
                 native.set_num_threads(threads)
-        for i, (name, p) in enumerate(zip(names, params)):
+        for i, (name, p) in enumerate(pairs):
             old = kept.get(name)
             if old is not None and all(
                     a.size == p.size and
@@ -173,9 +239,15 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 with backend.device_scope(p.array):
                     self.compressor.states[i] = self.rule.init_state(
                         p.size, p.dtype, p.xp)
-        self._names = names
+        self._names, self._dense = names, dense
         if self._loaded_state is not None:
-            self._install_loaded_state(params)
+            self._install_loaded_state([p for _, p in pairs])
+
+    def dense_group(self, model):
+        """Names of the initialized parameters exchanged densely (allreduce):
+        see :func:`dense_group`."""
+        return dense_group(model, self.rule, self.exclude, self.min_size,
+                           self._uncovered_dense)
 
     # -- the step -----------------------------------------------------------
     def set_loss_scale(self, loss_scale):
@@ -187,18 +259,49 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self._loss_scale = loss_scale
 
     def multi_node_mean_grad(self, model, zero_fill=False):
+        """One exchange: the compressed group through the allgatherv, then
+        the dense group (and, during the warm-up, every parameter) through
+        allreduce; ``param.grad`` becomes the mean over the ranks."""
+        self._note_uncovered()
         self.setup(model)
         loss_scale, self._loss_scale = self._loss_scale, None
-        if self.method == 'none':
-            self._sqsums = None
-            return self._dense_mean_grad(model, zero_fill)
-        _, all_params = model_params(model)
-        keep = [p.array is not None for p in all_params]
-        params = [p for p, k in zip(all_params, keep) if k]
-        comp = self.compressor
         sqsums, self._sqsums = self._sqsums, None
-        if sqsums is not None:  # aligned with all parameters
-            sqsums = [s for s, k in zip(sqsums, keep) if k]
+        all_names, all_params = model_params(model)
+        warm = self.warming_up
+        compressed, dense = [], []
+        for i, (n, p) in enumerate(zip(all_names, all_params)):
+            if p.array is None:
+                continue
+            (dense if warm or n in self._dense else compressed).append(
+                (i, p))
+        self.skipped = False
+        blocks, elements = [], None
+        if compressed:
+            self._ramp_alpha()
+            params = [p for _, p in compressed]
+            if sqsums is not None:  # aligned with all parameters
+                sqsums = [sqsums[i] for i, _ in compressed]
+            result = self._compressed_mean(params, sqsums, zero_fill,
+                                           loss_scale)
+            if result is None:  # skipped on every rank
+                for _, p in dense:
+                    p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
+                return
+            blocks, elements = result
+        n_dense, dense_wire = self._dense_mean([p for _, p in dense],
+                                               zero_fill)
+        self.last = report_step(
+            blocks, sum(p.size for _, p in compressed) +
+            sum(p.size for _, p in dense), self.totals, elements,
+            sum(p.size * p.dtype.itemsize for _, p in compressed + dense),
+            size=self.size, dense_elements=n_dense * self.size,
+            dense_wire=dense_wire,
+            n_compressed=sum(p.size for _, p in compressed))
+
+    def _compressed_mean(self, params, sqsums, zero_fill, loss_scale):
+        """The compressed group's exchange; (blocks, elements per block), or
+        None when a rank's gradients were not finite (skipped)."""
+        comp = self.compressor
         if comp.rule.needs_sqsum and sqsums is None:
             raise RuntimeError(
                 "method {!r} needs per-sample statistics of this step's "
@@ -215,7 +318,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             message = comp.compress(rule_grads, rule_sqsums, copy=False,
                                     agree=self._agree)
         except SkippedStep as e:
-            return self._skip(params, e)
+            self._skip(params, e)
+            return None
         t1 = time.perf_counter()
         # the message is in host memory on every path (codec.pack): MPI
         # never sees a device pointer; the blocks stay on the host, where
@@ -232,7 +336,58 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         #: seconds of the last exchange's phases on this rank
         self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
                             'decode': t3 - t2}
-        self._report(blocks, elements)
+        return blocks, elements
+
+    def _ramp_alpha(self):
+        """The rule's alpha on the ``alpha_ramp`` schedule."""
+        if self.alpha_ramp is None:
+            return
+        alpha0, steps = self.alpha_ramp
+        done = max(0.0, self.totals['steps'] - self.warmup)
+        frac = min(1.0, done / steps) if steps else 1.0
+        self.rule.alpha = alpha0 + (self.base_rule.alpha - alpha0) * frac
+
+    def _note_uncovered(self):
+        """With ``uncovered='dense'``: parameters the last backward could
+        not cover join the dense group (one warning listing them)."""
+        stats = self._stats
+        new = set(getattr(stats, 'uncovered_names', ()) or ()) - \
+            self._uncovered_dense
+        if not new:
+            return
+        self._uncovered_dense |= new
+        warnings.warn(
+            "chainer_vgc: per-sample statistics do not cover {}; with "
+            "uncovered='dense' they are sent uncompressed (dense "
+            'allreduce)'.format(sorted(new)))
+
+    def _dense_mean(self, params, zero_fill):
+        """The dense group: ChainerMN's naive exchange (one allreduce per
+        parameter, float16 summed in float32, non-finite values passed
+        through, ValueError in debug mode), or with ``dense_dtype`` float16
+        one allreduce of the whole group in float16.  Returns (elements per
+        rank, bytes each rank sends with a ring allreduce)."""
+        grads = []
+        for param in params:  # model_params order: the same on every rank
+            if zero_fill and param.grad is None:
+                if param.data is None:
+                    continue
+                param.grad = param.xp.zeros_like(param.data)
+            if param.grad is not None:
+                grads.append(param)
+        if not grads:
+            return 0, 0.0
+        p = self.size
+        n = sum(q.size for q in grads)
+        if self.dense_dtype is None:
+            for q in grads:
+                self._multi_node_mean(None, q.grad)
+            wire = sum(2 * (p - 1) * max(4, q.dtype.itemsize) * q.size / p
+                       for q in grads)
+        else:
+            allreduce_mean_float16(self.mpi_comm, grads)
+            wire = 2 * (p - 1) * 2 * n / p
+        return n, (wire if p > 1 else 0.0)
 
     def bcast_data(self, model):
         """Rank 0's parameters to every rank (ChainerMN's first update).
@@ -292,40 +447,6 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.last = {'vgc/skipped': 1.0}
         chainer.reporter.report(self.last)
 
-    def _dense_mean_grad(self, model, zero_fill):
-        """``none``: ChainerMN's naive exchange itself (an allreduce per
-        parameter, float16 summed in float32, non-finite values passed
-        through, ``ValueError`` in debug mode), with the same reports."""
-        params = _memory_utility.extract_params_set_grad(model, zero_fill)
-        n = 0
-        for param in params:
-            if zero_fill and param.grad is None:
-                if param.data is None:
-                    continue
-                param.grad = param.xp.zeros_like(param.data)
-            if param.grad is None:
-                continue
-            self._multi_node_mean(None, param.grad)
-            n += param.size
-        names, all_params = _initialized(model)
-        p = self.size
-        wire = 2 * (p - 1) * 4 * n / p if p > 1 else 0.0  # float32 sums
-        figures = {'vgc/compression': 1.0, 'vgc/density': 1.0,
-                   'vgc/bytes': wire, 'vgc/skipped': 0.0}
-        self.totals['steps'] += 1
-        self.totals['elements'] += n * p
-        self.totals['bytes'] += wire
-        self.totals['dense_bytes'] += 2 * (p - 1) * sum(
-            q.size * q.dtype.itemsize for q in all_params) / p
-        self.last = figures
-        chainer.reporter.report(figures)
-
-    def _report(self, blocks, elements=None):
-        self.skipped = False
-        self.last = report_step(blocks, self.compressor.n_params,
-                                self.totals, elements,
-                                self.compressor.n_bytes)
-
     # -- residual state: part of the run ------------------------------------
     def serialize_state(self, model, serializer):
         """Save or load this rank's residual state (r, v) for ``model``.
@@ -356,9 +477,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 serializer(_state_key(name, key), states[name][key])
 
     def _meta(self, model, state_names):
-        return {'format': 1, 'method': self.method,
-                'hyperparams': sorted([k, v] for k, v in
-                                      self.hyperparams.items()),
+        return {'format': 2, 'method': self.method,
+                'hyperparams': _record(self.base_rule.hyperparams()),
                 'ranks': self.size, 'model': _model_record(model),
                 'states': state_names}
 
@@ -397,9 +517,17 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def _check_meta(self, meta, model):
         """Compare a snapshot's record with this run; returns True when the
         method differs and ``resume_other_method`` allows it."""
-        saved = (meta['method'], [tuple(kv) for kv in meta['hyperparams']])
+        saved_params = meta['hyperparams']
+        if meta.get('format', 1) == 1 and meta['method'] in RULES:
+            # format 1 recorded the arguments given: the rule they make
+            try:
+                saved_params = _record(create_rule(
+                    meta['method'], **dict(saved_params)).hyperparams())
+            except ValueError:
+                pass
+        saved = (meta['method'], [tuple(kv) for kv in saved_params])
         here = (self.method, [tuple(kv) for kv in
-                              sorted(self.hyperparams.items())])
+                              _record(self.base_rule.hyperparams())])
         if meta['ranks'] != self.size:
             raise ValueError(
                 'chainer_vgc: the snapshot was saved by a run of {} ranks; '
@@ -459,6 +587,166 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 with backend.device_scope(state):
                     state[...] = p.xp.asarray(arr).reshape(
                         state.shape).astype(state.dtype)
+
+
+def dense_group(model, rule, exclude=(), min_size=0, also=()):
+    """Names of ``model``'s initialized parameters exchanged densely: all
+    of them for a rule whose ``exchange`` is ``'allreduce'`` (``none``),
+    else those named in ``exclude`` or selected by its predicates
+    ``f(name, param)``, those of fewer than ``min_size`` elements, and the
+    names in ``also``.  An unknown name in ``exclude`` raises ValueError."""
+    all_names, all_params = model_params(model)
+    if rule.exchange == 'allreduce':
+        return {n for n, p in zip(all_names, all_params)
+                if p.array is not None}
+    known = set(all_names)
+    unknown = sorted(n for n in exclude if isinstance(n, str)
+                     and n not in known)
+    if unknown:
+        raise ValueError(
+            'exclude: the model has no parameter named {}; its parameters '
+            'are {}'.format(unknown, sorted(known)))
+    tests = [f for f in exclude if callable(f)]
+    names = {n for n in exclude if isinstance(n, str)} | set(also)
+    return {n for n, p in zip(all_names, all_params)
+            if p.array is not None and (
+                n in names or p.size < min_size or
+                any(f(n, p) for f in tests))}
+
+
+def _make_rule(method, hyperparams):
+    """The rule a communicator runs: made from a name, or a rule object
+    checked for what the communicator calls."""
+    if isinstance(method, str):
+        return create_rule(method, **hyperparams)
+    if hyperparams:
+        raise ValueError('method: hyperparameters {} given with a rule '
+                         'object; set them on the rule'.format(
+                             sorted(hyperparams)))
+    if not isinstance(method, CompressionRule):
+        raise TypeError(
+            'method must be a rule name ({}) or a '
+            'chainer_vgc.rules.CompressionRule object, got {!r}'.format(
+                ', '.join(sorted(RULES)), method))
+    missing = [m for m in ('compress', 'max_words')
+               if getattr(type(method), m) is getattr(CompressionRule, m)
+               and not (m == 'max_words' and
+                        method.compress_native is None)]
+    if not isinstance(method.name, str) or not method.name:
+        missing.insert(0, 'name (a string)')
+    if method.exchange not in ('allgatherv', 'allreduce'):
+        missing.append("exchange ('allgatherv' or 'allreduce')")
+    if missing:
+        raise TypeError('method: the rule object {!r} does not define {}; '
+                        'see chainer_vgc.rules.CompressionRule'.format(
+                            method, ', '.join(missing)))
+    return method
+
+
+def _check_exclude(exclude):
+    """``exclude`` as a tuple of names and predicates."""
+    if exclude is None:
+        return ()
+    if isinstance(exclude, str) or callable(exclude):
+        exclude = [exclude]
+    try:
+        items = tuple(exclude)
+    except TypeError:
+        raise TypeError('exclude must be parameter names and/or predicates '
+                        'f(name, param) -> bool, got {!r}'.format(exclude))
+    for item in items:
+        if not (isinstance(item, str) or callable(item)):
+            raise TypeError('exclude: {!r} is neither a parameter name nor a '
+                            'predicate f(name, param) -> bool'.format(item))
+    return items
+
+
+def _check_count(name, value):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or value < 0):
+        raise ValueError('{} must be an integer >= 0, got {!r}'.format(
+            name, value))
+    return int(value)
+
+
+def _check_ramp(ramp, rule):
+    if ramp is None:
+        return None
+    try:
+        alpha0, steps = ramp
+        alpha0 = float(alpha0)
+    except (TypeError, ValueError):
+        raise ValueError('alpha_ramp must be (alpha0, steps), got {!r}'
+                         .format(ramp))
+    if not hasattr(rule, 'alpha'):
+        raise ValueError('alpha_ramp: method {!r} has no alpha'.format(
+            rule.name))
+    if not alpha0 > 0:
+        raise ValueError('alpha_ramp: alpha0 must be > 0, got {!r}'.format(
+            alpha0))
+    return (alpha0, _check_count('alpha_ramp steps', steps))
+
+
+def _check_dense_dtype(dtype):
+    if dtype is None:
+        return None
+    try:
+        dt = numpy.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt != numpy.float16:
+        raise ValueError("dense_dtype must be None (the parameters' own "
+                         "dtypes) or 'float16', got {!r}".format(dtype))
+    return dt
+
+
+def _record(params):
+    """Hyperparameters as a sorted list of [name, plain value] pairs."""
+    return sorted([k, _plain(v) if isinstance(v, numpy.generic) else v]
+                  for k, v in params.items())
+
+
+def allreduce_mean_float16(mpi_comm, params):
+    """The mean of the ``params``' gradients over the ranks, through one
+    allreduce of all of them cast to float16 (summed in float16, pairwise
+    in whatever order MPI chooses, each sum rounded once), then times 1/p
+    in float32 and cast back: ChainerMN's ``allreduce_grad_dtype`` float16.
+    Device gradients are staged through one host buffer."""
+    from mpi4py import MPI
+    sizes = [q.size for q in params]
+    on_device = any(backend.get_array_module(q.grad) is not numpy
+                    for q in params)
+    buf = backend.host_buffer(sum(sizes), numpy.float16, pinned=on_device)
+    pos = 0
+    for q, n in zip(params, sizes):
+        buf[pos:pos + n] = backend.to_numpy(q.grad).reshape(-1)
+        pos += n
+    mpi_comm.Allreduce(MPI.IN_PLACE, [buf.view(numpy.uint16),
+                                      MPI.UINT16_T], op=_float16_sum())
+    mean = buf.astype(numpy.float32) * numpy.float32(1.0 / mpi_comm.size)
+    pos = 0
+    for q, n in zip(params, sizes):
+        part = mean[pos:pos + n].reshape(q.shape).astype(q.dtype)
+        pos += n
+        with backend.device_scope(q.grad):
+            q.grad[...] = q.xp.asarray(part)
+
+
+_FLOAT16_SUM = []
+
+
+def _float16_sum():
+    """MPI reduction op: elementwise float16 sum of 16-bit words."""
+    if not _FLOAT16_SUM:
+        from mpi4py import MPI
+
+        def add(inbuf, outbuf, datatype):
+            a = numpy.frombuffer(inbuf, dtype=numpy.float16)
+            b = numpy.frombuffer(outbuf, dtype=numpy.float16)
+            with numpy.errstate(over='ignore', invalid='ignore'):
+                b[...] = (a.astype(numpy.float32) + b).astype(numpy.float16)
+        _FLOAT16_SUM.append(MPI.Op.Create(add, commute=True))
+    return _FLOAT16_SUM[0]
 
 
 def _model_record(model):
@@ -756,54 +1044,70 @@ def _device_finish_mean(total, dtype, size, rescale):
     return kernels.scale(mean, 1.0 / size)
 
 
-def step_figures(blocks, n_params, elements=None, param_bytes=None):
+def step_figures(blocks, n_params, elements=None, param_bytes=None,
+                 size=None, dense_elements=0, dense_wire=0.0,
+                 n_compressed=None):
     """Figures of one exchange, the same on every rank.
 
     ``vgc/compression``: parameters / average elements sent per rank (the
-    paper's definition); ``vgc/density``: its inverse; ``vgc/bytes``: bytes
-    each rank sends on the wire with the ring, on average
-    ((p - 1) / p of all messages); ``vgc/skipped``: 0 (an exchange took
-    place; a skipped step reports 1).  Keys with '_' feed the run totals,
-    with ``dense_bytes`` what a dense ring allreduce of the gradients in
-    their own dtypes would send per rank, 2 (p - 1) / p * ``param_bytes``
-    (Sec. 5; ``param_bytes`` = sum of size * itemsize, default 4 N).
+    paper's definition), over all parameters (a dense group's elements
+    count as sent); ``vgc/density``: its inverse; ``vgc/bytes``: bytes each
+    rank sends on the wire, on average: (p - 1) / p of all messages with the
+    ring, plus ``dense_wire`` for the dense group's allreduce;
+    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1).
+    With a dense group (``n_compressed`` < ``n_params``), also
+    ``vgc/compression_compressed`` (the compressed group alone) and
+    ``vgc/dense_fraction`` (of the parameters).  Keys with '_' feed the run
+    totals, with ``dense_bytes`` what a dense ring allreduce of the
+    gradients in their own dtypes would send per rank, 2 (p - 1) / p *
+    ``param_bytes`` (Sec. 5; ``param_bytes`` = sum of size * itemsize,
+    default 4 N).  ``dense_elements``: elements of the dense group over
+    all ranks; ``size``: the number of ranks (default: len(blocks)).
     """
     if param_bytes is None:
         param_bytes = 4 * n_params
-    p = len(blocks)
+    p = size or len(blocks)
     if elements is None:
         elements = [codec.message_count(b) for b in blocks]
-    elements = sum(elements)
+    sent = sum(elements)
     total_bytes = 4 * sum(int(b.size) for b in blocks)
-    per_rank = elements / p
-    wire = (p - 1) * total_bytes / p
-    return {
+    per_rank = (sent + dense_elements) / p
+    wire = (p - 1) * total_bytes / p + dense_wire
+    figures = {
         'vgc/compression': n_params / per_rank if per_rank else float('inf'),
         'vgc/density': per_rank / n_params if n_params else 0.0,
         'vgc/bytes': wire,
         'vgc/skipped': 0.0,  # an exchange took place
-        '_elements': elements,
+        '_elements': sent + dense_elements,
         '_bytes': wire,
         '_dense_bytes': 2 * (p - 1) * param_bytes / p,
     }
+    if n_compressed is not None and n_compressed < n_params:
+        figures['vgc/compression_compressed'] = (
+            n_compressed * p / sent if sent else float('inf'))
+        figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
+    return figures
 
 
 def new_totals():
     """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
-    rank), skipped exchanges."""
+    rank), skipped exchanges, param_elements (parameters x steps)."""
     return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
-            'skipped': 0.0}
+            'skipped': 0.0, 'param_elements': 0.0}
 
 
-def report_step(blocks, n_params, totals, elements=None, param_bytes=None):
+def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
+                **dense):
     """Add one exchange to ``totals``, report its figures with
     ``chainer.reporter`` and return them (``elements``: per message, when
-    already counted; ``param_bytes``: see :func:`step_figures`)."""
-    figures = step_figures(blocks, n_params, elements, param_bytes)
+    already counted; ``param_bytes`` and ``dense``: see
+    :func:`step_figures`)."""
+    figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
     for key, value in figures.items():
         if key.startswith('_'):
             totals[key[1:]] += value
     totals['steps'] += 1
+    totals['param_elements'] += n_params
     chainer.reporter.report({k: v for k, v in figures.items()
                              if not k.startswith('_')})
     return figures
@@ -814,6 +1118,9 @@ def _first_difference(a, b):
     for label, x, y in zip(labels, a[:2], b[:2]):
         if x != y:
             return label, x, y
+    if a[3:] != b[3:]:
+        return ('the dense group, warmup, alpha_ramp and dense_dtype', a[3],
+                b[3])
     pa, pb = a[2], b[2]
     for x, y in zip(pa, pb):
         if x != y:
@@ -822,12 +1129,28 @@ def _first_difference(a, b):
 
 
 def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
-                        abort_on_exception=True, **kwargs):
+                        abort_on_exception=True, exclude=None, min_size=0,
+                        uncovered='error', warmup=0, alpha_ramp=None,
+                        dense_dtype=None, **kwargs):
     """A :class:`VGCCommunicator` on ``mpi_comm`` (default COMM_WORLD).
 
-    ``abort_on_exception`` installs ChainerMN's global except hook, so an
-    uncaught exception on one rank aborts the whole job instead of leaving
-    the others waiting in a collective.
+    ``method``: a rule name or a
+    :class:`~chainer_vgc.rules.CompressionRule` object.  The controls (see
+    :class:`VGCCommunicator` for the details):
+
+    - ``exclude``: parameter names and/or predicates ``f(name, param)``
+      sent uncompressed (dense allreduce); ``min_size``: parameters of
+      fewer elements too;
+    - ``uncovered``: ``'error'``, ``'bruteforce'`` or ``'dense'`` for the
+      parameters the per-sample statistics cannot cover;
+    - ``warmup``: dense exchanges before compression starts;
+      ``alpha_ramp=(alpha0, steps)``: alpha from alpha0 to its value;
+    - ``dense_dtype``: None or ``'float16'`` for the dense group.
+
+    The rule's hyperparameters (``alpha``, ``tau``, ...) are further keyword
+    arguments.  ``abort_on_exception`` installs ChainerMN's global except
+    hook, so an uncaught exception on one rank aborts the whole job instead
+    of leaving the others waiting in a collective.
     """
     if mpi_comm is None:
         from mpi4py import MPI
@@ -838,4 +1161,7 @@ def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
         if sys.excepthook is not global_except_hook._global_except_hook:
             global_except_hook.add_hook()
     return VGCCommunicator(mpi_comm, method=method, allgatherv=allgatherv,
+                           exclude=exclude, min_size=min_size,
+                           uncovered=uncovered, warmup=warmup,
+                           alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
                            **kwargs)

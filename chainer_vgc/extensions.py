@@ -29,10 +29,14 @@ def run_summary(totals, compressor, size):
     ``vgc/dense_bytes`` (what a dense ring allreduce of the same steps
     would have sent per rank, 2 (p - 1) / p * N * bytes per element of
     each gradient's dtype a step)."""
-    n = compressor.n_params if compressor is not None else 0
+    # parameters x steps, dense group included (runs from before this
+    # total existed: the compressor's parameters x steps)
+    n_steps = totals.get('param_elements') or (
+        (compressor.n_params if compressor is not None else 0)
+        * totals['steps'])
     per_rank = totals['elements'] / size
     return {
-        'vgc/total_compression': (n * totals['steps'] / per_rank
+        'vgc/total_compression': (n_steps / per_rank
                                   if per_rank else float('inf')),
         'vgc/total_bytes': totals['bytes'],
         'vgc/dense_bytes': totals['dense_bytes'],
@@ -61,14 +65,12 @@ class CompressionReport(extension.Extension):
     def __call__(self, trainer):
         out = self.summary()
         tot = self.communicator.totals
-        now = (tot['steps'], tot['elements'])
-        before = self._last or (0.0, 0.0)
+        now = (tot['steps'], tot['elements'], tot.get('param_elements', 0))
+        before = self._last or (0.0, 0.0, 0.0)
         self._last = now
-        comp = self.communicator.compressor
-        steps, elements = now[0] - before[0], now[1] - before[1]
-        if comp is not None and steps:
+        steps, elements, params = (a - b for a, b in zip(now, before))
+        if steps:
             per_rank = elements / self.communicator.size
             out['vgc/interval_compression'] = (
-                comp.n_params * steps / per_rank if per_rank
-                else float('inf'))
+                params / per_rank if per_rank else float('inf'))
         chainer.reporter.report(out)

@@ -13,40 +13,64 @@ the same parameters, bit for bit, as a real ``mpiexec`` run.
 
 from chainer_vgc import communicator as _comm
 from chainer_vgc.compressor import GradientCompressor
-from chainer_vgc.rules import create_rule
+from chainer_vgc.rules import NoCompression
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import model_params
 
 
 class SimulatedWorkers(object):
     """``size`` workers sharing ``model`` and ``optimizer`` (a plain Chainer
-    optimizer set up on ``model``)."""
+    optimizer set up on ``model``).
+
+    ``method``: a rule name or rule object; ``exclude``, ``min_size`` and
+    ``warmup`` as in :func:`chainer_vgc.create_communicator` (the dense
+    group is averaged as the communicator's allreduce: summed in MPI's
+    recursive-doubling order, then times 1/size)."""
 
     def __init__(self, model, optimizer, size, method='vgc',
-                 zero_fill=True, **hyperparams):
+                 zero_fill=True, exclude=None, min_size=0, warmup=0,
+                 **hyperparams):
         self.model, self.optimizer, self.size = model, optimizer, size
-        self.method, self.zero_fill = method, zero_fill
+        self.rule = _comm._make_rule(method, hyperparams)
+        self.method, self.zero_fill = self.rule.name, zero_fill
+        self.exclude = _comm._check_exclude(exclude)
+        self.min_size = _comm._check_count('min_size', min_size)
+        self.warmup = _comm._check_count('warmup', warmup)
         self.names, self.params = model_params(model)
-        self.compressors = []
-        for rank in range(size):
-            args = dict(hyperparams)
-            if args.get('seed') is not None:  # as VGCCommunicator
-                args['seed'] = int(args['seed']) + rank
-            comp = GradientCompressor(
-                create_rule(method, **args), self.names,
-                [p.shape for p in self.params],
-                [p.dtype for p in self.params])
-            for i, p in enumerate(self.params):
-                comp.states[i] = comp.rule.init_state(p.size, p.dtype, p.xp)
-            self.compressors.append(comp)
+        self._rules = [self.rule.for_rank(rank) for rank in range(size)]
+        self._groups = {}
         self.stats = PerSampleSquares(model)
         self.steps = 0
         self.last = {}
         self.totals = _comm.new_totals()
 
+    def _group(self, names, dense):
+        """Per-worker compressors over ``names`` (kept per name set): the
+        rule's, or NoCompression for the dense group."""
+        key = (tuple(names), dense)
+        if key not in self._groups:
+            idx = [self.names.index(n) for n in names]
+            comps = []
+            for rank in range(self.size):
+                rule = NoCompression() if dense else self._rules[rank]
+                comp = GradientCompressor(
+                    rule, list(names), [self.params[i].shape for i in idx],
+                    [self.params[i].dtype for i in idx])
+                for k, i in enumerate(idx):
+                    p = self.params[i]
+                    comp.states[k] = rule.init_state(p.size, p.dtype, p.xp)
+                comps.append(comp)
+            self._groups[key] = (idx, comps)
+        return self._groups[key]
+
     @property
     def compressor(self):
-        return self.compressors[0]
+        """Worker 0's compressor of the compressed group (all parameters
+        before the first update)."""
+        dense = _comm.dense_group(self.model, self.rule, self.exclude,
+                                  self.min_size)
+        return self._group([n for n in self.names if n not in dense],
+                           False)[1][0]
 
     def update(self, lossfun, batches):
         """One synchronous step; ``batches[w]`` is worker w's tuple of
@@ -57,22 +81,53 @@ class SimulatedWorkers(object):
         self.steps += 1
         if self.steps == 1:
             return  # ChainerMN's first update broadcasts rank 0's params
-        messages = []
-        for comp, batch in zip(self.compressors, batches):
+        warm = self.totals['steps'] < self.warmup
+        dense = _comm.dense_group(self.model, self.rule, self.exclude,
+                                  self.min_size)
+        if warm:
+            dense = set(self.names)
+        c_idx, c_comps = self._group(
+            [n for n in self.names if n not in dense], False)
+        d_idx, d_comps = self._group(
+            [n for n in self.names if n in dense], True)
+        self.stats.skip = dense
+        c_msgs, d_msgs = [], []
+        for rank, batch in enumerate(batches):
             self.model.cleargrads()
             loss = lossfun(*batch)
             sqsums = None
-            if comp.rule.needs_sqsum:
+            if self.rule.needs_sqsum and c_idx:
                 sqsums = self.stats.backward(loss, batch=batch)
             else:
                 loss.backward()
             grads, sqsums = _comm.local_gradients(self.params, sqsums,
                                                   self.zero_fill)
-            messages.append(comp.compress(grads, sqsums))
-        elements = _comm.mean_gradients(messages, self.compressor,
-                                        self.params, grads, self.size,
-                                        self.zero_fill, self.method == 'none')
+            if c_idx:
+                c_msgs.append(c_comps[rank].compress(
+                    [grads[i] for i in c_idx],
+                    None if sqsums is None else [sqsums[i] for i in c_idx]))
+            if d_idx:
+                d_msgs.append(d_comps[rank].compress(
+                    [grads[i] for i in d_idx]))
+        elements = None
+        if c_idx:
+            elements = _comm.mean_gradients(
+                c_msgs, c_comps[0], [self.params[i] for i in c_idx],
+                [grads[i] for i in c_idx], self.size, self.zero_fill, False)
+        n_dense, wire = 0, 0.0
+        if d_idx:
+            dparams = [self.params[i] for i in d_idx]
+            _comm.mean_gradients(d_msgs, d_comps[0], dparams,
+                                 [grads[i] for i in d_idx], self.size,
+                                 self.zero_fill, True)
+            n_dense = sum(p.size for p in dparams)
+            p = self.size
+            wire = sum(2 * (p - 1) * max(4, q.dtype.itemsize) * q.size / p
+                       for q in dparams)
         self.optimizer.update()
-        self.last = _comm.report_step(messages, self.compressor.n_params,
-                                      self.totals, elements,
-                                      self.compressor.n_bytes)
+        self.last = _comm.report_step(
+            c_msgs, sum(q.size for q in self.params), self.totals, elements,
+            sum(q.size * q.dtype.itemsize for q in self.params),
+            size=self.size, dense_elements=n_dense * self.size,
+            dense_wire=wire,
+            n_compressed=sum(self.params[i].size for i in c_idx))

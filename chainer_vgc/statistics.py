@@ -44,7 +44,9 @@ summation order.
 
 A parameter consumed by any other function gets no silent wrong answer:
 ``uncovered='error'`` (default) raises :class:`UncoveredParameterError`
-listing them before the backward pass; ``uncovered='bruteforce'`` computes
+listing them before the backward pass; ``uncovered='dense'`` leaves their
+sums None and lists them in ``uncovered_names`` (the communicator then sends
+them uncompressed); ``uncovered='bruteforce'`` computes
 them exactly by one backward pass per example (slow; needs ``loss_fn`` and
 ``batch``).  The loss may have any scaling (mean, sum, times a loss scale,
 ``backward(loss_scale=...)``): it must be ``c * sum_z loss_fn(example z)``
@@ -596,9 +598,9 @@ class PerSampleSquares(chainer.FunctionHook):
             pairs = list(target)
             self.names = [n for n, _ in pairs]
             self.params = [p for _, p in pairs]
-        if uncovered not in ('error', 'bruteforce'):
-            raise ValueError("uncovered must be 'error' or 'bruteforce', got "
-                             '{!r}'.format(uncovered))
+        if uncovered not in ('error', 'bruteforce', 'dense'):
+            raise ValueError("uncovered must be 'error', 'bruteforce' or "
+                             "'dense', got {!r}".format(uncovered))
         if not max_memory > 0:
             raise ValueError('max_memory must be a positive number of bytes, '
                              'got {!r}'.format(max_memory))
@@ -609,6 +611,11 @@ class PerSampleSquares(chainer.FunctionHook):
         self.uncovered = uncovered
         self.batch_size = batch_size
         self.sqsums = [None] * len(self.params)
+        #: names of parameters to leave out (no sum is computed: None)
+        self.skip = set()
+        #: with uncovered='dense': the parameters the last backward could
+        #: not cover (their sums are None)
+        self.uncovered_names = []
         self._in_backward = False
         self._by_fn = {}
 
@@ -652,13 +659,19 @@ class PerSampleSquares(chainer.FunctionHook):
         reports during these passes is discarded: the current reporter
         keeps only what the real pass reported.
         """
-        uses = self._scan(loss)
+        uses = {i: us for i, us in self._scan(loss).items()
+                if self.names[i] not in self.skip}
         b = self._batch_size(batch)
         batch_ids = _array_ids(batch)
         uncovered = sorted(i for i, us in uses.items()
                            if not all(_supported(fn, k) for fn, k in us))
         brute = {}
-        if uncovered:
+        self.uncovered_names = []
+        if uncovered and self.uncovered == 'dense':
+            # the caller sends them densely: no sums
+            self.uncovered_names = [self.names[i] for i in uncovered]
+            uses = {i: us for i, us in uses.items() if i not in uncovered}
+        elif uncovered:
             brute = self._bruteforce(uncovered, uses, loss_fn, batch, loss,
                                      backward_kwargs.get('loss_scale'))
         self._uses = {i: us for i, us in uses.items() if i not in brute}
@@ -710,8 +723,10 @@ class PerSampleSquares(chainer.FunctionHook):
         if self.uncovered == 'error':
             raise UncoveredParameterError(
                 'per-sample statistics are not implemented for: {}. Use '
-                "uncovered='bruteforce' (exact, one backward pass per "
-                'example) or exclude these parameters'.format(listing))
+                "uncovered='dense' (send them uncompressed, with a dense "
+                "allreduce), uncovered='bruteforce' (exact, one backward "
+                'pass per example) or exclude these parameters'.format(
+                    listing))
         if loss_fn is None or not len(batch):
             raise ValueError(
                 "uncovered='bruteforce' needs loss_fn and batch to recompute "

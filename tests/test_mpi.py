@@ -90,9 +90,13 @@ def test_exception_on_one_rank_ends_the_job():
 
 
 @pytest.mark.parametrize('p,method', [(2, 'vgc'), (2, 'qsgd'),
-                                      (2, 'hybrid'), (4, 'vgc')])
+                                      (2, 'hybrid'), (4, 'vgc'),
+                                      (2, 'topk'), (2, 'vgc-groups')])
 def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
-    """Parameters and the communicator's run totals (in params_*.npz)."""
+    """Parameters and the communicator's run totals (in params_*.npz).
+    'topk': a rule object defined in the test script, not the package;
+    'vgc-groups': vgc with a warm-up ending after the snapshot, an
+    excluded parameter and a min_size dense group."""
     out = str(tmp_path)
     for mode in ('straight', 'half', 'resume'):
         run_ok(p, 'check_resume.py', mode, 20, out, method,
@@ -108,3 +112,16 @@ def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
         for k in straight.files:
             assert (straight[k] == resumed[k]).all(), (r, k)
         assert any((straight[k] != half[k]).any() for k in straight.files)
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_rule_objects_dense_groups_and_warmup(p):
+    """A rule defined outside the package trains through
+    create_communicator and reports compression; exclude (names,
+    predicates) and min_size send parameters through ChainerMN's naive
+    allreduce, bit for bit, with both compression figures reported;
+    uncovered='dense' takes a matmul-used parameter there with one warning;
+    warmup=K equals 'none' for K updates, then compresses; float16 dense
+    group within float16 rounding at half the bytes; bad arguments raise
+    naming them."""
+    run_ok(p, 'check_groups.py', expect='groups OK at p={}'.format(p))

@@ -6,6 +6,7 @@ the elements to send, as a :class:`chainer_vgc.codec.Group`.  Rules see flat
 (1-D) arrays; state arrays are in :func:`chainer_vgc.backend.state_dtype`.
 """
 
+import copy
 import math
 import numbers
 
@@ -21,6 +22,11 @@ class CompressionRule(object):
     needs_sqsum = False
     #: whether tensors are limited to 2**28 elements (one 32-bit word each)
     uses_index_words = True
+    #: how workers combine what they send: ``'allgatherv'`` (every worker's
+    #: message to every worker, decoded and averaged, paper Sec. 4.3) or
+    #: ``'allreduce'`` (the gradients are not compressed: a dense MPI
+    #: allreduce, as ChainerMN's naive communicator)
+    exchange = 'allgatherv'
 
     #: the native CPU backend's step for this rule: a method
     #: ``compress_native(workspace, tensor_id, grad, sqsum, state, new_state,
@@ -52,6 +58,18 @@ class CompressionRule(object):
 
     def set_extra_state(self, state):
         """Restore what :meth:`get_extra_state` returned."""
+
+    def hyperparams(self):
+        """The rule's settings as {name: plain value}: recorded with
+        snapshots and compared across ranks.  Default: the public instance
+        attributes."""
+        return {k: v for k, v in sorted(vars(self).items())
+                if not k.startswith('_')}
+
+    def for_rank(self, rank):
+        """The rule worker ``rank`` runs (its own copy).  Default: a copy of
+        this one; a randomized rule gives each rank its own stream."""
+        return copy.deepcopy(self)
 
     def begin_step(self):
         """Called once per step by the compressor, after every worker's

@@ -7,8 +7,13 @@ from chainer_vgc.rules import base
 
 
 class NoCompression(base.CompressionRule):
+    """Dense exchange.  In a communicator it is ChainerMN's naive allreduce
+    (:attr:`exchange`); :meth:`compress` is the one-process path (the
+    simulation, a compressor used alone)."""
+
     name = 'none'
     uses_index_words = False
+    exchange = 'allreduce'
 
     def max_words(self, size, dtype):
         value_words = backend.state_dtype(dtype).itemsize // 4

@@ -52,6 +52,15 @@ class QSGD(base.CompressionRule):
                 self._rngs[key] = numpy.random.default_rng(self.seed)
         return self._rngs[key]
 
+    def for_rank(self, rank):
+        """Independent rounding on every rank: the seed plus the rank (no
+        seed: fresh entropy per rank)."""
+        seed = None if self.seed is None else int(self.seed) + int(rank)
+        return type(self)(bits=self.bits, bucket=self.bucket, seed=seed)
+
+    def hyperparams(self):
+        return {'bits': self.bits, 'bucket': self.bucket, 'seed': self.seed}
+
     def begin_step(self):
         """A new step: the GPU generator is re-seeded from (entropy, step)
         at its first draw."""

@@ -17,15 +17,47 @@ import chainer.links as L
 import numpy
 
 import chainer_vgc
+from chainer_vgc import codec
 from chainer_vgc.models import MLP
+from chainer_vgc.rules import CompressionRule
+from chainer_vgc.rules import base
+
+
+class TopK(CompressionRule):
+    """The k largest |r| of each tensor, sent exactly; r keeps the rest."""
+
+    name = 'topk_test'
+    uses_index_words = False
+
+    def __init__(self, ratio):
+        self.ratio = ratio
+
+    def init_state(self, size, dtype, xp):
+        return base.residual_state(size, dtype, xp, ('r',))
+
+    def compress(self, tensor_id, grad, sqsum, state):
+        r = state['r']
+        r += grad.astype(r.dtype)
+        k = int(r.size * self.ratio)
+        if k == 0:
+            return None
+        index = numpy.sort(numpy.argsort(-numpy.abs(r), kind='stable')[:k])
+        values = r[index].copy()
+        r[index] = 0
+        return codec.raw_group(tensor_id, index, values, r.size)
 
 
 def main():
     mode, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
     kw = {'vgc': dict(alpha=1.0), 'hybrid': dict(tau=0.001),
-          'strom': dict(tau=0.001), 'qsgd': dict(seed=3)}.get(method, {})
-    comm = chainer_vgc.create_communicator(method, **kw)
+          'strom': dict(tau=0.001), 'qsgd': dict(seed=3),
+          'vgc-groups': dict(alpha=1.0, warmup=12, min_size=10,
+                             exclude=['/predictor/layers/0/W'])}.get(method, {})
+    if method == 'topk':
+        method = TopK(0.2)  # a rule object from outside the package
+    comm = chainer_vgc.create_communicator(
+        'vgc' if method == 'vgc-groups' else method, **kw)
     numpy.random.seed(0)
     model = L.Classifier(MLP((12,), 3))
     opt = chainer_vgc.create_multi_node_optimizer(
