@@ -17,7 +17,6 @@ import time
 import warnings
 
 import chainer
-from chainermn.communicators import _memory_utility
 from chainermn.communicators import mpi_communicator_base
 import numpy
 

@@ -17,7 +17,6 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import communicator
-from chainer_vgc.backend import state_dtype
 
 from test_kernels import assert_bitwise
 

@@ -12,36 +12,11 @@ import numpy
 from mpi4py import MPI
 
 import chainer_vgc
-from chainer_vgc import codec
 from chainer_vgc.rules import CompressionRule
-from chainer_vgc.rules import base
+
+from topk_rule import TopK
 
 world = MPI.COMM_WORLD
-
-
-class TopK(CompressionRule):
-    """A rule written outside the package: the k largest |r| of each
-    tensor, sent exactly (error feedback in r)."""
-
-    name = 'topk_test'
-    uses_index_words = False
-
-    def __init__(self, ratio=0.1):
-        self.ratio = ratio
-
-    def init_state(self, size, dtype, xp):
-        return base.residual_state(size, dtype, xp, ('r',))
-
-    def compress(self, tensor_id, grad, sqsum, state):
-        r = state['r']
-        r += grad.astype(r.dtype)
-        k = max(1, int(r.size * self.ratio)) if r.size else 0
-        if k == 0:
-            return None
-        index = numpy.sort(numpy.argsort(-numpy.abs(r), kind='stable')[:k])
-        values = r[index].copy()
-        r[index] = 0
-        return codec.raw_group(tensor_id, index, values, r.size)
 
 
 class Attention(chainer.Link):

@@ -17,34 +17,9 @@ import chainer.links as L
 import numpy
 
 import chainer_vgc
-from chainer_vgc import codec
 from chainer_vgc.models import MLP
-from chainer_vgc.rules import CompressionRule
-from chainer_vgc.rules import base
 
-
-class TopK(CompressionRule):
-    """The k largest |r| of each tensor, sent exactly; r keeps the rest."""
-
-    name = 'topk_test'
-    uses_index_words = False
-
-    def __init__(self, ratio):
-        self.ratio = ratio
-
-    def init_state(self, size, dtype, xp):
-        return base.residual_state(size, dtype, xp, ('r',))
-
-    def compress(self, tensor_id, grad, sqsum, state):
-        r = state['r']
-        r += grad.astype(r.dtype)
-        k = int(r.size * self.ratio)
-        if k == 0:
-            return None
-        index = numpy.sort(numpy.argsort(-numpy.abs(r), kind='stable')[:k])
-        values = r[index].copy()
-        r[index] = 0
-        return codec.raw_group(tensor_id, index, values, r.size)
+from topk_rule import TopK
 
 
 def main():
