@@ -10,6 +10,11 @@ of squares), :mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
 :class:`~chainer_vgc.compressor.GradientCompressor` tying them together.
 """
 
+# ChainerMN (imported by .communicator) loads mpi4py.MPI, which needs an MPI
+# library: without one, fail here with a message that says how to get it
+from chainer_vgc import mpi_support as _mpi_support
+_mpi_support.import_mpi()
+
 from chainer_vgc.codec import WireFormatError  # NOQA
 from chainer_vgc.communicator import create_communicator  # NOQA
 from chainer_vgc.communicator import VGCCommunicator  # NOQA
