@@ -1055,8 +1055,8 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None,
     ring, plus ``dense_wire`` for the dense group's allreduce;
     ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1).
     With a dense group (``n_compressed`` < ``n_params``), also
-    ``vgc/compression_compressed`` (the compressed group alone) and
-    ``vgc/dense_fraction`` (of the parameters).  Keys with '_' feed the run
+    ``vgc/dense_fraction`` (of the parameters) and, when some parameters
+    are compressed, ``vgc/compression_compressed`` (that group alone).  Keys with '_' feed the run
     totals, with ``dense_bytes`` what a dense ring allreduce of the
     gradients in their own dtypes would send per rank, 2 (p - 1) / p *
     ``param_bytes`` (Sec. 5; ``param_bytes`` = sum of size * itemsize,
@@ -1082,9 +1082,10 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None,
         '_dense_bytes': 2 * (p - 1) * param_bytes / p,
     }
     if n_compressed is not None and n_compressed < n_params:
-        figures['vgc/compression_compressed'] = (
-            n_compressed * p / sent if sent else float('inf'))
         figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
+        if n_compressed:  # (none during a warm-up)
+            figures['vgc/compression_compressed'] = (
+                n_compressed * p / sent if sent else float('inf'))
     return figures
 
 

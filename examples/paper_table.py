@@ -5,13 +5,21 @@
 
 Runs no compression, Strom (tau 0.001, 0.01, 0.1), VGC (alpha 1, 1.5, 2),
 hybrid (tau 0.01, 0.1; alpha 2) and QSGD (2 bit d=128, 3 bit d=512, 4 bit
-d=512), with Adam and with momentum SGD, each for ``--seeds`` seeds, with
-the p workers simulated in this process
+d=512), plus VGC alpha 2 with a 0.1-epoch dense warm-up and the biases sent
+uncompressed (not in the paper; the grid trains one epoch, so a longer
+warm-up would leave nothing compressed), with Adam and with momentum SGD, each for
+``--seeds`` seeds, with the p workers simulated in this process
 (:class:`chainer_vgc.simulation.SimulatedWorkers`, shown identical to an
 ``mpiexec -n p`` run of train_mnist.py by tests/test_examples.py).  Writes
 ``OUT/results.csv`` (every run), ``OUT/table.md`` (medians over seeds, in
 the layout of Table 1) and ``OUT/scatter.png`` (accuracy vs compression,
 log x, as the paper's Appendix C).
+
+``--exclude-small N`` (parameters of fewer than N elements uncompressed) and
+``--warmup-epochs E`` (the first E epochs dense) apply to every row; by
+default (0) the rows are the paper's.  A row's own settings (its fourth
+element) take precedence over ``--warmup-epochs``; its exclusions add to
+``--exclude-small``.
 """
 
 import argparse
@@ -28,6 +36,13 @@ from chainer_vgc.extensions import run_summary
 from chainer_vgc.simulation import SimulatedWorkers
 import train_mnist
 
+
+def biases_dense(name, param):
+    """The 1-D parameters (biases, batch normalization): sent
+    uncompressed."""
+    return param.ndim == 1
+
+
 GRID = [
     ('no compression', 'none', {}),
     ('Strom, tau=0.001', 'strom', dict(tau=0.001)),
@@ -36,26 +51,58 @@ GRID = [
     ('our method, alpha=1', 'vgc', dict(alpha=1.0)),
     ('our method, alpha=1.5', 'vgc', dict(alpha=1.5)),
     ('our method, alpha=2.0', 'vgc', dict(alpha=2.0)),
+    # (label, method, hyperparameters, dense group and warm-up settings)
+    ('our method, alpha=2.0, 0.1-epoch warm-up, biases dense', 'vgc',
+     dict(alpha=2.0), dict(warmup_epochs=0.1, exclude=[biases_dense])),
     ('hybrid, tau=0.01, alpha=2.0', 'hybrid', dict(tau=0.01, alpha=2.0)),
     ('hybrid, tau=0.1, alpha=2.0', 'hybrid', dict(tau=0.1, alpha=2.0)),
     ('QSGD (2bit, d=128)', 'qsgd', dict(bits=2, bucket=128)),
     ('QSGD (3bit, d=512)', 'qsgd', dict(bits=3, bucket=512)),
     ('QSGD (4bit, d=512)', 'qsgd', dict(bits=4, bucket=512)),
 ]
-TINY = [GRID[0], GRID[4], GRID[5], GRID[6]]
+TINY = [GRID[0], GRID[4], GRID[5], GRID[6], GRID[7]]
 COLUMNS = ['optimizer', 'label', 'method', 'hyperparameters', 'seed',
            'workers', 'iterations', 'accuracy', 'compression',
            'bytes_per_rank', 'dense_bytes_per_rank', 'seconds']
 
 
-def simulate(method, kw, optimizer, seed, args, train):
+def row_parts(row):
+    """(label, method, hyperparameters, settings) of a GRID row; settings
+    ({} for the paper's rows): ``exclude``, ``min_size``,
+    ``warmup_epochs``."""
+    label, method, kw = row[:3]
+    return label, method, kw, (row[3] if len(row) > 3 else {})
+
+
+def group_settings(args, settings, train, seed):
+    """SimulatedWorkers' ``exclude``, ``min_size`` and ``warmup`` (in
+    exchanges) for a row: its ``settings`` over the global
+    ``--exclude-small`` and ``--warmup-epochs``."""
+    settings = dict(settings or {})
+    unknown = set(settings) - {'exclude', 'min_size', 'warmup_epochs'}
+    if unknown:
+        raise ValueError('unknown row settings {}'.format(sorted(unknown)))
+    epochs = settings.get('warmup_epochs',
+                          getattr(args, 'warmup_epochs', 0.0))
+    return dict(
+        exclude=list(settings.get('exclude', ())) or None,
+        min_size=max(getattr(args, 'exclude_small', 0),
+                     settings.get('min_size', 0)),
+        warmup=train_mnist.epoch_steps(epochs, train, args.workers,
+                                       args.batchsize, seed))
+
+
+def simulate(method, kw, optimizer, seed, args, train, settings=None):
     """Train like ``mpiexec -n workers train_mnist.py`` would, in this
-    process; returns (model, SimulatedWorkers, iterations)."""
+    process; returns (model, SimulatedWorkers, iterations).  ``settings``:
+    a row's dense group and warm-up (see :func:`group_settings`)."""
     model = train_mnist.make_model(args.unit, seed)
     opt, wd = train_mnist.make_optimizer(optimizer, args.lr,
                                          args.weight_decay)
     train_mnist.setup_optimizer(opt, wd, model)
-    sim = SimulatedWorkers(model, opt, args.workers, method, **kw)
+    sim = SimulatedWorkers(model, opt, args.workers, method,
+                           **group_settings(args, settings, train, seed),
+                           **kw)
     iters = [datasets.iterator(
         datasets.shard(train, w, args.workers, seed), args.batchsize, w, seed)
         for w in range(args.workers)]
@@ -70,11 +117,12 @@ def simulate(method, kw, optimizer, seed, args, train):
     return model, sim, n_iter
 
 
-def run(method, kw, optimizer, seed, args, train, test):
+def run(method, kw, optimizer, seed, args, train, test, settings=None):
     """One simulated training run; returns a CSV row (dict)."""
     t0 = time.time()
     kw = dict(kw, seed=seed) if method == 'qsgd' else dict(kw)
-    model, sim, n_iter = simulate(method, kw, optimizer, seed, args, train)
+    model, sim, n_iter = simulate(method, kw, optimizer, seed, args, train,
+                                  settings)
     summary = run_summary(sim.totals, sim.compressor, args.workers)
     return dict(
         optimizer=optimizer, method=method, seed=seed,
@@ -120,7 +168,8 @@ def write_table(rows, grid, optimizers, path, setting):
                  '{0} Accuracy | {0} Compression'.format(o.capitalize())
                  for o in optimizers) + ' |',
              '|---|' + '---:|---:|' * len(optimizers)]
-    for label, _, _ in grid:
+    for row in grid:
+        label = row[0]
         cells = []
         for o in optimizers:
             acc, comp = med.get((o, label), (float('nan'), float('nan')))
@@ -131,7 +180,9 @@ def write_table(rows, grid, optimizers, path, setting):
     return '\n'.join(lines)
 
 
-def write_plot(rows, optimizers, path):
+def write_plot(rows, optimizers, path, variants=()):
+    """Accuracy vs compression per optimizer; the rows labelled in
+    ``variants`` (with a dense group or warm-up) in hollow markers."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -144,12 +195,20 @@ def write_plot(rows, optimizers, path):
               'qsgd': ('tab:orange', 'v', 'QSGD')}
     for ax, o in zip(axes[0], optimizers):
         for method, (color, marker, name) in styles.items():
-            pts = [(float(r['compression']), 100 * float(r['accuracy']))
-                   for r in rows if r['optimizer'] == o and
-                   r['method'] == method]
-            if pts:
+            for variant in (False, True):
+                pts = [(float(r['compression']), 100 * float(r['accuracy']))
+                       for r in rows if r['optimizer'] == o and
+                       r['method'] == method and
+                       (r['label'] in variants) == variant]
+                if not pts:
+                    continue
                 xs, ys = zip(*pts)
-                ax.scatter(xs, ys, c=color, marker=marker, label=name)
+                if variant:
+                    ax.scatter(xs, ys, marker=marker, facecolors='none',
+                               edgecolors=color,
+                               label=name + ', warm-up / dense group')
+                else:
+                    ax.scatter(xs, ys, c=color, marker=marker, label=name)
         ax.set_xscale('log')
         ax.set_xlabel('compression ratio (log)')
         ax.set_ylabel('test accuracy (%)')
@@ -175,6 +234,12 @@ def main():
     p.add_argument('--seeds', type=int, default=1)
     p.add_argument('--optimizers', default='adam,momentum')
     p.add_argument('--grid', choices=('full', 'tiny'), default='full')
+    p.add_argument('--exclude-small', type=train_mnist._count, default=0,
+                   metavar='N', help='every row: parameters of fewer than N '
+                   'elements uncompressed (0: none)')
+    p.add_argument('--warmup-epochs', type=train_mnist._epochs, default=0.0,
+                   metavar='E', help='every row (unless it sets its own): '
+                   'the first E epochs dense (0: none)')
     p.add_argument('--out', default='result/paper_table')
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -182,30 +247,37 @@ def main():
     optimizers = args.optimizers.split(',')
     train, test = datasets.get_mnist()
     rows = []
+    width = max(30, max(len(row[0]) for row in grid))
     path = os.path.join(args.out, 'results.csv')
     with open(path, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for o in optimizers:
-            for label, method, kw in grid:
+            for label, method, kw, settings in map(row_parts, grid):
                 for seed in range(args.seeds):
-                    row = dict(run(method, kw, o, seed, args, train, test),
-                               label=label)
+                    row = dict(run(method, kw, o, seed, args, train, test,
+                                   settings), label=label)
                     writer.writerow(row)
                     f.flush()
                     rows.append(row)
-                    print('{:<9} {:<30} seed {} acc {:.4f} compression '
+                    print('{:<9} {:<{}} seed {} acc {:.4f} compression '
                           '{:>10,.1f} ({}s)'.format(
-                              o, label, seed, row['accuracy'],
+                              o, label, width, seed, row['accuracy'],
                               row['compression'], row['seconds']),
                           flush=True)
     setting = ('MNIST MLP 784-{0}-{0}-10, {1} simulated workers x batch '
                '{2}, {3} iterations, median of {4} seed(s)'.format(
                    args.unit, args.workers, args.batchsize,
                    rows[0]['iterations'], args.seeds))
+    if args.exclude_small:
+        setting += ', parameters under {} elements uncompressed'.format(
+            args.exclude_small)
+    if args.warmup_epochs:
+        setting += ', {:g}-epoch dense warm-up'.format(args.warmup_epochs)
     print(write_table(rows, grid, optimizers,
                       os.path.join(args.out, 'table.md'), setting))
-    write_plot(rows, optimizers, os.path.join(args.out, 'scatter.png'))
+    write_plot(rows, optimizers, os.path.join(args.out, 'scatter.png'),
+               {row_parts(r)[0] for r in grid if row_parts(r)[3]})
 
 
 if __name__ == '__main__':

@@ -10,7 +10,11 @@ CIFAR-10 is downloaded by Chainer (needs the network); ``--synthetic``
 generates CIFAR-shaped data for offline smoke runs.  Defaults follow Sec.
 6.1: weight decay 5e-4 (both optimizers), 300 epochs, batch 64 per worker;
 with ``--optimizer momentum`` the learning rate is 0.05 times the number of
-workers, halved every 25 epochs.
+workers, halved every 25 epochs.  The dense group and warm-up flags
+(``--exclude``, ``--exclude-small``, ``--warmup``, ``--warmup-epochs``,
+``--alpha-ramp``, ``--dense-dtype``, ``--uncovered``) are train_mnist.py's,
+e.g. ``--exclude-small 1000`` sends the biases and batch normalization
+parameters uncompressed.
 """
 
 import argparse
@@ -50,7 +54,6 @@ def main():
                    help='generated CIFAR-shaped data (offline)')
     args = p.parse_args()
 
-    comm, device = start(args)
     if args.synthetic:
         train, test = datasets.synthetic_cifar(seed=args.seed)
     else:
@@ -59,6 +62,7 @@ def main():
         except Exception as e:
             raise SystemExit('CIFAR-10 could not be downloaded ({}); use '
                              '--synthetic for an offline run'.format(e))
+    comm, device = start(args, train)
     numpy.random.seed(args.seed)
     model = L.Classifier(VGG(10, width=args.width))
     model(numpy.zeros((1, 3, 32, 32), numpy.float32),

@@ -46,6 +46,58 @@ def test_train_mnist_smoke(tmp_path):
     assert 'traffic saved' in proc.stdout
 
 
+def test_train_mnist_dense_group_and_warmup(tmp_path):
+    """--exclude-small, --warmup and --dense-dtype reach the communicator:
+    the biases (< 100 elements) go dense in float16, the first 3 exchanges
+    are dense for every parameter, and the compression over all parameters
+    is below the compressed group's."""
+    out = str(tmp_path)
+    proc = example(2, 'train_mnist.py', '--iterations', 10, '--unit', 32,
+                   '--batchsize', 16, '--exclude-small', 100, '--warmup', 3,
+                   '--dense-dtype', 'float16', '--out', out,
+                   expect='| compressed group: compression')
+    n_params = 784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+    n_dense = 32 + 32 + 10  # the biases
+    log = json.load(open(os.path.join(out, 'log')))
+    # reports every 2 iterations; iteration 1 broadcasts, iterations 2-4
+    # are the warm-up's 3 dense exchanges
+    assert [e['iteration'] for e in log] == [2, 4, 6, 8, 10]
+    for e in log[:2]:
+        assert e['vgc/compression'] == 1.0 and e['vgc/dense_fraction'] == 1.0
+    for e in log[2:]:
+        assert e['vgc/dense_fraction'] == pytest.approx(n_dense / n_params)
+        assert 0 < e['vgc/dense_fraction'] < 1
+        assert numpy.isfinite(e['vgc/compression_compressed'])
+        assert 1 < e['vgc/compression'] < e['vgc/compression_compressed']
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['controls'] == dict(min_size=100, warmup=3,
+                                       dense_dtype='float16')
+    assert summary['parameters'] == n_params
+    assert summary['compressed_parameters'] == n_params - n_dense
+    assert summary['exchanges'] == 9
+    assert summary['compressed_exchanges'] == 6
+    assert 1 < summary['compression'] < summary['compression_compressed']
+    assert 'min_size=100, warmup=3, dense_dtype=float16' in proc.stdout
+    assert 'the 6 of 9 exchanges after the warm-up' in proc.stdout
+
+
+def test_warmup_epochs_flag_conflicts_and_conversion():
+    import subprocess
+    script = os.path.join(EXAMPLES, 'train_mnist.py')
+    proc = subprocess.run(
+        [sys.executable, script, '--warmup', '2', '--warmup-epochs', '1'],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert 'not allowed with argument' in proc.stderr
+    import train_mnist
+    train, _ = datasets.get_mnist()
+    # 50,000 images: shards of 25,000 (2 ranks), 16,667 (3 ranks)
+    assert train_mnist.epoch_steps(1, train, 2, 32) == 782  # 781.25
+    assert train_mnist.epoch_steps(0.5, train, 2, 50) == 250
+    assert train_mnist.epoch_steps(1, train, 3, 1) == 16667
+    assert train_mnist.epoch_steps(0, train, 2, 32) == 0
+
+
 def test_resume_with_other_ranks_or_method_fails_on_every_rank(tmp_path):
     """Snapshots of a 2-rank vgc run: resuming on 3 ranks fails on every
     rank with a message (no FileNotFoundError on some, no hang); resuming
@@ -80,15 +132,23 @@ def test_train_cifar_synthetic_smoke(tmp_path):
     assert os.path.isfile(os.path.join(out, 'compression.png'))
 
 
-@pytest.mark.parametrize('method,flags,kw', [
-    ('vgc', ['--alpha', '1.0'], dict(alpha=1.0, zeta=0.999, quantize=True)),
-    ('none', [], {}),
+@pytest.mark.parametrize('method,flags,kw,group', [
+    ('vgc', ['--alpha', '1.0'], dict(alpha=1.0, zeta=0.999, quantize=True),
+     {}),
+    ('none', [], {}, {}),
     ('qsgd', ['--bits', '3', '--bucket', '64'],
-     dict(bits=3, bucket=64, seed=0)),
+     dict(bits=3, bucket=64, seed=0), {}),
+    # 0.001 epoch of a 25,000-image shard in batches of 8: 4 dense
+    # exchanges of the 7, then the biases dense
+    ('vgc', ['--alpha', '2.0', '--exclude-small', '100', '--warmup-epochs',
+             '0.001'], dict(alpha=2.0, zeta=0.999, quantize=True),
+     dict(exclude_small=100, warmup_epochs=0.001)),
 ])
-def test_simulation_matches_mpiexec_bit_for_bit(tmp_path, method, flags, kw):
+def test_simulation_matches_mpiexec_bit_for_bit(tmp_path, method, flags, kw,
+                                                group):
     """The harness's one-process mode gives the parameters of a real
-    ``mpiexec -n 2`` run of train_mnist.py."""
+    ``mpiexec -n 2`` run of train_mnist.py (with a dense group and a
+    warm-up in epochs too)."""
     out = str(tmp_path)
     example(2, 'train_mnist.py', '--method', method, *flags,
             '--iterations', 8, '--unit', 24, '--batchsize', 8,
@@ -96,7 +156,8 @@ def test_simulation_matches_mpiexec_bit_for_bit(tmp_path, method, flags, kw):
             expect='| test accuracy |')
     real = numpy.load(os.path.join(out, 'params.npz'))
     args = argparse.Namespace(unit=24, lr=0.05, weight_decay=0.0,
-                              workers=2, batchsize=8, iterations=8, epoch=0)
+                              workers=2, batchsize=8, iterations=8, epoch=0,
+                              **group)
     train, _ = datasets.get_mnist()
     model, sim, _ = paper_table.simulate(method, kw, 'momentum', 0, args,
                                          train)
@@ -105,6 +166,47 @@ def test_simulation_matches_mpiexec_bit_for_bit(tmp_path, method, flags, kw):
     for name in real.files:
         assert (params[name].array == real[name]).all(), name
     assert sim.totals['steps'] == 7  # the first iteration broadcasts
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['compression'] == pytest.approx(
+        paper_table.run_summary(sim.totals, sim.compressor,
+                                2)['vgc/total_compression'])
+    if group:
+        assert sim.warmup == 4 and summary['controls']['warmup'] == 4
+        assert summary['compressed_exchanges'] == 3
+        assert 0 < sim.last['vgc/dense_fraction'] < 1
+
+
+def test_paper_harness_row_settings():
+    """The extra row: warm-up converted from epochs to exchanges, the 1-D
+    parameters dense afterwards; the global flags add to a row's."""
+    label, method, kw, settings = paper_table.row_parts(paper_table.GRID[7])
+    assert method == 'vgc' and kw == dict(alpha=2.0)
+    assert 'warm-up' in label and 'biases dense' in label
+    assert settings['warmup_epochs'] == 0.1
+    assert all(paper_table.row_parts(r)[3] == {}
+               for r in paper_table.GRID if r is not paper_table.GRID[7])
+    train, _ = datasets.get_mnist()
+    args = argparse.Namespace(unit=16, lr=0.05, weight_decay=0.0, workers=2,
+                              batchsize=25000, iterations=6, epoch=0,
+                              exclude_small=0, warmup_epochs=0.0)
+    # batches of a whole shard: 0.1 epoch rounds up to 1 exchange
+    model, sim, _ = paper_table.simulate(method, kw, 'adam', 0, args,
+                                         train, settings)
+    assert sim.warmup == 1 and sim.totals['steps'] == 5
+    biases = sum(p.size for p in model.params() if p.ndim == 1)
+    n = sum(p.size for p in model.params())
+    assert sim.last['vgc/dense_fraction'] == pytest.approx(biases / n)
+    assert (sim.last['vgc/compression'] <
+            sim.last['vgc/compression_compressed'])
+    got = paper_table.group_settings(
+        argparse.Namespace(exclude_small=300, warmup_epochs=2.0, workers=2,
+                           batchsize=25000), settings, train, 0)
+    assert got['min_size'] == 300 and got['warmup'] == 1
+    assert got['exclude'] == [paper_table.biases_dense]
+    got = paper_table.group_settings(
+        argparse.Namespace(exclude_small=0, warmup_epochs=2.0, workers=2,
+                           batchsize=25000), {}, train, 0)
+    assert got == dict(exclude=None, min_size=0, warmup=2)
 
 
 def test_paper_harness_tiny_grid(tmp_path):
@@ -120,9 +222,17 @@ def test_paper_harness_tiny_grid(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == paper_table.COLUMNS
     assert [r['label'] for r in rows] == [g[0] for g in paper_table.TINY]
-    vgc = [float(r['compression']) for r in rows if r['method'] == 'vgc']
+    vgc = [float(r['compression']) for r in rows if r['method'] == 'vgc'
+           and 'warm-up' not in r['label']]
     assert vgc == sorted(vgc) and len(set(vgc)) == 3  # alpha 1 < 1.5 < 2
     assert float(rows[0]['compression']) == 1.0
+    # the 0.1-epoch warm-up (79 exchanges) covers all 39: every parameter
+    # dense, the run of no compression
+    warm = rows[-1]
+    assert 'warm-up' in warm['label'] and warm['method'] == 'vgc'
+    assert float(warm['compression']) == 1.0
+    assert warm['accuracy'] == rows[0]['accuracy']
+    assert warm['hyperparameters'] == 'alpha=2.0'
     for r in rows:
         assert 0 <= float(r['accuracy']) <= 1
     table = open(os.path.join(out, 'table.md')).read()
