@@ -55,7 +55,8 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             group, with one warning listing them).
         exclude: parameters sent uncompressed, in the dense group: names
             (as in ``model.namedparams()``) and/or predicates
-            ``f(name, param) -> bool``.
+            ``f(name, param) -> bool`` (of the name, shape and dtype only:
+            the group must be the same on every rank).
         min_size: parameters of fewer elements go to the dense group too
             (biases, batch normalization); 0: none.
         warmup: exchanges (steps) with every parameter dense before
@@ -147,8 +148,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def needs_sqsum(self):
         """Whether this step needs the per-sample statistics (not during
         the warm-up, nor for a rule that does not use them)."""
+        everything_dense = (self._names is not None
+                            and len(self._dense) == len(self._names))
         return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
-                and not self.warming_up)
+                and not self.warming_up and not everything_dense)
 
     @property
     def warming_up(self):
@@ -191,7 +194,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                      [(n, tuple(p.shape), str(p.dtype))
                       for n, p in zip(names, params)],
                      (sorted(dense), self.warmup, self.alpha_ramp,
-                      str(self.dense_dtype)))
+                      str(self.dense_dtype), self.uncovered))
         everyone = self.mpi_comm.allgather(signature)
         diffs = [r for r, sig in enumerate(everyone) if sig != everyone[0]]
         if diffs:
@@ -203,8 +206,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'and communicator'.format(diffs, label, mine, diffs[0],
                                           theirs))
         if self.dense_dtype == numpy.float16:
+            # (during a warm-up every parameter is in the dense group)
             wide = [n for n, p in zip(names, params)
-                    if n in dense and p.dtype == numpy.float64]
+                    if (n in dense or self.warmup)
+                    and p.dtype == numpy.float64]
             if wide:
                 raise ValueError(
                     "dense_dtype='float16' would round the float64 "
@@ -346,12 +351,23 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         frac = min(1.0, done / steps) if steps else 1.0
         self.rule.alpha = alpha0 + (self.base_rule.alpha - alpha0) * frac
 
+    def sync_run(self):
+        """Rank 0's run totals to every rank: when only some ranks resumed
+        from a snapshot (the optimizer then broadcasts the parameters), the
+        warm-up and alpha ramp must count the same steps everywhere."""
+        self.totals = self.mpi_comm.bcast(self.totals, root=0)
+
     def _note_uncovered(self):
         """With ``uncovered='dense'``: parameters the last backward could
         not cover join the dense group (one warning listing them)."""
+        if self.uncovered != 'dense':
+            return
         stats = self._stats
-        new = set(getattr(stats, 'uncovered_names', ()) or ()) - \
-            self._uncovered_dense
+        mine = sorted(set(getattr(stats, 'uncovered_names', ()) or ()) -
+                      self._uncovered_dense)
+        # every rank's (a branch may run on some ranks only): the dense
+        # group must be the same everywhere before any exchange
+        new = set().union(*self.mpi_comm.allgather(mine))
         if not new:
             return
         self._uncovered_dense |= new
@@ -492,7 +508,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         if meta is not None:
             fresh = self._check_meta(meta, model)
         if not fresh:
-            self._serialize_run(serializer)
+            self._serialize_run(serializer, meta)
         loaded = {}
         if meta is None:
             names, _ = model_params(model)
@@ -557,14 +573,19 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                         'resume_other_method=True))'))
         return False
 
-    def _serialize_run(self, serializer):
-        """Run totals and the rule's own state (QSGD's generator)."""
+    def _serialize_run(self, serializer, meta=None):
+        """Run totals and the rule's own state (QSGD's generator).
+        ``meta``: the record of a snapshot being loaded."""
         for key in sorted(self.totals):
             try:
                 self.totals[key] = float(serializer('totals/' + key,
                                                     float(self.totals[key])))
             except KeyError:  # a snapshot from before this total existed
-                pass
+                if key == 'param_elements' and meta is not None:
+                    # every step exchanged the recorded model
+                    self.totals[key] = self.totals['steps'] * sum(
+                        int(numpy.prod(shape)) for _, shape, _ in
+                        meta['model'])
         extra = self.rule.get_extra_state()
         for key in sorted(extra):
             try:
@@ -700,9 +721,11 @@ def _check_dense_dtype(dtype):
 
 
 def _record(params):
-    """Hyperparameters as a sorted list of [name, plain value] pairs."""
-    return sorted([k, _plain(v) if isinstance(v, numpy.generic) else v]
-                  for k, v in params.items())
+    """Hyperparameters as a sorted list of [name, value] pairs, as JSON
+    gives them back (tuples become lists, NumPy values plain), so that a
+    record compares equal to itself after a snapshot."""
+    return json.loads(json.dumps(sorted([k, v] for k, v in params.items()),
+                                 default=_plain))
 
 
 def allreduce_mean_float16(mpi_comm, params):
@@ -755,10 +778,11 @@ def _model_record(model):
 
 
 def _plain(value):
-    """JSON for NumPy scalars among the hyperparameters."""
-    if isinstance(value, numpy.generic):
-        return value.item()
-    raise TypeError('not JSON serializable: {!r}'.format(value))
+    """JSON for NumPy values among the hyperparameters (anything else that
+    JSON cannot hold: its repr)."""
+    if isinstance(value, (numpy.generic, numpy.ndarray)):
+        return value.tolist()
+    return repr(value)
 
 
 def _state_key(name, key):
@@ -1118,14 +1142,14 @@ def _first_difference(a, b):
     for label, x, y in zip(labels, a[:2], b[:2]):
         if x != y:
             return label, x, y
-    if a[3:] != b[3:]:
-        return ('the dense group, warmup, alpha_ramp and dense_dtype', a[3],
-                b[3])
     pa, pb = a[2], b[2]
     for x, y in zip(pa, pb):
         if x != y:
             return 'a parameter', x, y
-    return 'the number of parameters', len(pa), len(pb)
+    if len(pa) != len(pb):
+        return 'the number of parameters', len(pa), len(pb)
+    return ('the dense group, warmup, alpha_ramp, dense_dtype and '
+            'uncovered', a[3], b[3])
 
 
 def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',

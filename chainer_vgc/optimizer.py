@@ -40,6 +40,8 @@ class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
             resumed = int(bool(self.__dict__.get('_resumed')))
             if comm.mpi_comm.allreduce(resumed, op=_mpi_min()):
                 self.is_changed(target)  # record: no broadcast now
+            elif hasattr(comm, 'sync_run'):
+                comm.sync_run()  # the same step counts (warm-up) everywhere
         if self.is_changed(target):
             self.communicator.bcast_data(target)
             if hasattr(comm, 'set_sqsums'):

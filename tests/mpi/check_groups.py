@@ -159,6 +159,35 @@ def check_uncovered_dense():
         raise AssertionError('uncovered parameter accepted')
 
 
+class RankBranch(chainer.Link):
+    """M is used (through F.matmul, uncovered) on rank 1 only."""
+
+    def __init__(self, n):
+        super(RankBranch, self).__init__()
+        with self.init_scope():
+            self.M = chainer.Parameter(
+                numpy.random.normal(0, 0.3, (n, n)).astype(numpy.float32))
+
+    def forward(self, x):
+        return x + F.matmul(x, self.M) if world.rank == 1 else x
+
+
+def check_uncovered_on_some_ranks():
+    """A parameter only some ranks find uncovered: every rank moves it to
+    the dense group (no mismatched collectives)."""
+    numpy.random.seed(0)
+    model = L.Classifier(chainer.Sequential(
+        L.Linear(6, 32), F.relu, RankBranch(32), L.Linear(32, 3)))
+    model(numpy.zeros((1, 6), numpy.float32), numpy.zeros(1, numpy.int32))
+    comm = chainer_vgc.create_communicator('vgc', alpha=1.0,
+                                           uncovered='dense')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        train(comm, model, 4)
+    dense = comm.dense_group(model)
+    assert any(n.endswith('/M') for n in dense), dense
+
+
 def check_warmup():
     """warmup=K: the first K updates equal 'none' exactly; then the
     residuals start empty and compression is reported."""
@@ -223,6 +252,20 @@ def check_bad_input():
     refused(TypeError, ['method', 'compress'],
             method=type('Broken', (CompressionRule,), {'name': 'broken'})())
     refused(TypeError, ['method'], method=object())
+    # a float16 warm-up (every parameter dense) of a float64 model
+    try:
+        comm = chainer_vgc.create_communicator('vgc', warmup=2,
+                                               dense_dtype='float16')
+        with chainer.using_config('dtype', numpy.float64):
+            numpy.random.seed(0)
+            model = L.Classifier(L.Linear(6, 3))
+            x, t = data(0)
+            model(x.astype(numpy.float64), t).backward()
+        comm.multi_node_mean_grad(model, True)
+    except ValueError as e:
+        assert 'dense_dtype' in str(e) and 'float64' in str(e), e
+    else:
+        raise AssertionError('float16 warm-up of float64 accepted')
     # float16 dense group with a float64 parameter
     try:
         comm = chainer_vgc.create_communicator('none', dense_dtype='float16')
@@ -242,6 +285,7 @@ def main():
     check_plugin_rule()
     check_dense_group_equals_naive()
     check_uncovered_dense()
+    check_uncovered_on_some_ranks()
     check_warmup()
     check_float16_dense()
     check_bad_input()

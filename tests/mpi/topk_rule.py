@@ -14,8 +14,9 @@ class TopK(CompressionRule):
     name = 'topk_test'
     uses_index_words = False
 
-    def __init__(self, ratio=0.1):
+    def __init__(self, ratio=0.1, kinds=('W', 'b')):
         self.ratio = ratio
+        self.kinds = kinds  # a tuple: recorded in snapshots as a list
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r',))
