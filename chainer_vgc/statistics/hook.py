@@ -1,0 +1,253 @@
+"""The hook: how are the per-sample sums of squares gathered during one
+ordinary backward pass (paper Sec. 4.1, Fig. "Basic"; Sec. 5)?
+
+:class:`PerSampleSquares` is a Chainer ``FunctionHook``.  Before the
+backward pass it finds the function nodes that consume each parameter and
+checks their rows (:mod:`~chainer_vgc.statistics.graph`); during it, it
+looks at each such node, with the node's input data x and output gradient
+gy, and hands them to the node's handler
+(:mod:`~chainer_vgc.statistics.handlers`).  The state of one backward pass
+is one :class:`_Pass`.
+
+A parameter used by several function nodes (shared weights, RNN-style
+reuse) has its per-example contributions of all uses added *before*
+squaring; those uses are kept until the backward pass ends and then
+combined chunk by chunk.
+
+A parameter consumed by any other function gets no silent wrong answer:
+``uncovered='error'`` (default) raises :class:`UncoveredParameterError`
+listing them before the backward pass; ``uncovered='dense'`` leaves their
+sums None and lists them in ``uncovered_names`` (the communicator then sends
+them uncompressed); ``uncovered='bruteforce'`` computes them exactly by one
+backward pass per example (:mod:`~chainer_vgc.statistics.bruteforce`; slow;
+needs ``loss_fn`` and ``batch``).
+
+Memory: each per-example intermediate stays under ``max_memory`` bytes
+(default :data:`DEFAULT_MAX_MEMORY`, 64 MiB; on the 2-core benchmark machine
+64 MiB chunks were faster than 256 MiB ones and stayed under the training
+step's own peak).
+
+Results are in the residual state dtype (float32 for float16 parameters) on
+the parameter's device; a parameter that gets no gradient gives None.
+"""
+
+import chainer
+from chainer import backend as chainer_backend
+
+from chainer_vgc import backend
+from chainer_vgc.params import model_params
+from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
+from chainer_vgc.statistics.graph import _array_ids
+from chainer_vgc.statistics.graph import _check_rows
+from chainer_vgc.statistics.graph import _scan
+from chainer_vgc.statistics.handlers import _combined_sqsum
+from chainer_vgc.statistics.handlers import _supported
+from chainer_vgc.statistics.handlers import _uses_of
+
+#: default bound of each per-example intermediate (bytes)
+DEFAULT_MAX_MEMORY = 64 * 2 ** 20
+
+
+class UncoveredParameterError(ValueError):
+    """Parameters consumed by functions PerSampleSquares cannot handle."""
+
+
+class _Pass(object):
+    """The state of one :meth:`PerSampleSquares.backward`, read by the hook
+    during ``loss.backward``.
+
+    ``uses``: {parameter index: [(fn, k)]} the hook handles (not brute
+    force, not dense); ``b``: the number of examples; ``single``: the
+    indices with one use (squared as soon as it is seen); ``by_fn``:
+    {id(fn): [(index, k)]}; ``pending``: {index: [(use, group)]} the uses
+    of shared parameters, combined when the backward pass is over;
+    ``results``: {index: sum of squares}.
+    """
+
+    def __init__(self, uses, b):
+        self.uses = uses
+        self.b = b
+        self.single = {i for i, us in uses.items() if len(us) == 1}
+        self.by_fn = {}
+        for i, us in uses.items():
+            for fn, k in us:
+                self.by_fn.setdefault(id(fn), []).append((i, k))
+        self.pending = {}
+        self.results = {}
+
+
+class PerSampleSquares(chainer.FunctionHook):
+    """Per-sample sums of squared gradients of a link's parameters.
+
+    Args:
+        target: a :class:`chainer.Link` (all its parameters, in
+            :func:`model_params` order) or a list of ``(name, param)``.
+        max_memory: bound in bytes of each per-example intermediate.
+        uncovered: ``'error'``, ``'dense'`` or ``'bruteforce'`` (see the
+            module doc).
+        batch_size: number of examples B; else ``len(batch[0])`` of the
+            ``batch`` given to :meth:`backward` (one of the two is needed).
+
+    Use :meth:`backward` instead of ``loss.backward()``; it returns the
+    list of sums (aligned with :attr:`names`) and leaves the usual
+    gradients in ``param.grad``.
+    """
+
+    name = 'PerSampleSquares'
+
+    def __init__(self, target, max_memory=DEFAULT_MAX_MEMORY,
+                 uncovered='error', batch_size=None):
+        if isinstance(target, chainer.Link):
+            self.names, self.params = model_params(target)
+        else:
+            pairs = list(target)
+            self.names = [n for n, _ in pairs]
+            self.params = [p for _, p in pairs]
+        if uncovered not in ('error', 'bruteforce', 'dense'):
+            raise ValueError("uncovered must be 'error', 'bruteforce' or "
+                             "'dense', got {!r}".format(uncovered))
+        if not max_memory > 0:
+            raise ValueError('max_memory must be a positive number of bytes, '
+                             'got {!r}'.format(max_memory))
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError('batch_size must be >= 1, got {!r}'.format(
+                batch_size))
+        self.max_memory = max_memory
+        self.uncovered = uncovered
+        self.batch_size = batch_size
+        self.sqsums = [None] * len(self.params)
+        #: names of parameters to leave out (no sum is computed: None)
+        self.skip = set()
+        #: with uncovered='dense': the parameters the last backward could
+        #: not cover (their sums are None)
+        self.uncovered_names = []
+        #: the uses the hook handled in the last backward ({index: [(fn,
+        #: k)]}; brute-forced and dense parameters are not in it)
+        self._uses = {}
+        #: the current backward pass (a _Pass), None outside backward
+        self._pass = None
+
+    def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
+        """Run ``loss.backward(**backward_kwargs)`` and compute the sums.
+
+        ``batch``: the minibatch arrays (first axis = examples); gives B and
+        lets the rows each function sees be traced to examples.
+        ``loss_fn`` is needed only for ``uncovered='bruteforce'``:
+        ``loss_fn(*batch)`` must compute ``loss``, and the uncovered
+        parameters' sums are then formed from one pass of ``loss_fn`` per
+        example (``loss_fn`` applied to that example alone, v_z), before
+        ``loss.backward``.
+
+        Brute force assumes the loss is linear in per-example terms:
+        ``loss = c * sum_z v_z`` with one constant c (c = 1/B for a mean,
+        1 for a sum, times any loss scale the loss was multiplied by; a
+        ``loss_scale`` passed here multiplies it as it does the gradients).
+        The contribution of example z is then ``c * grad v_z``.  c is
+        inferred from the batch loss and the batch gradient of the
+        uncovered parameters (one extra ``chainer.grad`` pass) and both are
+        checked against the per-example sums up to rounding; a loss that
+        is not of this form (per-example weights, a nonlinear function of a
+        batch mean, a ``loss_fn`` that does not reproduce ``loss``) raises
+        ValueError.  So do graphs the per-example passes cannot reproduce:
+        batch normalization in training mode, and active dropout or other
+        random noise (``chainer.functions.noise``).  Whatever ``loss_fn``
+        reports during these passes is discarded: the current reporter
+        keeps only what the real pass reported.
+        """
+        functions, uses = _scan(loss, self.params)
+        uses = {i: us for i, us in uses.items()
+                if self.names[i] not in self.skip}
+        b = self._batch_size(batch)
+        batch_ids = _array_ids(batch)
+        uncovered = sorted(i for i, us in uses.items()
+                           if not all(_supported(fn, k) for fn, k in us))
+        brute = {}
+        self.uncovered_names = []
+        if uncovered and self.uncovered == 'dense':
+            # the caller sends them densely: no sums
+            self.uncovered_names = [self.names[i] for i in uncovered]
+            uses = {i: us for i, us in uses.items() if i not in uncovered}
+        elif uncovered:
+            brute = self._bruteforce(uncovered, uses, functions, loss_fn,
+                                     batch, loss,
+                                     backward_kwargs.get('loss_scale'))
+        self._uses = {i: us for i, us in uses.items() if i not in brute}
+        for i, us in self._uses.items():
+            for fn, _ in us:
+                _check_rows(fn, self.names[i], b, batch_ids)
+        current = _Pass(self._uses, b)
+        self.sqsums = [None] * len(self.params)
+        try:
+            self._pass = current
+            with self:
+                loss.backward(**backward_kwargs)
+            for i, use_list in current.pending.items():
+                current.results[i] = _combined_sqsum(use_list, b,
+                                                     self.max_memory)
+        finally:
+            self._pass = None
+        for i, p in enumerate(self.params):
+            if i in brute:
+                self.sqsums[i] = brute[i]
+            elif i in current.results:
+                self.sqsums[i] = current.results[i]
+            elif p.grad is not None and i in uses:
+                # reached, but no gradient flowed through any use
+                self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
+                    p.dtype))
+        return self.sqsums
+
+    def __enter__(self):
+        if getattr(self, '_pass', None) is None:
+            raise TypeError('use PerSampleSquares.backward(loss, batch=...) '
+                            'instead of registering the hook with "with"')
+        return super(PerSampleSquares, self).__enter__()
+
+    def _bruteforce(self, uncovered, uses, functions, loss_fn, batch, loss,
+                    loss_scale):
+        """{index: sum} of the uncovered parameters, or the error their
+        ``uncovered`` mode asks for."""
+        listing = ', '.join('{} (used by {})'.format(
+            self.names[i], ', '.join(sorted({type(fn).__name__
+                                             for fn, _ in uses[i]})))
+            for i in uncovered)
+        if self.uncovered == 'error':
+            raise UncoveredParameterError(
+                'per-sample statistics are not implemented for: {}. Use '
+                "uncovered='dense' (send them uncompressed, with a dense "
+                "allreduce), uncovered='bruteforce' (exact, one backward "
+                'pass per example) or exclude these parameters'.format(
+                    listing))
+        sums = _uncovered_sqsums([self.params[i] for i in uncovered],
+                                 listing, functions, loss_fn, batch, loss,
+                                 loss_scale)
+        return dict(zip(uncovered, sums))
+
+    def _batch_size(self, batch):
+        if self.batch_size is not None:
+            return int(self.batch_size)
+        if len(batch):
+            return len(batch[0])
+        raise ValueError(
+            'PerSampleSquares needs the number of examples: pass batch=(x, '
+            '...) to backward() or batch_size= to the constructor (guessing '
+            'it from the graph can merge examples silently)')
+
+    # -- hook --
+    def backward_postprocess(self, function, in_data, out_grad):
+        current = self._pass
+        if current is None:
+            return
+        entries = current.by_fn.get(id(function))
+        if not entries or out_grad[0] is None:
+            return
+        gy = out_grad[0]
+        xp = chainer_backend.get_array_module(gy)
+        for i, k in entries:
+            dtype = backend.state_dtype(self.params[i].dtype)
+            use = _uses_of(function, k, in_data, gy, dtype, xp)
+            group = use.rows // current.b  # a multiple: see _check_rows
+            if i in current.single:  # done now: nothing is kept
+                current.results[i] = use.sqsum(group, self.max_memory)
+            else:  # shared: combined per example when backward is over
+                current.pending.setdefault(i, []).append((use, group))
