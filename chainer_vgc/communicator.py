@@ -1,18 +1,23 @@
 """ChainerMN glue: a communicator that averages compressed gradients.
 
-``multi_node_mean_grad`` runs the data flow of one step on every rank:
-gradients (+ per-sample statistics) -> rule -> codec -> one uint32 message
--> allgatherv (paper Sec. 4.3: each worker sends its elements to every other
-worker, nothing is re-compressed) -> decode every rank's message -> sum
-(indices may overlap) -> multiply by 1/size (as ChainerMN's naive
-communicator does) -> ``param.grad``.
+The question this module answers: how does a ChainerMN job run one step of
+compressed data parallelism over MPI, and how is that run saved and
+resumed?  ``multi_node_mean_grad`` runs the data flow of one step on every
+rank: gradients (+ per-sample statistics) -> rule -> codec -> one uint32
+message -> allgatherv (:mod:`chainer_vgc.transport`; paper Sec. 4.3: each
+worker sends its elements to every other worker, nothing is re-compressed)
+-> decode every rank's message, sum in rank order, multiply by 1/size (as
+ChainerMN's naive communicator does) -> ``param.grad``
+(:mod:`chainer_vgc.exchange`).  The dense group goes through MPI allreduce
+(here); the settings and the groups are :mod:`chainer_vgc.groups`', the
+figures reported :mod:`chainer_vgc.extensions`'.  Here: the MPI
+collectives, the checks that every rank agrees, and the snapshots.
 
 The per-sample statistics come from the user's ordinary backward pass when
 the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 """
 
 import json
-import numbers
 import time
 import warnings
 
@@ -21,18 +26,43 @@ from chainermn.communicators import mpi_communicator_base
 import numpy
 
 from chainer_vgc import backend
-from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc import exchange
+from chainer_vgc import extensions
+from chainer_vgc import groups
 from chainer_vgc import native
 from chainer_vgc import transport
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.compressor import SkippedStep
-from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import RULES
 from chainer_vgc.rules import create_rule
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import model_params
+
+# Moved to the modules named above; still importable from here (tests,
+# examples and user code reach them as chainer_vgc.communicator.NAME).
+from chainer_vgc.exchange import _device_finish_mean  # NOQA
+from chainer_vgc.exchange import _device_mean  # NOQA
+from chainer_vgc.exchange import _finish_mean  # NOQA
+from chainer_vgc.exchange import _native_decode_applies  # NOQA
+from chainer_vgc.exchange import _on_device  # NOQA
+from chainer_vgc.exchange import _tree_sum  # NOQA
+from chainer_vgc.exchange import local_gradients  # NOQA
+from chainer_vgc.exchange import mean_gradients  # NOQA
+from chainer_vgc.exchange import sum_messages  # NOQA
+from chainer_vgc.exchange import unscaled as _unscaled  # NOQA
+from chainer_vgc.exchange import upload_blocks  # NOQA
+from chainer_vgc.exchange import validate_messages  # NOQA
+from chainer_vgc.exchange import write_mean  # NOQA
+from chainer_vgc.extensions import new_totals  # NOQA
+from chainer_vgc.extensions import report_step  # NOQA
+from chainer_vgc.extensions import step_figures  # NOQA
+from chainer_vgc.groups import check_count as _check_count  # NOQA
+from chainer_vgc.groups import check_dense_dtype as _check_dense_dtype  # NOQA
+from chainer_vgc.groups import check_exclude as _check_exclude  # NOQA
+from chainer_vgc.groups import check_ramp as _check_ramp  # NOQA
+from chainer_vgc.groups import dense_group  # NOQA
+from chainer_vgc.groups import make_rule as _make_rule  # NOQA
 
 
 class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
@@ -91,28 +121,24 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         super(VGCCommunicator, self).__init__(mpi_comm)
         self.resume_other_method = bool(resume_other_method)
         self.cuda_aware_mpi = bool(cuda_aware_mpi)
-        if allgatherv not in transport.ALLGATHERV:
-            raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
-                             .format(allgatherv))
-        if int(chunk_words) < 1:
-            raise ValueError('chunk_words must be >= 1, got {!r}'.format(
-                chunk_words))
+        allgatherv, chunk_words = transport.check_arguments(allgatherv,
+                                                            chunk_words)
         if uncovered not in ('error', 'bruteforce', 'dense'):
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
                              "'dense', got {!r}".format(uncovered))
-        self.base_rule = _make_rule(method, hyperparams)
+        self.base_rule = groups.make_rule(method, hyperparams)
         self.method = self.base_rule.name
         self.hyperparams = dict(hyperparams)
         self._method_arg = method
         #: this rank's rule (QSGD: its own random stream)
         self.rule = self.base_rule.for_rank(self.rank)
-        self.exclude = _check_exclude(exclude)
-        self.min_size = _check_count('min_size', min_size)
-        self.warmup = _check_count('warmup', warmup)
-        self.alpha_ramp = _check_ramp(alpha_ramp, self.base_rule)
-        self.dense_dtype = _check_dense_dtype(dense_dtype)
+        self.exclude = groups.check_exclude(exclude)
+        self.min_size = groups.check_count('min_size', min_size)
+        self.warmup = groups.check_count('warmup', warmup)
+        self.alpha_ramp = groups.check_ramp(alpha_ramp, self.base_rule)
+        self.dense_dtype = groups.check_dense_dtype(dense_dtype)
         self.allgatherv_method = allgatherv
-        self.chunk_words = int(chunk_words)
+        self.chunk_words = chunk_words
         self.max_memory = max_memory
         self.uncovered = uncovered
         self.compressor = None
@@ -125,7 +151,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         #: figures of the last step (aggregated over ranks)
         self.last = {}
         #: running totals since construction
-        self.totals = new_totals()
+        self.totals = extensions.new_totals()
         self.last_timing = {}
         self._loss_scale = None
         #: whether the last exchange was skipped (a rank's gradients were
@@ -249,9 +275,9 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
 
     def dense_group(self, model):
         """Names of the initialized parameters exchanged densely (allreduce):
-        see :func:`dense_group`."""
-        return dense_group(model, self.rule, self.exclude, self.min_size,
-                           self._uncovered_dense)
+        see :func:`chainer_vgc.groups.dense_group`."""
+        return groups.dense_group(model, self.rule, self.exclude,
+                                  self.min_size, self._uncovered_dense)
 
     # -- the step -----------------------------------------------------------
     def set_loss_scale(self, loss_scale):
@@ -263,13 +289,26 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self._loss_scale = loss_scale
 
     def multi_node_mean_grad(self, model, zero_fill=False):
+        """ChainerMN's entry point: :meth:`exchange` with what
+        :meth:`set_sqsums` and :meth:`set_loss_scale` gave for this step
+        (for code that drives the backward pass itself; the optimizer
+        wrapper calls :meth:`exchange` directly)."""
+        sqsums, self._sqsums = self._sqsums, None
+        loss_scale, self._loss_scale = self._loss_scale, None
+        self.exchange(model, zero_fill, sqsums=sqsums, loss_scale=loss_scale)
+
+    def exchange(self, model, zero_fill=False, sqsums=None,
+                 loss_scale=None):
         """One exchange: the compressed group through the allgatherv, then
         the dense group (and, during the warm-up, every parameter) through
-        allreduce; ``param.grad`` becomes the mean over the ranks."""
+        allreduce; ``param.grad`` becomes the mean over the ranks.
+
+        ``sqsums``: this step's per-sample sums of squares, aligned with
+        ``model_params(model)`` (needed when :attr:`needs_sqsum`);
+        ``loss_scale``: the loss scale S of this step's gradients (None:
+        none), see :meth:`set_loss_scale`."""
         self._note_uncovered()
         self.setup(model)
-        loss_scale, self._loss_scale = self._loss_scale, None
-        sqsums, self._sqsums = self._sqsums, None
         all_names, all_params = model_params(model)
         warm = self.warming_up
         compressed, dense = [], []
@@ -294,7 +333,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             blocks, elements = result
         n_dense, dense_wire = self._dense_mean([p for _, p in dense],
                                                zero_fill)
-        self.last = report_step(
+        self.last = extensions.report_step(
             blocks, sum(p.size for _, p in compressed) +
             sum(p.size for _, p in dense), self.totals, elements,
             sum(p.size * p.dtype.itemsize for _, p in compressed + dense),
@@ -315,8 +354,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                 'comm.statistics(model).backward(loss) and '
                 'comm.set_sqsums(...) instead of loss.backward()'.format(
                     self.method))
-        grads, sqsums = local_gradients(params, sqsums, zero_fill)
-        rule_grads, rule_sqsums = _unscaled(grads, sqsums, loss_scale)
+        grads, sqsums = exchange.local_gradients(params, sqsums, zero_fill)
+        self._has_grad = tuple(g is not None for g in grads)
+        rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums,
+                                                    loss_scale)
         t0 = time.perf_counter()
         try:
             message = comp.compress(rule_grads, rule_sqsums, copy=False,
@@ -330,12 +371,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         # the headers, checks and reports read them
         blocks, counts = transport.allgatherv(
             self.mpi_comm, message, method=self.allgatherv_method,
-            **({'chunk_words': self.chunk_words}
-               if self.allgatherv_method == 'ring' else {}))
+            chunk_words=self.chunk_words)
         t2 = time.perf_counter()
         # the mean, times the loss scale for Chainer to divide again
-        elements = mean_gradients(blocks, comp, params, grads, self.size,
-                                  zero_fill, False, rescale=loss_scale)
+        elements = exchange.mean_gradients(blocks, comp, params, grads,
+                                           self.size, zero_fill, False,
+                                           rescale=loss_scale,
+                                           present=self._present)
         t3 = time.perf_counter()
         #: seconds of the last exchange's phases on this rank
         self.last_timing = {'compress': t1 - t0, 'transport': t2 - t1,
@@ -397,11 +439,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         if self.dense_dtype is None:
             for q in grads:
                 self._multi_node_mean(None, q.grad)
-            wire = sum(2 * (p - 1) * max(4, q.dtype.itemsize) * q.size / p
-                       for q in grads)
         else:
             allreduce_mean_float16(self.mpi_comm, grads)
-            wire = 2 * (p - 1) * 2 * n / p
+        wire = extensions.allreduce_wire(
+            grads, p, float16=self.dense_dtype is not None)
         return n, (wire if p > 1 else 0.0)
 
     def bcast_data(self, model):
@@ -443,8 +484,13 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
             recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
 
     def _agree(self, code):
-        """Every rank's fault code (one small allgather)."""
-        return self.mpi_comm.allgather(int(code))
+        """Every rank's fault code (one small allgather), with which
+        compressed parameters have a gradient on that rank: with
+        ``zero_fill=False`` a parameter some rank has a gradient for gets
+        the mean on every rank, even when nobody sent anything for it."""
+        both = self.mpi_comm.allgather((int(code), self._has_grad))
+        self._present = [any(bits) for bits in zip(*(b for _, b in both))]
+        return [c for c, _ in both]
 
     def _skip(self, params, error):
         """A rank's gradients were not finite: nothing was exchanged and no
@@ -609,117 +655,6 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
                         state.shape).astype(state.dtype)
 
 
-def dense_group(model, rule, exclude=(), min_size=0, also=()):
-    """Names of ``model``'s initialized parameters exchanged densely: all
-    of them for a rule whose ``exchange`` is ``'allreduce'`` (``none``),
-    else those named in ``exclude`` or selected by its predicates
-    ``f(name, param)``, those of fewer than ``min_size`` elements, and the
-    names in ``also``.  An unknown name in ``exclude`` raises ValueError."""
-    all_names, all_params = model_params(model)
-    if rule.exchange == 'allreduce':
-        return {n for n, p in zip(all_names, all_params)
-                if p.array is not None}
-    known = set(all_names)
-    unknown = sorted(n for n in exclude if isinstance(n, str)
-                     and n not in known)
-    if unknown:
-        raise ValueError(
-            'exclude: the model has no parameter named {}; its parameters '
-            'are {}'.format(unknown, sorted(known)))
-    tests = [f for f in exclude if callable(f)]
-    names = {n for n in exclude if isinstance(n, str)} | set(also)
-    return {n for n, p in zip(all_names, all_params)
-            if p.array is not None and (
-                n in names or p.size < min_size or
-                any(f(n, p) for f in tests))}
-
-
-def _make_rule(method, hyperparams):
-    """The rule a communicator runs: made from a name, or a rule object
-    checked for what the communicator calls."""
-    if isinstance(method, str):
-        return create_rule(method, **hyperparams)
-    if hyperparams:
-        raise ValueError('method: hyperparameters {} given with a rule '
-                         'object; set them on the rule'.format(
-                             sorted(hyperparams)))
-    if not isinstance(method, CompressionRule):
-        raise TypeError(
-            'method must be a rule name ({}) or a '
-            'chainer_vgc.rules.CompressionRule object, got {!r}'.format(
-                ', '.join(sorted(RULES)), method))
-    missing = [m for m in ('compress', 'max_words')
-               if getattr(type(method), m) is getattr(CompressionRule, m)
-               and not (m == 'max_words' and
-                        method.compress_native is None)]
-    if not isinstance(method.name, str) or not method.name:
-        missing.insert(0, 'name (a string)')
-    if method.exchange not in ('allgatherv', 'allreduce'):
-        missing.append("exchange ('allgatherv' or 'allreduce')")
-    if missing:
-        raise TypeError('method: the rule object {!r} does not define {}; '
-                        'see chainer_vgc.rules.CompressionRule'.format(
-                            method, ', '.join(missing)))
-    return method
-
-
-def _check_exclude(exclude):
-    """``exclude`` as a tuple of names and predicates."""
-    if exclude is None:
-        return ()
-    if isinstance(exclude, str) or callable(exclude):
-        exclude = [exclude]
-    try:
-        items = tuple(exclude)
-    except TypeError:
-        raise TypeError('exclude must be parameter names and/or predicates '
-                        'f(name, param) -> bool, got {!r}'.format(exclude))
-    for item in items:
-        if not (isinstance(item, str) or callable(item)):
-            raise TypeError('exclude: {!r} is neither a parameter name nor a '
-                            'predicate f(name, param) -> bool'.format(item))
-    return items
-
-
-def _check_count(name, value):
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or value < 0):
-        raise ValueError('{} must be an integer >= 0, got {!r}'.format(
-            name, value))
-    return int(value)
-
-
-def _check_ramp(ramp, rule):
-    if ramp is None:
-        return None
-    try:
-        alpha0, steps = ramp
-        alpha0 = float(alpha0)
-    except (TypeError, ValueError):
-        raise ValueError('alpha_ramp must be (alpha0, steps), got {!r}'
-                         .format(ramp))
-    if not hasattr(rule, 'alpha'):
-        raise ValueError('alpha_ramp: method {!r} has no alpha'.format(
-            rule.name))
-    if not alpha0 > 0:
-        raise ValueError('alpha_ramp: alpha0 must be > 0, got {!r}'.format(
-            alpha0))
-    return (alpha0, _check_count('alpha_ramp steps', steps))
-
-
-def _check_dense_dtype(dtype):
-    if dtype is None:
-        return None
-    try:
-        dt = numpy.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt != numpy.float16:
-        raise ValueError("dense_dtype must be None (the parameters' own "
-                         "dtypes) or 'float16', got {!r}".format(dtype))
-    return dt
-
-
 def _record(params):
     """Hyperparameters as a sorted list of [name, value] pairs, as JSON
     gives them back (tuples become lists, NumPy values plain), so that a
@@ -797,344 +732,6 @@ def _initialized(model):
     names, params = model_params(model)
     pairs = [(n, p) for n, p in zip(names, params) if p.array is not None]
     return [n for n, _ in pairs], [p for _, p in pairs]
-
-
-def _unscaled(grads, sqsums, loss_scale):
-    """g / S and s / S**2 in the state dtypes (unchanged without S)."""
-    if loss_scale in (None, 1):
-        return grads, sqsums
-    scale = float(loss_scale)
-
-    def div(a, by):
-        if a is None:
-            return None
-        sdt = backend.state_dtype(a.dtype)
-        with backend.device_scope(a):  # (the subnormal rule on a GPU)
-            return kernels.divide(kernels.cast(a, sdt), by)
-    grads = [div(g, scale) for g in grads]
-    if sqsums is not None:
-        sqsums = [div(s, scale * scale) for s in sqsums]
-    return grads, sqsums
-
-
-def local_gradients(params, sqsums, zero_fill):
-    """This worker's gradients and sums of squares for the compressor.
-
-    With ``zero_fill`` (ChainerMN's default) a missing gradient counts as
-    zeros, as in ChainerMN's communicators.
-    """
-    grads = [p.grad for p in params]
-    if sqsums is not None:
-        sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
-    if zero_fill:
-        def zeros(p):
-            with backend.device_scope(p.array):
-                return p.xp.zeros_like(p.array)
-        if sqsums is not None:
-            sqsums = [zeros(p) if g is None else s
-                      for p, g, s in zip(params, grads, sqsums)]
-        grads = [zeros(p) if g is None else g
-                 for p, g in zip(params, grads)]
-    return grads, sqsums
-
-
-def sum_messages(blocks, compressor, params, dense):
-    """Decode every worker's message and add them up, in rank order.
-
-    ``dense`` (method 'none'): a rank-order pairwise tree, the order of
-    MPI's recursive doubling, so that 2^k ranks reproduce a dense allreduce
-    bit for bit (two ranks: any order does).
-    """
-    xp = backend.get_array_module(blocks[0]) if blocks else numpy
-    dtypes = [backend.state_dtype(p.dtype) for p in params]
-
-    def zeros():
-        return [xp.zeros(p.shape, dtype=d) for p, d in zip(params, dtypes)]
-    if dense:
-        per_rank = []
-        for block in blocks:
-            outs = zeros()
-            codec.decode_into(block, outs, compressor.sizes)
-            per_rank.append(outs)
-        return _tree_sum(per_rank)
-    outs = zeros()
-    for block in blocks:
-        codec.decode_into(block, outs, compressor.sizes)
-    return outs
-
-
-def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
-                   dense, rescale=None):
-    """``param.grad`` = (sum of every worker's elements) * (1 / size).
-
-    On the native backend one call validates the messages and writes the
-    sums, in rank order, straight into the gradient arrays with the mean
-    applied (float16 parameters through a float32 buffer); elsewhere, and
-    for the rank-order tree of ``dense`` ('none'), the reference
-    :func:`sum_messages` + :func:`write_mean`, which it equals bit for bit.
-    ``rescale``: the loss scale to multiply back (:func:`_finish_mean`).
-    Returns the number of elements each message carries.
-    """
-    if _on_device(params):
-        return _device_mean(blocks, compressor, params, grads, size,
-                            zero_fill, dense, rescale)
-    if dense or not _native_decode_applies(blocks, compressor):
-        write_mean(params, grads,
-                   sum_messages(blocks, compressor, params, dense), size,
-                   zero_fill, rescale)
-        return [codec.message_count(b) for b in blocks]
-    scale = 1.0 / size
-    sdts = [backend.state_dtype(p.dtype) for p in params]
-    outs, direct = [], []
-    for i, (p, g, sdt) in enumerate(zip(params, grads, sdts)):
-        grad = p.grad
-        ok = (grad is not None and g is not None and grad.dtype == sdt
-              and grad.dtype == p.dtype and grad.flags.c_contiguous
-              and grad.size == compressor.sizes[i])
-        outs.append(grad.reshape(-1) if ok else compressor.decode_buffer(i))
-        direct.append(ok)
-    result = native.decode_mean(blocks, compressor.sizes, sdts, outs, direct,
-                                scale)
-    if result is None:  # name the fault as the reference decoder does
-        dtypes = [p.dtype for p in params]
-        for block in blocks:
-            codec.unpack(block, compressor.sizes, dtypes)
-        raise RuntimeError('chainer_vgc: the native decoder rejected a '
-                           'message the reference decoder accepts; please '
-                           'report this with CHAINER_VGC_BACKEND=numpy as '
-                           'the workaround')
-    touched, elements = result
-    for p, g, out, ok, n in zip(params, grads, outs, direct, touched):
-        if ok:
-            if rescale not in (None, 1):
-                p.grad *= p.grad.dtype.type(rescale)
-            continue
-        if g is None and not zero_fill and not (n and out.any()):
-            continue  # nothing (or a zero sum) for a gradient-less param
-        p.grad = _finish_mean(out.reshape(p.shape).copy(), p.dtype, size,
-                              rescale)
-    return [int(e) for e in elements]
-
-
-def _on_device(params):
-    return any(backend.get_array_module(p.array) is not numpy
-               for p in params if p.array is not None)
-
-
-def validate_messages(blocks, compressor, dtypes):
-    """Check every host message against the model, as :func:`codec.unpack`
-    does (the native decoder's walk where it applies: same checks, no
-    output); returns the elements each carries.  A fault raises
-    :class:`~chainer_vgc.codec.WireFormatError` as the reference names
-    it."""
-    sizes = compressor.sizes
-    sdts = [backend.state_dtype(d) for d in dtypes]
-    if _native_decode_applies(blocks, compressor):
-        result = native.decode_mean(blocks, sizes, sdts, [None] * len(sizes),
-                                    [0] * len(sizes), 1.0)
-        if result is not None:
-            return [int(e) for e in result[1]]
-    counts = []
-    for block in blocks:
-        counts.append(sum(int(d.index.size)
-                          for d in codec.unpack(block, sizes, dtypes)))
-    if _native_decode_applies(blocks, compressor):
-        raise RuntimeError('chainer_vgc: the native decoder rejected a '
-                           'message the reference decoder accepts; please '
-                           'report this with CHAINER_VGC_BACKEND=numpy as '
-                           'the workaround')
-    return counts
-
-
-def upload_blocks(blocks, xp, like):
-    """Every rank's message on ``like``'s device with one host-to-device
-    copy (through one pinned buffer); returns a device view per block."""
-    sizes = [int(b.size) for b in blocks]
-    staged = backend.host_buffer(sum(sizes), numpy.uint32)
-    pos = 0
-    for b, n in zip(blocks, sizes):
-        staged[pos:pos + n] = b
-        pos += n
-    with backend.device_scope(like):
-        device = xp.asarray(staged)
-    views, pos = [], 0
-    for n in sizes:
-        views.append(device[pos:pos + n])
-        pos += n
-    return views
-
-
-def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
-                 rescale):
-    """:func:`mean_gradients` for parameters on a GPU.  The messages are
-    validated on the host (where MPI left them), uploaded once, decoded and
-    summed on the device (in rank order; ``dense``: in the rank-order tree
-    of :func:`sum_messages`) without reading a value back, then
-    :func:`write_mean`: the reference's sums bit for bit.  (Parameters on
-    several devices: the blocks are uploaded to the first one's device and
-    read from there.)"""
-    dtypes = [p.dtype for p in params]
-    elements = validate_messages(blocks, compressor, dtypes)
-    arrays = [p.array for p in params if p.array is not None]
-    xp = backend.get_array_module(*arrays)
-    first = next(a for a in arrays if backend.get_array_module(a) is xp)
-
-    def zeros():
-        out = []
-        for p, n in zip(params, compressor.sizes):
-            with backend.device_scope(p.array):
-                out.append(xp.zeros(n, dtype=backend.state_dtype(p.dtype)))
-        return out
-    device = upload_blocks(blocks, xp, first)
-    with backend.device_scope(first):
-        if dense:
-            per_rank = []
-            for host, dev in zip(blocks, device):
-                per_rank.append(zeros())
-                codec.add_validated(host, dev, per_rank[-1],
-                                    compressor.sizes)
-            sums = _tree_sum(per_rank)
-        else:
-            sums = zeros()
-            for host, dev in zip(blocks, device):
-                codec.add_validated(host, dev, sums, compressor.sizes)
-    write_mean(params, grads, [s.reshape(p.shape) for s, p in
-                               zip(sums, params)], size, zero_fill, rescale)
-    return elements
-
-
-def _tree_sum(per_rank):
-    """Pairwise sums of per-rank lists of arrays in rank order (MPI's
-    recursive doubling), added with :func:`chainer_vgc.kernels.add_into`."""
-    while len(per_rank) > 1:
-        nxt = [[kernels.add_into(a.copy(), b)
-                for a, b in zip(per_rank[k], per_rank[k + 1])]
-               for k in range(0, len(per_rank) - 1, 2)]
-        if len(per_rank) % 2:
-            nxt.append(per_rank[-1])
-        per_rank = nxt
-    return per_rank[0]
-
-
-def _native_decode_applies(blocks, compressor):
-    return (compressor.backend == 'native'
-            and all(isinstance(b, numpy.ndarray) for b in blocks)
-            and all(d in native.DTYPE_CODES for d in compressor.dtypes))
-
-
-def write_mean(params, grads, sums, size, zero_fill, rescale=None):
-    """param.grad = sum * (1 / size) in the parameter dtype (as ChainerMN);
-    ``rescale`` (the loss scale): times it, in the sum's dtype before the
-    cast to a float16 parameter's dtype (see :func:`_finish_mean`)."""
-    for p, g, total in zip(params, grads, sums):
-        if g is None and not zero_fill and not bool((total != 0).any()):
-            continue  # nobody sent anything for a gradient-less param
-        with backend.device_scope(p.array):
-            p.grad = _finish_mean(total, p.dtype, size, rescale)
-
-
-def _finish_mean(total, dtype, size, rescale):
-    """The mean in ``dtype`` of a sum (ours to reuse): the sum cast to
-    ``dtype`` times 1/size (as ChainerMN); with a loss scale S, the sum
-    times 1/size times S in its own (state) dtype, then the cast, so that a
-    float16 gradient is neither rounded unscaled nor multiplied by an S
-    that float16 cannot hold."""
-    dtype = numpy.dtype(dtype)
-    if backend.get_array_module(total) is not numpy:
-        return _device_finish_mean(total, dtype, size, rescale)
-    if rescale in (None, 1):
-        mean = total.astype(dtype, copy=False)
-        mean *= 1.0 / size
-        return mean
-    total *= total.dtype.type(1.0 / size)
-    total *= total.dtype.type(rescale)
-    return total.astype(dtype, copy=False)
-
-
-def _device_finish_mean(total, dtype, size, rescale):
-    """:func:`_finish_mean` with the subnormal rule's kernels, the same
-    values: float16 products are taken in float32 (exact for two float16
-    numbers) and rounded once to float16, as NumPy's float16 multiply
-    does."""
-    if rescale not in (None, 1):
-        total = kernels.scale(kernels.scale(total, 1.0 / size), rescale)
-        return kernels.cast(total, dtype)
-    mean = kernels.cast(total, dtype)
-    if dtype == numpy.float16:
-        k = numpy.float32(numpy.float16(1.0 / size))
-        return kernels.cast(kernels.scale(kernels.cast(mean, numpy.float32),
-                                          k), dtype)
-    return kernels.scale(mean, 1.0 / size)
-
-
-def step_figures(blocks, n_params, elements=None, param_bytes=None,
-                 size=None, dense_elements=0, dense_wire=0.0,
-                 n_compressed=None):
-    """Figures of one exchange, the same on every rank.
-
-    ``vgc/compression``: parameters / average elements sent per rank (the
-    paper's definition), over all parameters (a dense group's elements
-    count as sent); ``vgc/density``: its inverse; ``vgc/bytes``: bytes each
-    rank sends on the wire, on average: (p - 1) / p of all messages with the
-    ring, plus ``dense_wire`` for the dense group's allreduce;
-    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1).
-    With a dense group (``n_compressed`` < ``n_params``), also
-    ``vgc/dense_fraction`` (of the parameters) and, when some parameters
-    are compressed, ``vgc/compression_compressed`` (that group alone).  Keys with '_' feed the run
-    totals, with ``dense_bytes`` what a dense ring allreduce of the
-    gradients in their own dtypes would send per rank, 2 (p - 1) / p *
-    ``param_bytes`` (Sec. 5; ``param_bytes`` = sum of size * itemsize,
-    default 4 N).  ``dense_elements``: elements of the dense group over
-    all ranks; ``size``: the number of ranks (default: len(blocks)).
-    """
-    if param_bytes is None:
-        param_bytes = 4 * n_params
-    p = size or len(blocks)
-    if elements is None:
-        elements = [codec.message_count(b) for b in blocks]
-    sent = sum(elements)
-    total_bytes = 4 * sum(int(b.size) for b in blocks)
-    per_rank = (sent + dense_elements) / p
-    wire = (p - 1) * total_bytes / p + dense_wire
-    figures = {
-        'vgc/compression': n_params / per_rank if per_rank else float('inf'),
-        'vgc/density': per_rank / n_params if n_params else 0.0,
-        'vgc/bytes': wire,
-        'vgc/skipped': 0.0,  # an exchange took place
-        '_elements': sent + dense_elements,
-        '_bytes': wire,
-        '_dense_bytes': 2 * (p - 1) * param_bytes / p,
-    }
-    if n_compressed is not None and n_compressed < n_params:
-        figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
-        if n_compressed:  # (none during a warm-up)
-            figures['vgc/compression_compressed'] = (
-                n_compressed * p / sent if sent else float('inf'))
-    return figures
-
-
-def new_totals():
-    """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
-    rank), skipped exchanges, param_elements (parameters x steps)."""
-    return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
-            'skipped': 0.0, 'param_elements': 0.0}
-
-
-def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
-                **dense):
-    """Add one exchange to ``totals``, report its figures with
-    ``chainer.reporter`` and return them (``elements``: per message, when
-    already counted; ``param_bytes`` and ``dense``: see
-    :func:`step_figures`)."""
-    figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
-    for key, value in figures.items():
-        if key.startswith('_'):
-            totals[key[1:]] += value
-    totals['steps'] += 1
-    totals['param_elements'] += n_params
-    chainer.reporter.report({k: v for k, v in figures.items()
-                             if not k.startswith('_')})
-    return figures
 
 
 def _first_difference(a, b):

@@ -1,7 +1,14 @@
-"""Reporting: what the communicator sent, for Chainer trainers.
+"""Reporting: what the exchange sent, step by step and over the run.
 
-Every step :class:`~chainer_vgc.communicator.VGCCommunicator` reports, with
-``chainer.reporter``, figures aggregated over all ranks:
+The question this module answers: how much did the ranks send, compared
+with a dense allreduce, and how do Chainer trainers see it?  The arithmetic
+(:func:`step_figures`, :func:`report_step`, :func:`new_totals`,
+:func:`run_summary`) is shared by
+:class:`~chainer_vgc.communicator.VGCCommunicator` and the one-process
+:class:`~chainer_vgc.simulation.SimulatedWorkers`; it needs no MPI.
+
+Every step the communicator reports, with ``chainer.reporter``, figures
+aggregated over all ranks:
 
 ``vgc/compression``  parameters / average elements sent per rank in
                      this step (the paper's definition, Sec. 6; over an
@@ -19,10 +26,99 @@ so ``LogReport``, ``PrintReport(['epoch', 'main/loss', 'vgc/compression',
 import chainer
 from chainer.training import extension
 
+from chainer_vgc import codec
+
 #: the per-step keys, for PrintReport / PlotReport
 REPORT_KEYS = ['vgc/compression', 'vgc/density', 'vgc/bytes']
 
 
+# -- one step ---------------------------------------------------------------
+def step_figures(blocks, n_params, elements=None, param_bytes=None,
+                 size=None, dense_elements=0, dense_wire=0.0,
+                 n_compressed=None):
+    """Figures of one exchange, the same on every rank.
+
+    ``vgc/compression``: parameters / average elements sent per rank (the
+    paper's definition), over all parameters (a dense group's elements
+    count as sent); ``vgc/density``: its inverse; ``vgc/bytes``: bytes each
+    rank sends on the wire, on average: (p - 1) / p of all messages with the
+    ring, plus ``dense_wire`` for the dense group's allreduce;
+    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1).
+    With a dense group (``n_compressed`` < ``n_params``), also
+    ``vgc/dense_fraction`` (of the parameters) and, when some parameters
+    are compressed, ``vgc/compression_compressed`` (that group alone).
+    Keys with '_' feed the run totals, with ``dense_bytes`` what a dense
+    ring allreduce of the gradients in their own dtypes would send per
+    rank, 2 (p - 1) / p * ``param_bytes`` (Sec. 5; ``param_bytes`` = sum of
+    size * itemsize, default 4 N).  ``dense_elements``: elements of the
+    dense group over all ranks; ``size``: the number of ranks (default:
+    len(blocks)).
+    """
+    if param_bytes is None:
+        param_bytes = 4 * n_params
+    p = size or len(blocks)
+    if elements is None:
+        elements = [codec.message_count(b) for b in blocks]
+    sent = sum(elements)
+    total_bytes = 4 * sum(int(b.size) for b in blocks)
+    per_rank = (sent + dense_elements) / p
+    wire = (p - 1) * total_bytes / p + dense_wire
+    figures = {
+        'vgc/compression': n_params / per_rank if per_rank else float('inf'),
+        'vgc/density': per_rank / n_params if n_params else 0.0,
+        'vgc/bytes': wire,
+        'vgc/skipped': 0.0,  # an exchange took place
+        '_elements': sent + dense_elements,
+        '_bytes': wire,
+        '_dense_bytes': 2 * (p - 1) * param_bytes / p,
+    }
+    if n_compressed is not None and n_compressed < n_params:
+        figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
+        if n_compressed:  # (none during a warm-up)
+            figures['vgc/compression_compressed'] = (
+                n_compressed * p / sent if sent else float('inf'))
+    return figures
+
+
+def new_totals():
+    """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
+    rank), skipped exchanges, param_elements (parameters x steps)."""
+    return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
+            'skipped': 0.0, 'param_elements': 0.0}
+
+
+def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
+                **dense):
+    """Add one exchange to ``totals``, report its figures with
+    ``chainer.reporter`` and return them (``elements``: per message, when
+    already counted; ``param_bytes`` and ``dense``: see
+    :func:`step_figures`)."""
+    figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
+    for key, value in figures.items():
+        if key.startswith('_'):
+            totals[key[1:]] += value
+    totals['steps'] += 1
+    totals['param_elements'] += n_params
+    chainer.reporter.report({k: v for k, v in figures.items()
+                             if not k.startswith('_')})
+    return figures
+
+
+def allreduce_wire(params, size, float16=False):
+    """Bytes each of ``size`` ranks sends in a ring allreduce of the
+    ``params``' gradients, 2 (p - 1) / p of them: ChainerMN's naive
+    exchange, one allreduce per parameter (float16 summed in float32: at
+    least 4 bytes an element), or with ``float16`` one allreduce of the
+    whole group in float16 (2 bytes an element)."""
+    p = size
+    if float16:
+        n = sum(q.size for q in params)
+        return 2 * (p - 1) * 2 * n / p
+    return sum(2 * (p - 1) * max(4, q.dtype.itemsize) * q.size / p
+               for q in params)
+
+
+# -- the run ----------------------------------------------------------------
 def run_summary(totals, compressor, size):
     """Run totals: ``vgc/total_compression`` (parameters x steps / average
     elements sent per rank), ``vgc/total_bytes`` (bytes each rank sent),

@@ -1,5 +1,5 @@
-"""Multi-node optimizer that feeds the backward pass's per-sample statistics
-to a :class:`~chainer_vgc.communicator.VGCCommunicator`.
+"""Multi-node optimizer: the backward pass, its per-sample statistics and
+the compressed exchange of one step, in that order.
 
 Same signature and semantics as ``chainermn.create_multi_node_optimizer``
 (the first update broadcasts the parameters of rank 0; later updates average
@@ -9,66 +9,128 @@ serialized state (trainer snapshots).
 """
 
 import chainer
-from chainermn import optimizers as _mn_optimizers
+
+from chainer_vgc.communicator import VGCCommunicator
 
 
-class _VGCMultiNodeOptimizer(_mn_optimizers._MultiNodeOptimizer):
+class VGCMultiNodeOptimizer(object):
+    """Wraps ``actual_optimizer``; one :meth:`update` is one step:
+
+    1. ``lossfun(*args)``, then the backward pass: with the per-sample
+       statistics when the communicator needs them
+       (:attr:`VGCCommunicator.needs_sqsum`), else ``loss.backward``;
+    2. the first update broadcasts rank 0's parameters (ChainerMN), unless
+       every rank resumed from a snapshot;
+    3. otherwise :meth:`VGCCommunicator.exchange` with this step's sums of
+       squares and loss scale, then the actual optimizer's update (none
+       when the exchange was skipped and no dynamic loss scaler will skip
+       the NaN update).
+
+    Mirrors ``chainermn.optimizers._MultiNodeOptimizer`` (ChainerMN 7.8.1):
+    attributes not defined here are read from and written to the actual
+    optimizer, ``is_changed`` decides the broadcast, and ``cleargrads`` /
+    ``zerograds`` follow ``_use_cleargrads``.
+    """
+
+    #: attributes of the wrapper itself (everything else is forwarded)
+    _OWN = ('communicator', 'actual_optimizer', 'zero_fill', 'target_params',
+            '_first_update_done', '_resumed')
+
+    def __init__(self, actual_optimizer, communicator, zero_fill=True):
+        if not isinstance(communicator, VGCCommunicator):
+            raise TypeError(
+                'communicator must be a chainer_vgc communicator '
+                '(chainer_vgc.create_communicator), got {!r}; for a ChainerMN '
+                'communicator use chainermn.create_multi_node_optimizer'
+                .format(type(communicator).__name__))
+        self.communicator = communicator
+        self.actual_optimizer = actual_optimizer
+        self.zero_fill = zero_fill
+        self.target_params = []
+        self._first_update_done = False
+        self._resumed = False
+
+    def __getattr__(self, name):
+        return getattr(self.actual_optimizer, name)
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.actual_optimizer, name, value)
+
+    def setup(self, link):
+        self.actual_optimizer.setup(link)
+        return self
 
     def update(self, lossfun=None, *args, **kwds):
         target = self.target
         comm = self.communicator
+        sqsums = None
         if lossfun is not None:
             loss = lossfun(*args, **kwds)
             if getattr(self, '_use_cleargrads', True):
                 target.cleargrads()
             else:
                 target.zerograds()
-            scale = self.actual_optimizer._loss_scale
-            if getattr(comm, 'needs_sqsum', False):
-                batch, loss_fn = _batch_of(lossfun, args, kwds)
-                sqsums = comm.statistics(target).backward(
-                    loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
-                comm.set_sqsums(sqsums)
-            else:
-                loss.backward(loss_scale=scale)
+            sqsums = self._backward(loss, lossfun, args, kwds)
             del loss
-        if not self.__dict__.get('_first_update_done'):
-            # the first update broadcasts rank 0's parameters (ChainerMN),
-            # unless every rank resumed from its own snapshot; a collective
-            # decision, so ranks that did and did not load agree
-            object.__setattr__(self, '_first_update_done', True)
-            resumed = int(bool(self.__dict__.get('_resumed')))
-            if comm.mpi_comm.allreduce(resumed, op=_mpi_min()):
+        if self._broadcast_now(target):
+            comm.bcast_data(target)
+            return
+        opt = self.actual_optimizer
+        comm.exchange(target, self.zero_fill, sqsums=sqsums,
+                      loss_scale=opt._loss_scale)
+        if comm.skipped and not opt._loss_scaling_is_dynamic:
+            # a rank's gradients were not finite and no loss scaler will
+            # skip the NaN update: keep the parameters (vgc/skipped)
+            return
+        opt.update(None, *args, **kwds)
+
+    def _backward(self, loss, lossfun, args, kwds):
+        """``loss.backward``, with the per-sample statistics when the
+        communicator needs them (returned; None otherwise)."""
+        comm = self.communicator
+        scale = self.actual_optimizer._loss_scale
+        if not comm.needs_sqsum:
+            loss.backward(loss_scale=scale)
+            return None
+        batch, loss_fn = _batch_of(lossfun, args, kwds)
+        return comm.statistics(self.target).backward(
+            loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
+
+    def _broadcast_now(self, target):
+        """ChainerMN's rule (broadcast while the parameter set changes),
+        except at the first update when every rank resumed from its own
+        snapshot: a collective decision, so that ranks that did and did
+        not load agree (those that did not get rank 0's step counts)."""
+        if not self._first_update_done:
+            self._first_update_done = True
+            resumed = int(self._resumed)
+            if self.communicator.mpi_comm.allreduce(resumed, op=_mpi_min()):
                 self.is_changed(target)  # record: no broadcast now
-            elif hasattr(comm, 'sync_run'):
-                comm.sync_run()  # the same step counts (warm-up) everywhere
-        if self.is_changed(target):
-            self.communicator.bcast_data(target)
-            if hasattr(comm, 'set_sqsums'):
-                comm.set_sqsums(None)  # this step's gradients are unused
-        else:
-            if hasattr(comm, 'set_loss_scale'):
-                comm.set_loss_scale(self.actual_optimizer._loss_scale)
-            self.communicator.multi_node_mean_grad(target, self.zero_fill)
-            opt = self.actual_optimizer
-            if (getattr(comm, 'skipped', False)
-                    and not opt._loss_scaling_is_dynamic):
-                # a rank's gradients were not finite and no loss scaler will
-                # skip the NaN update: keep the parameters (vgc/skipped)
-                return
-            opt.update(None, *args, **kwds)
+            else:
+                self.communicator.sync_run()
+        return self.is_changed(target)
+
+    def is_changed(self, target):
+        """Whether the parameter set changed since the last call (as
+        ChainerMN's: names and which ones are initialized)."""
+        previous = self.target_params
+        self.target_params = [(name, param.data is not None)
+                              for name, param in sorted(target.namedparams())]
+        return previous != self.target_params
 
     def serialize(self, serializer):
         self.actual_optimizer.serialize(serializer)
-        comm = self.communicator
-        if hasattr(comm, 'serialize_state'):
-            comm.serialize_state(self.target, serializer['vgc_state'])
+        self.communicator.serialize_state(self.target,
+                                          serializer['vgc_state'])
         if isinstance(serializer, chainer.serializer.Deserializer):
             # resumed: if every rank loaded its snapshot, the next update
             # is an update, not the initial broadcast (decided collectively
             # at the first update; the model may be loaded after us)
-            object.__setattr__(self, '_resumed', True)
-            object.__setattr__(self, '_first_update_done', False)
+            self._resumed = True
+            self._first_update_done = False
 
 
 def _mpi_min():
@@ -101,4 +163,4 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
     if double_buffering:
         raise ValueError('double_buffering is not supported by chainer_vgc; '
                          'use double_buffering=False')
-    return _VGCMultiNodeOptimizer(actual_optimizer, communicator, zero_fill)
+    return VGCMultiNodeOptimizer(actual_optimizer, communicator, zero_fill)

@@ -1,17 +1,23 @@
 """p data-parallel workers in one process (for the paper harness on 2 cores).
 
+The question this module answers: what would p ranks compute, without MPI?
 In synchronous data parallelism every worker holds the same parameters, so
 one model suffices: each step, every simulated worker runs forward/backward
 on its own minibatch with its own compressor (its own residual state), and
 the workers' messages are combined exactly as
 :class:`~chainer_vgc.communicator.VGCCommunicator` combines the messages it
-gathers (same functions, same rank order), then one optimizer update is
-applied.  As with ChainerMN's multi-node optimizer, the first step only
-"broadcasts" (no update).  ``tests/test_examples.py`` checks that this gives
-the same parameters, bit for bit, as a real ``mpiexec`` run.
+gathers (the same functions of :mod:`chainer_vgc.exchange`, same rank
+order; settings and groups from :mod:`chainer_vgc.groups`, figures from
+:mod:`chainer_vgc.extensions`), then one optimizer update is applied.  As
+with ChainerMN's multi-node optimizer, the first step only "broadcasts" (no
+update).  ``tests/test_examples.py`` checks that this gives the same
+parameters, bit for bit, as a real ``mpiexec`` run.  Nothing here imports
+ChainerMN or MPI.
 """
 
-from chainer_vgc import communicator as _comm
+from chainer_vgc import exchange
+from chainer_vgc import extensions
+from chainer_vgc import groups
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.statistics import PerSampleSquares
@@ -31,18 +37,18 @@ class SimulatedWorkers(object):
                  zero_fill=True, exclude=None, min_size=0, warmup=0,
                  **hyperparams):
         self.model, self.optimizer, self.size = model, optimizer, size
-        self.rule = _comm._make_rule(method, hyperparams)
+        self.rule = groups.make_rule(method, hyperparams)
         self.method, self.zero_fill = self.rule.name, zero_fill
-        self.exclude = _comm._check_exclude(exclude)
-        self.min_size = _comm._check_count('min_size', min_size)
-        self.warmup = _comm._check_count('warmup', warmup)
+        self.exclude = groups.check_exclude(exclude)
+        self.min_size = groups.check_count('min_size', min_size)
+        self.warmup = groups.check_count('warmup', warmup)
         self.names, self.params = model_params(model)
         self._rules = [self.rule.for_rank(rank) for rank in range(size)]
         self._groups = {}
         self.stats = PerSampleSquares(model)
         self.steps = 0
         self.last = {}
-        self.totals = _comm.new_totals()
+        self.totals = extensions.new_totals()
 
     def _group(self, names, dense):
         """Per-worker compressors over ``names`` (kept per name set): the
@@ -67,8 +73,8 @@ class SimulatedWorkers(object):
     def compressor(self):
         """Worker 0's compressor of the compressed group (all parameters
         before the first update)."""
-        dense = _comm.dense_group(self.model, self.rule, self.exclude,
-                                  self.min_size)
+        dense = groups.dense_group(self.model, self.rule, self.exclude,
+                                   self.min_size)
         return self._group([n for n in self.names if n not in dense],
                            False)[1][0]
 
@@ -82,8 +88,8 @@ class SimulatedWorkers(object):
         if self.steps == 1:
             return  # ChainerMN's first update broadcasts rank 0's params
         warm = self.totals['steps'] < self.warmup
-        dense = _comm.dense_group(self.model, self.rule, self.exclude,
-                                  self.min_size)
+        dense = groups.dense_group(self.model, self.rule, self.exclude,
+                                   self.min_size)
         if warm:
             dense = set(self.names)
         c_idx, c_comps = self._group(
@@ -100,8 +106,8 @@ class SimulatedWorkers(object):
                 sqsums = self.stats.backward(loss, batch=batch)
             else:
                 loss.backward()
-            grads, sqsums = _comm.local_gradients(self.params, sqsums,
-                                                  self.zero_fill)
+            grads, sqsums = exchange.local_gradients(self.params, sqsums,
+                                                     self.zero_fill)
             if c_idx:
                 c_msgs.append(c_comps[rank].compress(
                     [grads[i] for i in c_idx],
@@ -111,21 +117,19 @@ class SimulatedWorkers(object):
                     [grads[i] for i in d_idx]))
         elements = None
         if c_idx:
-            elements = _comm.mean_gradients(
+            elements = exchange.mean_gradients(
                 c_msgs, c_comps[0], [self.params[i] for i in c_idx],
                 [grads[i] for i in c_idx], self.size, self.zero_fill, False)
         n_dense, wire = 0, 0.0
         if d_idx:
             dparams = [self.params[i] for i in d_idx]
-            _comm.mean_gradients(d_msgs, d_comps[0], dparams,
-                                 [grads[i] for i in d_idx], self.size,
-                                 self.zero_fill, True)
+            exchange.mean_gradients(d_msgs, d_comps[0], dparams,
+                                    [grads[i] for i in d_idx], self.size,
+                                    self.zero_fill, True)
             n_dense = sum(p.size for p in dparams)
-            p = self.size
-            wire = sum(2 * (p - 1) * max(4, q.dtype.itemsize) * q.size / p
-                       for q in dparams)
+            wire = extensions.allreduce_wire(dparams, self.size)
         self.optimizer.update()
-        self.last = _comm.report_step(
+        self.last = extensions.report_step(
             c_msgs, sum(q.size for q in self.params), self.totals, elements,
             sum(q.size * q.dtype.itemsize for q in self.params),
             size=self.size, dense_elements=n_dense * self.size,

@@ -1,5 +1,9 @@
 """Transport: allgatherv of the ranks' uint32 messages (paper Sec. 4.3, 5).
 
+The question this module answers: how do the ranks' compressed messages
+reach every rank?  (What is done with them there is
+:mod:`chainer_vgc.exchange`'s question.)
+
 Each rank contributes one block of 32-bit words (its compressed message);
 every rank receives all blocks in rank order.  Two implementations with the
 same result:
@@ -70,6 +74,24 @@ def ring_schedule(counts, chunk_words):
     return rounds
 
 
+def check_arguments(method='ring', chunk_words=DEFAULT_CHUNK_WORDS):
+    """The allgatherv's settings checked: ``method`` ``'ring'`` or
+    ``'mpi'``, ``chunk_words`` >= 1 (checked for both methods, although
+    ``'mpi'`` does not use it).  Returns ``(method, chunk_words)`` as
+    :func:`allgatherv` takes them; raises ValueError naming the bad one."""
+    if method not in ALLGATHERV:
+        raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
+                         .format(method))
+    return method, _check_chunk_words(chunk_words)
+
+
+def _check_chunk_words(chunk_words):
+    if int(chunk_words) < 1:
+        raise ValueError('chunk_words must be >= 1, got {!r}'.format(
+            chunk_words))
+    return int(chunk_words)
+
+
 def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
                     counts=None):
     """Pipelined ring allgatherv of uint32 blocks.
@@ -79,9 +101,12 @@ def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
     r-1, r-2, ...), which is exactly the stream this rank sends on, so
     nothing is copied after the exchange.
     """
-    if int(chunk_words) < 1:
-        raise ValueError('chunk_words must be >= 1, got {!r}'.format(
-            chunk_words))
+    return _ring_allgatherv(comm, sendbuf, _check_chunk_words(chunk_words),
+                            counts)
+
+
+def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
+    """:func:`ring_allgatherv` with ``chunk_words`` already checked."""
     sendbuf = _as_words(sendbuf)
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)
@@ -94,7 +119,7 @@ def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
     stream[:own] = sendbuf
     left, right = (r - 1) % p, (r + 1) % p
     sent = received = 0
-    for s in ring_schedule(counts, int(chunk_words)):
+    for s in ring_schedule(counts, chunk_words):
         n_send, n_recv = s[r], s[left]
         # both sides follow the same schedule, so every send has its
         # receive; a rank that only sends or only receives cannot close a
@@ -138,14 +163,15 @@ def mpi_allgatherv(comm, sendbuf, counts=None):
 ALLGATHERV = {'ring': ring_allgatherv, 'mpi': mpi_allgatherv}
 
 
-def allgatherv(comm, sendbuf, method='ring', **kwargs):
-    """Dispatch to ``'ring'`` or ``'mpi'``."""
-    try:
-        fn = ALLGATHERV[method]
-    except KeyError:
-        raise ValueError("allgatherv must be 'ring' or 'mpi', got {!r}"
-                         .format(method))
-    return fn(comm, sendbuf, **kwargs)
+def allgatherv(comm, sendbuf, method='ring',
+               chunk_words=DEFAULT_CHUNK_WORDS, counts=None):
+    """Dispatch to ``'ring'`` or ``'mpi'`` (which ignores ``chunk_words``);
+    the arguments are checked by :func:`check_arguments`.  Returns
+    ``(blocks, counts)``."""
+    method, chunk_words = check_arguments(method, chunk_words)
+    if method == 'ring':
+        return _ring_allgatherv(comm, sendbuf, chunk_words, counts)
+    return mpi_allgatherv(comm, sendbuf, counts=counts)
 
 
 def split_blocks(recvbuf, counts):
