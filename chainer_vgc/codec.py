@@ -6,7 +6,9 @@ Wire message (a 1-D ``uint32`` array, little-endian words)::
 
 Only tensors that send something have a group.  Each group is a 5-word header
 ``tensor_id, format, count, a, b`` followed by a body whose length follows
-from the header:
+from the header.  The formats are the entries of :data:`FORMATS` (one
+:class:`WireFormat` each: code, meaning of ``a`` and ``b``, body length,
+header checks, checked decoder, unchecked device decoder):
 
 ``FMT_POW2`` (VGC quantization, Strom, hybrid)
     ``a`` = e_k (int32), ``b`` = float32 bits of ``scale``; body: ``count``
@@ -30,9 +32,15 @@ increasing, levels, and every value it would write finite in the receiving
 state dtype: a finite float64 raw value or QSGD ``level * scale`` may
 overflow float32) and raises :class:`WireFormatError` instead of reading out
 of bounds or decoding garbage.
+
+The constants the C++/CUDA sources also define (``#define VGC_...``) are
+listed once, in :data:`C_CONSTANTS`; :func:`check_kernel_constants` compares
+a source text with them, and the native backend compares its compiled ones.
 """
 
+import ast
 import collections
+import re
 
 import numpy
 
@@ -55,6 +63,27 @@ MAX_QSGD_BUCKET = 1 << QSGD_OFFSET_BITS
 QSGD_RECORD_WORDS = 4  # bucket id, count, float64 scale
 LOG2_ZERO = -(1 << 30)  # same sentinel as VGC_LOG2_ZERO in the kernels
 
+#: the constants above under the names the C++/CUDA sources ``#define``
+#: them (``kernels/vgc_host.cpp``, ``kernels/vgc_numerics.cuh``)
+C_CONSTANTS = collections.OrderedDict([
+    ('VGC_MAGIC', MAGIC),
+    ('VGC_FMT_POW2', FMT_POW2),
+    ('VGC_FMT_RAW', FMT_RAW),
+    ('VGC_FMT_QSGD', FMT_QSGD),
+    ('VGC_HEADER_WORDS', HEADER_WORDS),
+    ('VGC_INDEX_BITS', INDEX_BITS),
+    ('VGC_INDEX_MASK', MAX_INDEX - 1),
+    ('VGC_MAX_D', MAX_D),
+    ('VGC_LOG2_ZERO', LOG2_ZERO),
+    ('VGC_RAW_DENSE', RAW_DENSE),
+    ('VGC_RAW_FLOAT64', RAW_FLOAT64),
+    ('VGC_QSGD_OFFSET_BITS', QSGD_OFFSET_BITS),
+    ('VGC_QSGD_RECORD_WORDS', QSGD_RECORD_WORDS),
+])
+#: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
+KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
+                    'VGC_MAX_D')
+
 _TRAITS = {
     # dtype: (unsigned view, mantissa bits, bias, sign shift)
     numpy.dtype(numpy.float32): (numpy.uint32, 23, 127, 31),
@@ -68,7 +97,10 @@ class WireFormatError(ValueError):
 
 Group = collections.namedtuple(
     'Group', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body'])
-Group.__doc__ = 'One tensor\'s part of a message (header fields + body).'
+Group.__doc__ = (
+    'One tensor\'s part of a message: the header fields and the body words '
+    '(built by the ``*_group`` functions for :func:`pack`; a view of the '
+    'received message when read back).')
 
 Decoded = collections.namedtuple('Decoded', ['tensor_id', 'index', 'value'])
 
@@ -108,7 +140,7 @@ def floor_log2(x):
     return LOG2_ZERO if field == 0 else field - bias
 
 
-# ---- FMT_POW2 ---------------------------------------------------------------
+# ---- FMT_POW2: quantization and group builders -------------------------------
 
 def pow2_encode(values, index, e_k):
     """Quantize ``values`` against e_k and pack them with ``index``.
@@ -145,7 +177,7 @@ def pow2_decode(words, e_k, scale, dtype):
     """
     dtype = numpy.dtype(dtype)
     _traits(dtype)
-    scale = dtype.type(numpy.float32(scale))
+    scale = wire_scale(scale, dtype)
     xp = backend.get_array_module(words)
     if backend.is_cupy(xp):
         # S appears only on a scalar: CuPy needs the outputs to deduce it
@@ -163,10 +195,15 @@ def pow2_table(e_k, scale, dtype):
     """The 16 values a FMT_POW2 word can stand for, indexed by its top 4
     bits (sign, d): ``sign * scale * 2**(e_k - d)`` in ``dtype``."""
     dtype = numpy.dtype(dtype)
-    mags = numpy.ldexp(numpy.full(8, dtype.type(numpy.float32(scale)),
-                                  dtype=dtype),
+    mags = numpy.ldexp(numpy.full(8, wire_scale(scale, dtype), dtype=dtype),
                        e_k - numpy.arange(8, dtype=numpy.int32))
     return numpy.concatenate([mags, -mags])
+
+
+def wire_scale(scale, dtype):
+    """A FMT_POW2 ``scale`` as receivers decode it (float32, the header
+    word), in ``dtype``: what a sender that keeps a residual subtracts."""
+    return numpy.dtype(dtype).type(numpy.float32(scale))
 
 
 def pow2_group(tensor_id, words, e_k, scale=1.0):
@@ -175,7 +212,19 @@ def pow2_group(tensor_id, words, e_k, scale=1.0):
                  int(e_k) & 0xFFFFFFFF, _f32_bits(scale), words)
 
 
-# ---- FMT_RAW ----------------------------------------------------------------
+def pow2_sign_group(tensor_id, sign, tau, dtype):
+    """A FMT_POW2 group of ``sign * tau`` (e_k 0, d 0, scale tau: Strom,
+    hybrid) for the nonzero entries of ``sign`` (+1, -1, 0), or None when
+    there is none; ``dtype`` is the state dtype."""
+    xp = backend.get_array_module(sign)
+    index = xp.nonzero(sign)[0]
+    if index.size == 0:
+        return None
+    words, _ = pow2_encode(sign[index].astype(dtype), index, 0)
+    return pow2_group(tensor_id, words, 0, scale=tau)
+
+
+# ---- FMT_RAW and FMT_QSGD group builders ------------------------------------
 
 def raw_group(tensor_id, index, values, size):
     """Unquantized values; dense (no index words) when all ``size`` are sent.
@@ -197,8 +246,6 @@ def raw_group(tensor_id, index, values, size):
     return Group(int(tensor_id), FMT_RAW, int(values.size), flags, 0,
                  xp.concatenate(parts))
 
-
-# ---- FMT_QSGD ---------------------------------------------------------------
 
 def qsgd_group(tensor_id, level, negative, scales, bucket_size, levels):
     """Pack QSGD levels (0..levels) of one tensor, bucket by bucket.
@@ -234,6 +281,192 @@ def _run_lengths(sorted_values, xp):
     counts = xp.diff(xp.concatenate(
         [pos, xp.full(1, sorted_values.size, dtype=pos.dtype)]))
     return sorted_values[pos], counts
+
+
+# ---- the wire formats --------------------------------------------------------
+# Each format's functions take a Group ``g`` read from a message (``g.body``:
+# its body words, host or device):
+#   body_words(g)              body length in words, from the header
+#   check(g, size)             header checks (``size``: the receiving tensor's
+#                              elements, None when unknown)
+#   decode(g, size, dtype, xp) (index, value in ``dtype``), every word and
+#                              value checked (:func:`unpack`)
+#   values(g, size, dtype, xp) (index or None when the group is dense, value
+#                              in ``dtype`` or as sent), nothing checked and
+#                              nothing read back (:func:`add_validated`)
+
+WireFormat = collections.namedtuple(
+    'WireFormat', ['code', 'name', 'a', 'b', 'body', 'body_words', 'check',
+                   'decode', 'values'])
+WireFormat.__doc__ = ('One wire format: its code and name, the meaning of '
+                      'header fields ``a``, ``b`` and of the body, and its '
+                      'functions (see the comment above this class).')
+
+
+def _where(g):
+    return 'chainer_vgc wire message, group for tensor {}: '.format(
+        g.tensor_id)
+
+
+def _no_check(g, size):
+    pass
+
+
+def _pow2_header(g):
+    """(e_k, float32 scale) of a FMT_POW2 header."""
+    return (int(numpy.uint32(g.a).view(numpy.int32)),
+            numpy.uint32(g.b).view(numpy.float32))
+
+
+def _pow2_decode(g, size, dtype, xp):
+    e_k, scale = _pow2_header(g)
+    fi = numpy.finfo(dtype)
+    if not (numpy.isfinite(scale) and scale > 0
+            and fi.minexp <= e_k <= fi.maxexp - 1):
+        raise WireFormatError(_where(g) + 'exponent {} or scale {} out of '
+                              'range for {}'.format(e_k, scale, dtype))
+    # every value is one of these 16: check them, not each value
+    table = pow2_table(e_k, scale, dtype)
+    if not (numpy.isfinite(table).all() and (table != 0).all()):
+        raise WireFormatError(_where(g) + 'values out of range')
+    index, value = pow2_decode(g.body, e_k, scale, dtype)
+    _check_index(index, size, g)
+    return index, value
+
+
+def _pow2_values(g, size, dtype, xp):
+    e_k, scale = _pow2_header(g)
+    return pow2_decode(g.body, e_k, scale, dtype)
+
+
+def _raw_check(g, size):
+    if g.a & ~(RAW_DENSE | RAW_FLOAT64):
+        raise WireFormatError(_where(g) + 'unknown raw flags')
+    if g.a & RAW_DENSE and size is not None and g.count != size:
+        raise WireFormatError(_where(g) + 'dense group with {} of {} '
+                              'elements'.format(g.count, size))
+
+
+def _raw_body_words(g):
+    return (0 if g.a & RAW_DENSE else g.count) + g.count * (
+        2 if g.a & RAW_FLOAT64 else 1)
+
+
+def _raw_values(g, size, dtype, xp):
+    """(index words as int64, or None when dense; the values as sent)."""
+    if g.a & RAW_DENSE:
+        index, vals = None, g.body
+    else:
+        index, vals = g.body[:g.count].astype(numpy.int64), g.body[g.count:]
+    # copy: a float64 view must start on an 8-byte boundary (GPUs fault on
+    # misaligned loads) and the body may start at any word
+    wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
+                            else numpy.float32)
+    return index, wire  # cast by the caller
+
+
+def _raw_decode(g, size, dtype, xp):
+    """Every value must be finite on the wire and once cast to ``dtype``
+    (1e300 sent as float64 overflows float32)."""
+    index, wire = _raw_values(g, size, dtype, xp)
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        value = wire.astype(dtype, copy=False)
+    _check_finite(value, wire, g, dtype, xp)
+    if index is None:
+        index = xp.arange(size, dtype=numpy.int64)
+    else:
+        _check_index(index, size, g)
+    return index, value
+
+
+def _qsgd_check(g, size):
+    if (g.a == 0 or g.a > g.count or (g.b & 0xFFFFFF) == 0
+            or (g.b >> 24) == 0):
+        raise WireFormatError(_where(g) + 'bad QSGD header')
+
+
+def _qsgd_body_words(g):
+    return QSGD_RECORD_WORDS * g.a + g.count
+
+
+def _qsgd_split(g):
+    """(records as rows of 4 words, offset and level (int64), negative
+    (bool)) of a FMT_QSGD body."""
+    n_rec = g.a
+    rec = g.body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec,
+                                                     QSGD_RECORD_WORDS)
+    words = g.body[QSGD_RECORD_WORDS * n_rec:]
+    offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
+    level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
+             & numpy.uint32(0xFF)).astype(numpy.int64)
+    return rec, offset, level, (words >> numpy.uint32(31)) != 0
+
+
+def _qsgd_decode(g, size, dtype, xp):
+    levels, bucket = g.b >> 24, g.b & 0xFFFFFF
+    rec, offset, level, negative = _qsgd_split(g)
+    host = backend.to_numpy(rec)
+    ids, counts = host[:, 0].astype(numpy.int64), host[:, 1].astype(numpy.int64)
+    scales = numpy.ascontiguousarray(host[:, 2:]).view(numpy.float64)[:, 0]
+    if (int(counts.sum()) != g.count or (counts == 0).any()
+            or (numpy.diff(ids) <= 0).any() or ids[-1] * bucket >= size
+            or not (numpy.isfinite(scales) & (scales > 0)).all()):
+        raise WireFormatError(_where(g) + 'bad QSGD bucket records')
+    if bool((offset >= bucket).any()) or bool((level > levels).any()):
+        raise WireFormatError(_where(g) + 'QSGD offset or level out of range')
+    per_word = xp.asarray(numpy.repeat(numpy.arange(g.a), counts))
+    index = xp.asarray(ids)[per_word] * bucket + offset
+    # level * scale in float64, then cast: both steps may overflow
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        mag = level * xp.asarray(scales)[per_word]
+        value = xp.where(negative, -mag, mag)
+        value = value.astype(dtype)
+    _check_finite(value, None, g, dtype, xp)
+    _check_index(index, size, g)
+    return index, value
+
+
+def _qsgd_values(g, size, dtype, xp):
+    """value = sign * level * scale in float64, computed where the body
+    lives (no record is read back), cast to the state dtype by the caller,
+    as :func:`_qsgd_decode` does."""
+    bucket = g.b & 0xFFFFFF
+    rec, offset, level, negative = _qsgd_split(g)
+    ids = rec[:, 0].astype(numpy.int64)
+    ends = xp.cumsum(rec[:, 1].astype(numpy.int64))
+    # a copy: the float64 view must start on an 8-byte boundary (the body
+    # may start at any word; a GPU faults on a misaligned load)
+    scales = rec[:, 2:].copy().view(numpy.float64).reshape(-1)
+    per_word = xp.searchsorted(ends, xp.arange(g.count, dtype=numpy.int64),
+                               side='right')
+    index = ids[per_word] * bucket + offset
+    mag = level * scales[per_word]  # float64: no flushing on a GPU
+    return index, xp.where(negative, -mag, mag)
+
+
+#: code -> :class:`WireFormat`
+FORMATS = collections.OrderedDict((f.code, f) for f in [
+    WireFormat(FMT_POW2, 'pow2',
+               a='e_k (int32)', b='float32 bits of scale',
+               body='count words sign(1) | d(3) | index(28); value = '
+                    'sign * scale * 2**(e_k - d)',
+               body_words=lambda g: g.count, check=_no_check,
+               decode=_pow2_decode, values=_pow2_values),
+    WireFormat(FMT_RAW, 'raw',
+               a='flags: RAW_DENSE (no index words), RAW_FLOAT64', b='0',
+               body='count index words (unless dense), then count float32 '
+                    'or float64 values',
+               body_words=_raw_body_words, check=_raw_check,
+               decode=_raw_decode, values=_raw_values),
+    WireFormat(FMT_QSGD, 'qsgd',
+               a='number of bucket records',
+               b='levels << 24 | bucket size',
+               body='records (bucket id, count, float64 scale), then count '
+                    'words sign(1) | level(8) | offset-in-bucket(23); value '
+                    '= sign * level * scale',
+               body_words=_qsgd_body_words, check=_qsgd_check,
+               decode=_qsgd_decode, values=_qsgd_values),
+])
 
 
 # ---- message ----------------------------------------------------------------
@@ -293,32 +526,11 @@ def unpack(message, sizes, dtypes):
     device (headers are read on the host).
     """
     xp = backend.get_array_module(message)
-    host = backend.to_numpy(message)
     out = []
-    for g in _walk(host, sizes):
-        dtype = backend.state_dtype(dtypes[g.tensor_id])
-        body = message[g.body[0]:g.body[1]]
-        size = sizes[g.tensor_id]
-        if g.fmt == FMT_POW2:
-            e_k = int(numpy.uint32(g.a).view(numpy.int32))
-            scale = numpy.uint32(g.b).view(numpy.float32)
-            fi = numpy.finfo(dtype)
-            if not (numpy.isfinite(scale) and scale > 0
-                    and fi.minexp <= e_k <= fi.maxexp - 1):
-                raise WireFormatError(_where(g) + 'exponent {} or scale {} '
-                                      'out of range for {}'.format(
-                                          e_k, scale, dtype))
-            table = pow2_table(e_k, scale, dtype)
-            # every value is one of these 16: check them, not each value
-            if not (numpy.isfinite(table).all() and (table != 0).all()):
-                raise WireFormatError(_where(g) + 'values out of range')
-            index, value = pow2_decode(body, e_k, scale, dtype)
-        elif g.fmt == FMT_RAW:
-            index, value = _raw_decode(body, g, size, dtype, xp)
-        else:
-            index, value = _qsgd_decode(body, g, size, dtype, xp)
-        if g.fmt != FMT_RAW or not g.a & RAW_DENSE:
-            _check_index(index, size, g)
+    for g in _walk(backend.to_numpy(message), sizes, message):
+        index, value = FORMATS[g.fmt].decode(
+            g, sizes[g.tensor_id], backend.state_dtype(dtypes[g.tensor_id]),
+            xp)
         out.append(Decoded(g.tensor_id, index, value))
     return out
 
@@ -350,19 +562,12 @@ def add_validated(host, device, outs, sizes):
     :func:`decode_into`, bit for bit.  Returns the number of elements."""
     xp = backend.get_array_module(device)
     n = 0
-    for g in _walk(host, sizes):
+    for g in _walk(host, sizes, device):
         out = outs[g.tensor_id]
-        body = device[g.body[0]:g.body[1]]
-        if g.fmt == FMT_POW2:
-            e_k = int(numpy.uint32(g.a).view(numpy.int32))
-            scale = numpy.uint32(g.b).view(numpy.float32)
-            index, value = pow2_decode(body, e_k, scale, out.dtype)
-        elif g.fmt == FMT_RAW:
-            index, value = _raw_values(body, g, sizes[g.tensor_id], xp)
-        else:
-            index, value = _qsgd_values(body, g, xp)
+        index, value = FORMATS[g.fmt].values(g, sizes[g.tensor_id],
+                                             out.dtype, xp)
         value = kernels.cast(value, out.dtype)
-        if g.fmt == FMT_RAW and g.a & RAW_DENSE:
+        if index is None:  # dense
             kernels.add_into(out, value)
         else:  # indices are unique: gather, add, scatter back
             part = out[index]
@@ -372,53 +577,10 @@ def add_validated(host, device, outs, sizes):
     return n
 
 
-
-def _raw_values(body, g, size, xp):
-    """(index, value as sent) of a FMT_RAW body."""
-    if g.a & RAW_DENSE:
-        index = xp.arange(size, dtype=numpy.int64)
-        vals = body
-    else:
-        index = body[:g.count].astype(numpy.int64)
-        vals = body[g.count:]
-    wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
-                            else numpy.float32)
-    return index, wire  # cast by the caller
-
-
-def _qsgd_values(body, g, xp):
-    """(index, float64 value) of a FMT_QSGD body, computed where the body
-    lives (no record is read back): value = sign * level * scale, cast to
-    the state dtype by the caller, as :func:`_qsgd_decode` does."""
-    n_rec, bucket = g.a, g.b & 0xFFFFFF
-    rec = body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec, QSGD_RECORD_WORDS)
-    words = body[QSGD_RECORD_WORDS * n_rec:]
-    ids = rec[:, 0].astype(numpy.int64)
-    ends = xp.cumsum(rec[:, 1].astype(numpy.int64))
-    # a copy: the float64 view must start on an 8-byte boundary (the body
-    # may start at any word; a GPU faults on a misaligned load)
-    scales = rec[:, 2:].copy().view(numpy.float64).reshape(-1)
-    per_word = xp.searchsorted(ends, xp.arange(g.count, dtype=numpy.int64),
-                               side='right')
-    offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
-    level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
-             & numpy.uint32(0xFF)).astype(numpy.int64)
-    index = ids[per_word] * bucket + offset
-    mag = level * scales[per_word]  # float64: no flushing on a GPU
-    return index, xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-
-
-_Span = collections.namedtuple(
-    '_Span', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body'])
-
-
-def _where(g):
-    return 'chainer_vgc wire message, group for tensor {}: '.format(
-        g.tensor_id)
-
-
-def _walk(m, sizes):
-    """Validate the message structure; yield header fields and body spans."""
+def _walk(m, sizes, words=None):
+    """Validate the structure of the host message ``m``; yield a
+    :class:`Group` per group, its body a view of ``words`` (the same
+    message, e.g. on the device; default ``m``)."""
     if m.ndim != 1 or m.dtype != numpy.uint32:
         raise WireFormatError('chainer_vgc wire message must be a 1-D uint32 '
                               'array, got shape {} dtype {}'.format(
@@ -427,48 +589,37 @@ def _walk(m, sizes):
         raise WireFormatError('chainer_vgc wire message: missing header '
                               '(bad magic or fewer than 2 words); the buffer '
                               'is truncated or not a chainer_vgc message')
+    words = m if words is None else words
     n_groups = int(m[1])
     pos, last = 2, -1
     for _ in range(n_groups):
         if pos + HEADER_WORDS > m.size:
             raise WireFormatError('chainer_vgc wire message truncated in a '
                                   'group header at word {}'.format(pos))
-        tid, fmt, count, a, b = (int(w) for w in m[pos:pos + HEADER_WORDS])
+        g = Group(*(int(w) for w in m[pos:pos + HEADER_WORDS]), body=None)
         pos += HEADER_WORDS
-        g = _Span(tid, fmt, count, a, b, None)
-        if tid <= last:
+        if g.tensor_id <= last:
             raise WireFormatError(_where(g) + 'tensor ids not increasing')
-        last = tid
-        if sizes is not None and tid >= len(sizes):
+        last = g.tensor_id
+        if sizes is not None and g.tensor_id >= len(sizes):
             raise WireFormatError(
                 _where(g) + 'the model has only {} tensors; sender and '
                 'receiver must use the same model'.format(len(sizes)))
-        size = sizes[tid] if sizes is not None else None
-        if count == 0 or (size is not None and count > size):
+        size = sizes[g.tensor_id] if sizes is not None else None
+        if g.count == 0 or (size is not None and g.count > size):
             raise WireFormatError(_where(g) + 'count {} invalid for a tensor '
-                                  'of {} elements'.format(count, size))
-        if fmt == FMT_POW2:
-            length = count
-        elif fmt == FMT_RAW:
-            if a & ~(RAW_DENSE | RAW_FLOAT64):
-                raise WireFormatError(_where(g) + 'unknown raw flags')
-            if a & RAW_DENSE and size is not None and count != size:
-                raise WireFormatError(_where(g) + 'dense group with {} of {} '
-                                      'elements'.format(count, size))
-            length = (0 if a & RAW_DENSE else count) + count * (
-                2 if a & RAW_FLOAT64 else 1)
-        elif fmt == FMT_QSGD:
-            bucket = b & 0xFFFFFF
-            if a == 0 or a > count or bucket == 0 or (b >> 24) == 0:
-                raise WireFormatError(_where(g) + 'bad QSGD header')
-            length = QSGD_RECORD_WORDS * a + count
-        else:
-            raise WireFormatError(_where(g) + 'unknown format {}'.format(fmt))
+                                  'of {} elements'.format(g.count, size))
+        form = FORMATS.get(g.fmt)
+        if form is None:
+            raise WireFormatError(_where(g) + 'unknown format {}'.format(
+                g.fmt))
+        form.check(g, size)
+        length = form.body_words(g)
         if pos + length > m.size:
             raise WireFormatError(_where(g) + 'body of {} words runs past the '
                                   'end of the message ({} words); truncated'
                                   .format(length, m.size))
-        yield g._replace(body=(pos, pos + length))
+        yield g._replace(body=words[pos:pos + length])
         pos += length
     if pos != m.size:
         raise WireFormatError('chainer_vgc wire message: {} trailing words '
@@ -487,54 +638,6 @@ def _check_finite(value, wire, g, dtype, xp):
         numpy.dtype(dtype)))
 
 
-def _raw_decode(body, g, size, dtype, xp):
-    """(index, value in ``dtype``); every value must be finite on the wire
-    and once cast to ``dtype`` (1e300 sent as float64 overflows float32)."""
-    count = g.count
-    if g.a & RAW_DENSE:
-        index = xp.arange(size, dtype=numpy.int64)
-        vals = body
-    else:
-        index = body[:count].astype(numpy.int64)
-        vals = body[count:]
-    # copy: a float64 view must start on an 8-byte boundary (GPUs fault on
-    # misaligned loads) and the body may start at any word
-    wire = vals.copy().view(numpy.float64 if g.a & RAW_FLOAT64
-                            else numpy.float32)
-    with numpy.errstate(over='ignore', invalid='ignore'):
-        value = wire.astype(dtype, copy=False)
-    _check_finite(value, wire, g, dtype, xp)
-    return index, value
-
-
-def _qsgd_decode(body, g, size, dtype, xp):
-    n_rec = g.a
-    levels, bucket = g.b >> 24, g.b & 0xFFFFFF
-    rec = body[:QSGD_RECORD_WORDS * n_rec].reshape(n_rec, QSGD_RECORD_WORDS)
-    words = body[QSGD_RECORD_WORDS * n_rec:]
-    host = backend.to_numpy(rec)
-    ids, counts = host[:, 0].astype(numpy.int64), host[:, 1].astype(numpy.int64)
-    scales = numpy.ascontiguousarray(host[:, 2:]).view(numpy.float64)[:, 0]
-    if (int(counts.sum()) != g.count or (counts == 0).any()
-            or (numpy.diff(ids) <= 0).any() or ids[-1] * bucket >= size
-            or not (numpy.isfinite(scales) & (scales > 0)).all()):
-        raise WireFormatError(_where(g) + 'bad QSGD bucket records')
-    offset = (words & numpy.uint32(MAX_QSGD_BUCKET - 1)).astype(numpy.int64)
-    level = ((words >> numpy.uint32(QSGD_OFFSET_BITS))
-             & numpy.uint32(0xFF)).astype(numpy.int64)
-    if bool((offset >= bucket).any()) or bool((level > levels).any()):
-        raise WireFormatError(_where(g) + 'QSGD offset or level out of range')
-    per_word = xp.asarray(numpy.repeat(numpy.arange(n_rec), counts))
-    index = xp.asarray(ids)[per_word] * bucket + offset
-    # level * scale in float64, then cast: both steps may overflow
-    with numpy.errstate(over='ignore', invalid='ignore'):
-        mag = level * xp.asarray(scales)[per_word]
-        value = xp.where((words >> numpy.uint32(31)) != 0, -mag, mag)
-        value = value.astype(dtype)
-    _check_finite(value, None, g, dtype, xp)
-    return index, value
-
-
 def _check_index(index, size, g):
     """Indices must be in range and strictly increasing (senders emit them
     sorted and unique; a duplicate would silently lose an addition)."""
@@ -549,3 +652,82 @@ def _check_index(index, size, g):
 
 def _f32_bits(x):
     return int(numpy.array(x, dtype=numpy.float32).view(numpy.uint32))
+
+
+# ---- constants shared with the C++/CUDA sources ------------------------------
+
+_DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
+                     re.MULTILINE)
+_C_INT = re.compile(r'\b(0[xX][0-9a-fA-F]+|[0-9]+)[uUlL]*\b')
+_C_OPS = {
+    ast.USub: lambda x: -x, ast.UAdd: lambda x: x, ast.Invert: lambda x: ~x,
+    ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y,
+    ast.Mult: lambda x, y: x * y, ast.LShift: lambda x, y: x << y,
+    ast.RShift: lambda x, y: x >> y, ast.BitOr: lambda x, y: x | y,
+    ast.BitAnd: lambda x, y: x & y, ast.BitXor: lambda x, y: x ^ y,
+}
+
+
+def _c_literal(m):
+    digits = m.group(1)
+    if digits[:2] in ('0x', '0X'):
+        return str(int(digits, 16))
+    return str(int(digits, 8 if digits[0] == '0' else 10))
+
+
+def _c_int(expr):
+    """Value of a C integer constant expression (literals with ``u``/``l``
+    suffixes, parentheses, unary and binary arithmetic and bit operators,
+    taken as mathematical integers), or None for anything else."""
+    expr = re.sub(r'/\*.*?\*/|//.*$', ' ', expr).strip()
+    try:
+        tree = ast.parse(_C_INT.sub(_c_literal, expr), mode='eval').body
+    except (SyntaxError, ValueError):  # ValueError: a bad octal literal
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _C_OPS:
+            return _C_OPS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _C_OPS:
+            return _C_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(node)
+    try:
+        return value(tree)
+    except ValueError:
+        return None
+
+
+def check_kernel_constants(source_text, names=KERNEL_CONSTANTS):
+    """Check the ``#define VGC_...`` lines of a C++/CUDA source against
+    codec: ``source_text`` (``kernels/vgc_numerics.cuh``, as
+    :func:`chainer_vgc.kernels.source` reads it, for the default ``names``)
+    must define each of ``names`` (keys of :data:`C_CONSTANTS`) as an
+    integer constant expression equal to codec's value, every time it
+    defines it.
+
+    Returns ``{name: value}``; raises RuntimeError listing every constant
+    that is missing, not an integer expression, or different.
+    """
+    found = collections.OrderedDict()
+    problems = []
+    for m in _DEFINE.finditer(source_text):
+        name, value = m.group(1), _c_int(m.group(2))
+        if name not in names:
+            continue
+        want = C_CONSTANTS[name]
+        if value is None:
+            problems.append('{} is not an integer constant ({!r})'.format(
+                name, m.group(2).strip()))
+        elif value != want:
+            problems.append('{} = {}, chainer_vgc.codec has {}'.format(
+                name, value, want))
+        found[name] = value
+    problems += ['{} is not defined'.format(n) for n in names
+                 if n not in found]
+    if problems:
+        raise RuntimeError(
+            'chainer_vgc: the kernel source and chainer_vgc.codec disagree '
+            'on wire-format constants: {}'.format('; '.join(problems)))
+    return found

@@ -181,15 +181,21 @@ def isa():
     return load().vgc_native_isa().decode()
 
 
+#: what ``vgc_native_constants()`` writes, in order (``kernels/vgc_host.cpp``
+#: and the ``vgc_numerics.cuh`` it includes), by their names in
+#: :data:`chainer_vgc.codec.C_CONSTANTS`
+CONSTANTS = ('VGC_MAGIC', 'VGC_FMT_POW2', 'VGC_FMT_RAW', 'VGC_FMT_QSGD',
+             'VGC_HEADER_WORDS', 'VGC_INDEX_BITS', 'VGC_MAX_D',
+             'VGC_LOG2_ZERO', 'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64',
+             'VGC_QSGD_OFFSET_BITS', 'VGC_QSGD_RECORD_WORDS')
+
+
 def _check_constants(lib):
-    """The wire-format constants of the C++ file equal codec's."""
+    """The wire-format constants compiled into the library equal codec's."""
     from chainer_vgc import codec
-    got = numpy.zeros(12, dtype=numpy.int64)
+    got = numpy.zeros(len(CONSTANTS), dtype=numpy.int64)
     lib.vgc_native_constants(got.ctypes.data)
-    want = [codec.MAGIC, codec.FMT_POW2, codec.FMT_RAW, codec.FMT_QSGD,
-            codec.HEADER_WORDS, codec.INDEX_BITS, codec.MAX_D,
-            codec.LOG2_ZERO, codec.RAW_DENSE, codec.RAW_FLOAT64,
-            codec.QSGD_OFFSET_BITS, codec.QSGD_RECORD_WORDS]
+    want = [codec.C_CONSTANTS[name] for name in CONSTANTS]
     if got.tolist() != want:
         raise NativeBackendError(
             'chainer_vgc: wire-format constants of the native backend {} '

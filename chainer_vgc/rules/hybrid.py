@@ -1,4 +1,5 @@
-"""Hybrid of variance-based compression and Strom's method, Fig. "Hybrid".
+"""Hybrid of variance-based compression and Strom's method: Fig. "Hybrid",
+Sec. 4.5 of the paper.
 
 Per element, with tau the Strom threshold::
 
@@ -16,8 +17,9 @@ with the reduced r, which adds 2 tau**2 more than the derivation and is not
 (a - b)**2 of anything; we take it for a transcription slip.
 
 The value on the wire is float32(tau) (FMT_POW2 with e_k = 0, d = 0,
-scale = tau), and r is reduced by exactly that value, so the residual and
-what receivers add agree.
+scale = tau: :func:`chainer_vgc.codec.pow2_sign_group`), and r is reduced by
+exactly that value (:func:`chainer_vgc.codec.wire_scale`), so the residual
+and what receivers add agree.
 """
 
 import numpy
@@ -29,23 +31,8 @@ from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
-def wire_tau(tau, dtype):
-    """tau as receivers decode it (float32), in the state dtype."""
-    return dtype.type(numpy.float32(tau))
-
-
-def encode_signs(tensor_id, sign, tau, dtype):
-    """FMT_POW2 group of +-tau for the nonzero entries of ``sign``."""
-    xp = backend.get_array_module(sign)
-    index = xp.nonzero(sign)[0]
-    if index.size == 0:
-        return None
-    words, _ = codec.pow2_encode(sign[index].astype(dtype), index, 0)
-    return codec.pow2_group(tensor_id, words, 0, scale=tau)
-
-
 class Hybrid(base.CompressionRule):
-    """Fig. "Hybrid": alpha > 0, zeta in (0, 1], tau > 0."""
+    """Fig. "Hybrid" (Sec. 4.5): alpha > 0, zeta in (0, 1], tau > 0."""
 
     name = 'hybrid'
     needs_sqsum = True
@@ -74,7 +61,7 @@ class Hybrid(base.CompressionRule):
         r, v = state['r'], state['v']
         dt = r.dtype
         alpha, zeta = dt.type(self.alpha), dt.type(self.zeta)
-        tau = wire_tau(self.tau, dt)
+        tau = codec.wire_scale(self.tau, dt)
         xp = backend.get_array_module(r)
         if backend.is_cupy(xp):
             sign = xp.empty(r.shape, dtype=numpy.int8)
@@ -99,4 +86,5 @@ class Hybrid(base.CompressionRule):
 
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, sqsum, state)
-        return encode_signs(tensor_id, sign, self.tau, state['r'].dtype)
+        return codec.pow2_sign_group(tensor_id, sign, self.tau,
+                                     state['r'].dtype)

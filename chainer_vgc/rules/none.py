@@ -1,4 +1,5 @@
-"""No compression: every element is sent exactly (dense FMT_RAW group)."""
+"""No compression, the paper's Table 1 baseline: every element is sent
+exactly (dense FMT_RAW group)."""
 
 from chainer_vgc import backend
 from chainer_vgc import codec

@@ -23,7 +23,8 @@ from chainer_vgc.rules import base
 
 
 class QSGD(base.CompressionRule):
-    """bits in 1..8, bucket in 1..2**23, seed: int or None."""
+    """QSGD, the paper's Table 1 baseline: bits in 1..8, bucket in
+    1..2**23, seed: int or None."""
 
     name = 'qsgd'
     uses_index_words = False
@@ -38,6 +39,9 @@ class QSGD(base.CompressionRule):
         #: the GPU stream: entropy of the seed, and the step it is at
         self._entropy = numpy.random.SeedSequence(seed).entropy
         self._step = 0
+        #: dtype -> buffer of the native path's uniform draws, grown to the
+        #: largest parameter
+        self._draws = {}
 
     def _rng(self, xp):
         key = xp.__name__
@@ -80,10 +84,9 @@ class QSGD(base.CompressionRule):
         (``kernels/vgc_host.cpp``); the uniform draws come from the same
         NumPy generator, into a buffer kept between steps."""
         dtype = backend.state_dtype(grad.dtype)
-        draws = self.__dict__.setdefault('_draws', {})
-        buf = draws.get(dtype)
+        buf = self._draws.get(dtype)
         if buf is None or buf.size < grad.size:
-            buf = draws[dtype] = numpy.empty(grad.size, dtype)
+            buf = self._draws[dtype] = numpy.empty(grad.size, dtype)
         u = buf[:grad.size]
         self._rng(numpy).random(dtype=dtype, out=u)
         return native.compress_qsgd(ws, tensor_id, grad, u, self.bucket,

@@ -1,8 +1,11 @@
-"""Strom (2015) threshold quantization, a baseline of the paper's tables.
+"""Strom (2015) threshold quantization: a baseline of the paper's Table 1,
+and the threshold that Fig. "Hybrid" (Sec. 4.5) combines with the variance
+criterion.
 
 Per element: r += g; if |r| > tau, send sign(r) * tau and r -= sign(r) * tau.
-The residual is kept; no variance is used.  Values on the wire as in
-:mod:`chainer_vgc.rules.hybrid` (float32(tau), FMT_POW2).
+The residual is kept; no variance is used.  Values on the wire as for the
+hybrid rule: float32(tau) (:func:`chainer_vgc.codec.wire_scale`), in a
+FMT_POW2 group (:func:`chainer_vgc.codec.pow2_sign_group`).
 """
 
 import numpy
@@ -12,12 +15,10 @@ from chainer_vgc import codec
 from chainer_vgc import kernels
 from chainer_vgc import native
 from chainer_vgc.rules import base
-from chainer_vgc.rules.hybrid import encode_signs
-from chainer_vgc.rules.hybrid import wire_tau
 
 
 class Strom(base.CompressionRule):
-    """Threshold tau > 0."""
+    """Strom's threshold (the paper's Table 1 baseline): tau > 0."""
 
     name = 'strom'
 
@@ -39,7 +40,7 @@ class Strom(base.CompressionRule):
     def step(self, grad, state):
         """Accumulate and threshold; returns int8 signs (+1, -1, 0)."""
         r = state['r']
-        tau = wire_tau(self.tau, r.dtype)
+        tau = codec.wire_scale(self.tau, r.dtype)
         xp = backend.get_array_module(r)
         if backend.is_cupy(xp):
             sign = xp.empty(r.shape, dtype=numpy.int8)
@@ -55,4 +56,5 @@ class Strom(base.CompressionRule):
 
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, state)
-        return encode_signs(tensor_id, sign, self.tau, state['r'].dtype)
+        return codec.pow2_sign_group(tensor_id, sign, self.tau,
+                                     state['r'].dtype)

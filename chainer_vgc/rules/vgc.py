@@ -31,8 +31,8 @@ from chainer_vgc.rules import base
 
 
 class VGC(base.CompressionRule):
-    """Fig. "Basic".  alpha > 0 (1-2 recommended, Sec. 4.4), zeta in (0, 1]
-    (0.999 in the paper's experiments)."""
+    """Fig. "Basic" (Sec. 4.1-4.4).  alpha > 0 (1-2 recommended, Sec. 4.4),
+    zeta in (0, 1] (0.999 in the paper's experiments)."""
 
     name = 'vgc'
     needs_sqsum = True
@@ -44,6 +44,9 @@ class VGC(base.CompressionRule):
         self.quantize = bool(quantize)
         self.keep_unrepresentable = bool(keep_unrepresentable)
         self.uses_index_words = self.quantize
+        #: dtype -> the two work arrays of :meth:`select` (NumPy path),
+        #: grown to the largest parameter (private: not a hyperparameter)
+        self._buffers = {}
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
@@ -65,10 +68,9 @@ class VGC(base.CompressionRule):
     def _scratch(self, like):
         """Two work arrays shaped like ``like``: views of buffers kept for
         the largest parameter, so the hot path allocates nothing."""
-        bufs = self.__dict__.setdefault('_buffers', {})
-        pair = bufs.get(like.dtype)
+        pair = self._buffers.get(like.dtype)
         if pair is None or pair[0].size < like.size:
-            pair = bufs[like.dtype] = (numpy.empty(like.size, like.dtype),
+            pair = self._buffers[like.dtype] = (numpy.empty(like.size, like.dtype),
                                        numpy.empty(like.size, like.dtype))
         return pair[0][:like.size], pair[1][:like.size]
 

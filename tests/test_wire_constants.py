@@ -1,0 +1,86 @@
+"""The wire-format constants that chainer_vgc.codec and the C++/CUDA sources
+both define agree: the ``#define VGC_...`` lines of kernels/vgc_numerics.cuh
+(the CuPy kernels' source) and kernels/vgc_host.cpp are parsed and compared
+with codec by :func:`chainer_vgc.codec.check_kernel_constants`; the native
+backend compares its compiled constants at load (tests/test_native.py)."""
+
+import os
+import re
+
+import pytest
+
+from chainer_vgc import codec
+from chainer_vgc import kernels
+from chainer_vgc import native
+
+
+def _replace_define(text, name, value):
+    """``text`` with ``#define name ...`` given ``value`` (once)."""
+    altered, n = re.subn(r'(#define {}[ \t]+).*'.format(name),
+                         lambda m: m.group(1) + value, text)
+    assert n == 1, name
+    return altered
+
+
+def test_kernel_source_matches_codec():
+    found = codec.check_kernel_constants(kernels.source())
+    assert found == {'VGC_INDEX_BITS': codec.INDEX_BITS,
+                     'VGC_INDEX_MASK': codec.MAX_INDEX - 1,
+                     'VGC_MAX_D': codec.MAX_D,
+                     'VGC_LOG2_ZERO': codec.LOG2_ZERO}
+
+
+def test_host_source_matches_codec():
+    path = os.path.join(kernels.source_dir(), 'vgc_host.cpp')
+    if not os.path.isfile(path):
+        pytest.skip('kernels/vgc_host.cpp is not shipped here')
+    with open(path) as f:
+        text = f.read()
+    names = [n for n in codec.C_CONSTANTS if n not in codec.KERNEL_CONSTANTS]
+    found = codec.check_kernel_constants(text, names)
+    assert sorted(found) == sorted(names)
+
+
+def test_every_native_constant_has_a_codec_value():
+    assert set(native.CONSTANTS) <= set(codec.C_CONSTANTS)
+
+
+@pytest.mark.parametrize('name,value', [
+    ('VGC_INDEX_BITS', '27'),
+    ('VGC_INDEX_MASK', '0x07FFFFFFu'),
+    ('VGC_MAX_D', '6'),
+    ('VGC_LOG2_ZERO', '(-(1 << 29))'),
+])
+def test_an_altered_kernel_constant_fails(name, value):
+    altered = _replace_define(kernels.source(), name, value)
+    with pytest.raises(RuntimeError,
+                       match=r'{} = .*chainer_vgc\.codec has'.format(name)):
+        codec.check_kernel_constants(altered)
+
+
+def test_a_missing_or_unparsable_kernel_constant_fails():
+    source = kernels.source()
+    missing = source.replace('#define VGC_MAX_D', '#define VGC_MAX_DD')
+    with pytest.raises(RuntimeError, match='VGC_MAX_D is not defined'):
+        codec.check_kernel_constants(missing)
+    odd = _replace_define(source, 'VGC_INDEX_BITS', 'sizeof(int) * 7')
+    with pytest.raises(RuntimeError,
+                       match='VGC_INDEX_BITS is not an integer constant'):
+        codec.check_kernel_constants(odd)
+
+
+def test_every_definition_is_checked():
+    # a second, conflicting definition (say, in another #if branch) fails
+    text = kernels.source() + '\n#define VGC_MAX_D 8\n'
+    with pytest.raises(RuntimeError, match='VGC_MAX_D = 8'):
+        codec.check_kernel_constants(text)
+
+
+@pytest.mark.parametrize('expr,value', [
+    ('28', 28), ('0x0FFFFFFFu', (1 << 28) - 1), ('(-(1 << 30))', -(1 << 30)),
+    ('7 /* d */', 7), ('7UL // d', 7), ('010', 8), ('~0 & 0xFF', 255),
+    ('__device__ __forceinline__', None), ('1.5', None), ('f(2)', None),
+    ('08', None),
+])
+def test_c_integer_expressions(expr, value):
+    assert codec._c_int(expr) == value
