@@ -10,25 +10,14 @@ costs).  Prints medians and the ratios ring/MPI and allreduce/ring.
 """
 
 import argparse
-import os
-import platform
-import time
 
 import numpy
 from mpi4py import MPI
 
 from chainer_vgc import transport
 
-
-def timed(comm, fn, repeat):
-    times = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    # the slowest rank decides each repetition
-    return float(numpy.median(numpy.max(comm.allgather(times), axis=0)))
+from bench_common import machine
+from bench_common import median_time
 
 
 def main():
@@ -41,10 +30,9 @@ def main():
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     if comm.rank == 0:
-        print('p={} ranks on {} cores, {}, MPI: {}, python {}, chunk {} '
-              'words'.format(comm.size, os.cpu_count(), platform.machine(),
-            MPI.Get_library_version().splitlines()[0].strip(),
-            platform.python_version(), args.chunk_words))
+        print('p={} ranks on {}, chunk {} words'.format(
+            comm.size, machine(numpy_version=False, mpi=True),
+            args.chunk_words))
         print('| bytes/rank | ring ms | MPI Allgatherv ms | Allreduce ms | '
               'ring / MPI | allreduce / ring |')
         print('|---:|---:|---:|---:|---:|---:|')
@@ -55,12 +43,13 @@ def main():
         send = numpy.arange(words, dtype=numpy.uint32) + comm.rank
         dense = numpy.ones(words, dtype=numpy.float32)
         counts = transport.exchange_counts(comm, words)
-        ring = timed(comm, lambda: transport.ring_allgatherv(
-            comm, send, args.chunk_words, counts=counts), repeat)
-        mpi = timed(comm, lambda: transport.mpi_allgatherv(
-            comm, send, counts=counts), repeat)
-        red = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, dense),
-                    repeat)
+        # each repetition: the slowest rank's time
+        ring = median_time(lambda: transport.ring_allgatherv(
+            comm, send, args.chunk_words, counts=counts), repeat, comm)
+        mpi = median_time(lambda: transport.mpi_allgatherv(
+            comm, send, counts=counts), repeat, comm)
+        red = median_time(lambda: comm.Allreduce(MPI.IN_PLACE, dense),
+                          repeat, comm)
         if comm.rank == 0:
             print('| {:,} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.2f} |'
                   .format(size, ring * 1e3, mpi * 1e3, red * 1e3,

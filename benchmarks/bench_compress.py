@@ -12,8 +12,6 @@ mean (chainer_vgc.communicator.mean_gradients).  Prints medians of
 
 import argparse
 import os
-import platform
-import time
 
 # One process, all cores: keep the OpenMP threads on distinct cores (on
 # some machines the scheduler otherwise leaves two on one core, halving
@@ -27,6 +25,11 @@ from chainer_vgc import GradientCompressor  # NOQA: E402
 from chainer_vgc import communicator  # NOQA: E402
 from chainer_vgc import native  # NOQA: E402
 
+from bench_common import hyperparameters  # NOQA: E402
+from bench_common import machine  # NOQA: E402
+from bench_common import median_time  # NOQA: E402
+from bench_common import timed  # NOQA: E402
+
 
 def shapes_for(total):
     """VGG-like tensor sizes adding up to ``total`` elements."""
@@ -39,15 +42,6 @@ def shapes_for(total):
         left -= n
         k += 1
     return [(n,) for n in sizes]
-
-
-def median_time(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(numpy.median(times))
 
 
 def main():
@@ -72,11 +66,9 @@ def main():
     src = numpy.concatenate([g.ravel() for g in grads])
     dst = numpy.empty_like(src)
     copy_t = median_time(lambda: numpy.copyto(dst, src), args.repeat)
-    print('machine: {} cores, {}, numpy {}, python {}; native build: {}, '
-          '{} threads, OMP_PROC_BIND={}'.format(
-              os.cpu_count(), platform.processor() or platform.machine(),
-              numpy.__version__, platform.python_version(), native.isa(),
-              native.num_threads(), os.environ.get('OMP_PROC_BIND')))
+    print('machine: {}; native build: {}, {} threads, OMP_PROC_BIND={}'
+          .format(machine(processor=True), native.isa(),
+                  native.num_threads(), os.environ.get('OMP_PROC_BIND')))
     print('{:,} float32 parameters in {} tensors ({:.0f} MB)'.format(
         args.params, len(shapes), src.nbytes / 1e6))
     print('numpy.copyto of the gradient bytes: {:.1f} ms'.format(
@@ -85,13 +77,12 @@ def main():
     print()
     names = [str(i) for i in range(len(shapes))]
     methods = args.methods.split(',')
-    kws = {'vgc': dict(alpha=2.0), 'hybrid': dict(alpha=2.0, tau=1e-2),
-           'strom': dict(tau=1e-2)}
 
     def compressor(method, backend):
         return GradientCompressor(method, names, shapes,
                                   [numpy.float32] * len(shapes),
-                                  backend=backend, **kws.get(method, {}))
+                                  backend=backend,
+                                  **hyperparameters(method))
 
     def time_compress(method, backend):
         """(median s, CPU s / wall s, density, 4 messages)."""
@@ -101,10 +92,9 @@ def main():
         times, cpu, sent, msgs = [], [], [], []
         for k in range(args.repeat):
             g = draws[k % len(draws)]
-            t0, c0 = time.perf_counter(), time.process_time()
-            m = comp.compress(g, sqs, copy=False)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
+            m, wall, busy = timed(comp.compress, g, sqs, copy=False)
+            times.append(wall)
+            cpu.append(busy)
             sent.append(comp.last_sent)
             msgs.append(m.copy())
         return (float(numpy.median(times)),

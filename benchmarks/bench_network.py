@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from chainer_vgc import costmodel  # NOQA: E402
 
+from bench_common import default  # NOQA: E402
+
 PREFIX = 'vgcb'
 MPI_ENV = {'MPIR_CVAR_CH4_NETMOD': 'ofi', 'FI_PROVIDER': 'tcp',
            'MPIR_CVAR_NOLOCAL': '1'}
@@ -191,8 +193,8 @@ def main():
     ap.add_argument('--warmup', type=int, default=100,
                     help='training steps before timing, so the residuals '
                     'reach the state of a real run')
-    ap.add_argument('--alpha', type=float, default=2.0)
-    ap.add_argument('--tau', type=float, default=0.01)
+    ap.add_argument('--alpha', type=float, default=default('alpha'))
+    ap.add_argument('--tau', type=float, default=default('tau'))
     ap.add_argument('--timeout', type=int, default=900,
                     help='seconds allowed for each training run')
     ap.add_argument('--dry-run', action='store_true',

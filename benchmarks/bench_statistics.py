@@ -10,9 +10,6 @@ peak of traced allocations (tracemalloc, which sees NumPy's buffers).
 """
 
 import argparse
-import os
-import platform
-import time
 import tracemalloc
 
 import chainer
@@ -22,6 +19,9 @@ import numpy
 from chainer_vgc.models import VGG
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
+
+from bench_common import machine
+from bench_common import timed
 
 
 def main():
@@ -62,16 +62,12 @@ def main():
         for mode in (False, True):
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
-            t0 = time.perf_counter()
-            step(mode)
-            times[mode].append(time.perf_counter() - t0)
+            times[mode].append(timed(step, mode)[1])
             peaks[mode] = max(peaks[mode],
                               tracemalloc.get_traced_memory()[1] - base)
     tracemalloc.stop()
     plain, with_stats = (float(numpy.median(times[m])) for m in (False, True))
-    print('machine: {} cores, {}, numpy {}, chainer {}, python {}'.format(
-        os.cpu_count(), platform.machine(), numpy.__version__,
-        chainer.__version__, platform.python_version()))
+    print('machine: ' + machine(chainer=True))
     print('VGG-like (App. D, width {}), {:,} parameters, batch {}, '
           '32x32x3, {} steps each (median), max_memory {} MiB'.format(
               args.width, n_params, b, args.steps, args.max_memory >> 20))

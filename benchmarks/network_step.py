@@ -10,7 +10,6 @@ the compression, the bytes this rank's interface sent/received (read from
 import argparse
 import json
 import os
-import time
 
 import chainer
 import chainer.links as L
@@ -22,6 +21,10 @@ import chainer_vgc
 from chainer_vgc import datasets
 from chainer_vgc.models import MLP
 from chainer_vgc.models import VGG
+
+from bench_common import default
+from bench_common import hyperparameters
+from bench_common import timed
 
 
 def iface_bytes(iface):
@@ -40,8 +43,8 @@ def main():
     p.add_argument('--method', default='vgc',
                    help="'naive' (ChainerMN dense allreduce) or a "
                    'chainer_vgc method')
-    p.add_argument('--alpha', type=float, default=2.0)
-    p.add_argument('--tau', type=float, default=0.01)
+    p.add_argument('--alpha', type=float, default=default('alpha'))
+    p.add_argument('--tau', type=float, default=default('tau'))
     p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp')
     p.add_argument('--units', type=int, default=2500)
     p.add_argument('--batchsize', type=int, default=32)
@@ -58,9 +61,7 @@ def main():
         comm = chainermn.create_communicator('naive', world)
         make_opt = chainermn.create_multi_node_optimizer
     else:
-        kw = {'vgc': dict(alpha=args.alpha),
-              'hybrid': dict(alpha=args.alpha, tau=args.tau)}.get(
-                  args.method, {})
+        kw = hyperparameters(args.method, alpha=args.alpha, tau=args.tau)
         comm = chainer_vgc.create_communicator(args.method, world, **kw)
         make_opt = chainer_vgc.create_multi_node_optimizer
     numpy.random.seed(0)
@@ -94,9 +95,7 @@ def main():
     inner = comm.multi_node_mean_grad
 
     def timed_exchange(*a, **k):
-        t0 = time.perf_counter()
-        inner(*a, **k)
-        exchange.append(time.perf_counter() - t0)
+        exchange.append(timed(inner, *a, **k)[1])
         phases.append(dict(getattr(comm, 'last_timing', {})))
     comm.multi_node_mean_grad = timed_exchange
 
@@ -111,9 +110,8 @@ def main():
             totals = dict(getattr(comm, 'totals', {}))
         i = (k * args.batchsize) % len(x)
         world.Barrier()
-        t0 = time.perf_counter()
-        opt.update(model, x[i:i + args.batchsize], t[i:i + args.batchsize])
-        steps.append(time.perf_counter() - t0)
+        steps.append(timed(opt.update, model, x[i:i + args.batchsize],
+                           t[i:i + args.batchsize])[1])
     world.Barrier()
     after = iface_bytes(args.iface)
     steps = steps[args.warmup:]

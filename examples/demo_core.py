@@ -18,18 +18,25 @@ import chainer.links as L
 import numpy
 
 from chainer_vgc import GradientCompressor
+from chainer_vgc import RULES
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import model_params
+from example_common import hyperparameter_text
+from example_common import with_seed
 
-METHODS = [
+# the settings shown; a rule of chainer_vgc.RULES not listed here runs too,
+# with its defaults (a rule that takes a seed gets the run's)
+SWEEP = [
     ('none', {}),
     ('vgc', dict(alpha=1.0)),
     ('vgc', dict(alpha=1.5)),
     ('vgc', dict(alpha=2.0)),
     ('hybrid', dict(alpha=2.0, tau=0.01)),
     ('strom', dict(tau=0.01)),
-    ('qsgd', dict(bits=2, bucket=128, seed=0)),
+    ('qsgd', dict(bits=2, bucket=128)),
 ]
+METHODS = SWEEP + [(m, {}) for m in sorted(RULES)
+                   if m not in {method for method, _ in SWEEP}]
 
 
 def make_data(rng, n_train, n_test, dim=64, classes=10):
@@ -55,7 +62,8 @@ def train(method, kw, data, steps, batch, seed=0):
     opt.setup(model)
     names, params = model_params(model)
     comp = GradientCompressor(method, names, [p.shape for p in params],
-                              [p.dtype for p in params], **kw)
+                              [p.dtype for p in params],
+                              **with_seed(method, kw, seed))
     rng = numpy.random.default_rng(seed)
     stats = PerSampleSquares(model)
 
@@ -97,8 +105,7 @@ def main():
     for method, kw in METHODS:
         t0 = time.time()
         res = train(method, kw, data, args.steps, args.batchsize)
-        label = method + ''.join(' {}={}'.format(k, v) for k, v in kw.items()
-                                 if k != 'seed')
+        label = ' '.join([method, hyperparameter_text(kw)]).rstrip()
         rows.append((label, res))
         print('  {:<28} done in {:.1f}s'.format(label, time.time() - t0))
     n = rows[0][1]['n']

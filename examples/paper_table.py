@@ -34,7 +34,7 @@ import chainer.functions as F
 from chainer_vgc import datasets
 from chainer_vgc.extensions import run_summary
 from chainer_vgc.simulation import SimulatedWorkers
-import train_mnist
+import example_common as common
 
 
 def biases_dense(name, param):
@@ -88,18 +88,17 @@ def group_settings(args, settings, train, seed):
         exclude=list(settings.get('exclude', ())) or None,
         min_size=max(getattr(args, 'exclude_small', 0),
                      settings.get('min_size', 0)),
-        warmup=train_mnist.epoch_steps(epochs, train, args.workers,
-                                       args.batchsize, seed))
+        warmup=common.epoch_steps(epochs, train, args.workers,
+                                  args.batchsize, seed))
 
 
 def simulate(method, kw, optimizer, seed, args, train, settings=None):
     """Train like ``mpiexec -n workers train_mnist.py`` would, in this
     process; returns (model, SimulatedWorkers, iterations).  ``settings``:
     a row's dense group and warm-up (see :func:`group_settings`)."""
-    model = train_mnist.make_model(args.unit, seed)
-    opt, wd = train_mnist.make_optimizer(optimizer, args.lr,
-                                         args.weight_decay)
-    train_mnist.setup_optimizer(opt, wd, model)
+    model = common.make_model(args.unit, seed)
+    opt, wd = common.make_optimizer(optimizer, args.lr, args.weight_decay)
+    common.setup_optimizer(opt, wd, model)
     sim = SimulatedWorkers(model, opt, args.workers, method,
                            **group_settings(args, settings, train, seed),
                            **kw)
@@ -120,14 +119,13 @@ def simulate(method, kw, optimizer, seed, args, train, settings=None):
 def run(method, kw, optimizer, seed, args, train, test, settings=None):
     """One simulated training run; returns a CSV row (dict)."""
     t0 = time.time()
-    kw = dict(kw, seed=seed) if method == 'qsgd' else dict(kw)
+    kw = common.with_seed(method, kw, seed)
     model, sim, n_iter = simulate(method, kw, optimizer, seed, args, train,
                                   settings)
     summary = run_summary(sim.totals, sim.compressor, args.workers)
     return dict(
         optimizer=optimizer, method=method, seed=seed,
-        hyperparameters=' '.join('{}={}'.format(k, v) for k, v in kw.items()
-                                 if k != 'seed'),
+        hyperparameters=common.hyperparameter_text(kw),
         workers=args.workers, iterations=n_iter,
         accuracy=accuracy(model.predictor, test),
         compression=summary['vgc/total_compression'],
@@ -234,10 +232,10 @@ def main():
     p.add_argument('--seeds', type=int, default=1)
     p.add_argument('--optimizers', default='adam,momentum')
     p.add_argument('--grid', choices=('full', 'tiny'), default='full')
-    p.add_argument('--exclude-small', type=train_mnist._count, default=0,
+    p.add_argument('--exclude-small', type=common.count, default=0,
                    metavar='N', help='every row: parameters of fewer than N '
                    'elements uncompressed (0: none)')
-    p.add_argument('--warmup-epochs', type=train_mnist._epochs, default=0.0,
+    p.add_argument('--warmup-epochs', type=common.epochs, default=0.0,
                    metavar='E', help='every row (unless it sets its own): '
                    'the first E epochs dense (0: none)')
     p.add_argument('--out', default='result/paper_table')

@@ -12,36 +12,37 @@ generates CIFAR-shaped data for offline smoke runs.  Defaults follow Sec.
 with ``--optimizer momentum`` the learning rate is 0.05 times the number of
 workers, halved every 25 epochs.  The dense group and warm-up flags
 (``--exclude``, ``--exclude-small``, ``--warmup``, ``--warmup-epochs``,
-``--alpha-ramp``, ``--dense-dtype``, ``--uncovered``) are train_mnist.py's,
-e.g. ``--exclude-small 1000`` sends the biases and batch normalization
-parameters uncompressed.
+``--alpha-ramp``, ``--dense-dtype``, ``--uncovered``) and the method's
+flags are train_mnist.py's (example_common.py), e.g. ``--exclude-small
+1000`` sends the biases and batch normalization parameters uncompressed.
 """
 
 import argparse
 
 import chainer
 from chainer.training import extensions
-import chainer.links as L
-import numpy
 
 import chainer_vgc
 from chainer_vgc import datasets
 from chainer_vgc.models import VGG
-from train_mnist import add_compression_args
-from train_mnist import add_extensions
-from train_mnist import add_run_args
-from train_mnist import final_report
-from train_mnist import make_trainer
-from train_mnist import print_summary
-from train_mnist import resume
-from train_mnist import start
+from example_common import add_compression_args
+from example_common import add_extensions
+from example_common import add_run_args
+from example_common import final_report
+from example_common import make_classifier
+from example_common import make_optimizer
+from example_common import make_trainer
+from example_common import OPTIMIZERS
+from example_common import print_summary
+from example_common import resume
+from example_common import setup_optimizer
+from example_common import start
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     add_compression_args(p)
-    p.add_argument('--optimizer', choices=('adam', 'momentum'),
-                   default='adam')
+    p.add_argument('--optimizer', choices=OPTIMIZERS, default='adam')
     p.add_argument('--lr', type=float, default=None,
                    help='momentum SGD learning rate (default 0.05 x workers)')
     p.add_argument('--lr-halving', type=int, default=25,
@@ -63,21 +64,13 @@ def main():
             raise SystemExit('CIFAR-10 could not be downloaded ({}); use '
                              '--synthetic for an offline run'.format(e))
     comm, device = start(args, train)
-    numpy.random.seed(args.seed)
-    model = L.Classifier(VGG(10, width=args.width))
-    model(numpy.zeros((1, 3, 32, 32), numpy.float32),
-          numpy.zeros(1, numpy.int32))
+    model = make_classifier(lambda: VGG(10, width=args.width), (3, 32, 32),
+                            args.seed)
     model.to_device(device)
-    if args.optimizer == 'adam':
-        opt = chainer.optimizers.Adam()
-    else:
-        lr = args.lr if args.lr is not None else 0.05 * comm.size
-        opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
-    optimizer = chainer_vgc.create_multi_node_optimizer(opt, comm)
-    optimizer.setup(model)
-    if args.weight_decay:
-        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
-            args.weight_decay))
+    lr = args.lr if args.lr is not None else 0.05 * comm.size
+    opt, wd = make_optimizer(args.optimizer, lr, args.weight_decay)
+    optimizer = setup_optimizer(
+        chainer_vgc.create_multi_node_optimizer(opt, comm), wd, model)
 
     trainer, test_iter, stop, every = make_trainer(
         args, comm, optimizer, train, test, device, test_batch=256,
