@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from chainer_vgc import codec
 from chainer_vgc.codec import WireFormatError
 from wire_messages import random_message
+import reference
 
 
 # ---- an independent reference of the quantizer (exact float arithmetic) ----
@@ -138,6 +139,14 @@ def test_pack_unpack_roundtrip_all_formats():
             assert d.index.size == g.count
             assert (numpy.diff(d.index) > 0).all()
             assert d.index.max() < sizes[d.tensor_id]
+            # the values packed, read back from the group word by word
+            index, value = reference.decode_group(
+                g.tensor_id, g.fmt, g.count, g.a, g.b, g.body,
+                sizes[g.tensor_id])
+            assert d.index.tolist() == index
+            assert d.value.dtype == numpy.float32
+            assert d.value.tolist() == [float(numpy.float32(x))
+                                        for x in value]
 
 
 def test_raw_float64_values_are_exact():

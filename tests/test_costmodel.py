@@ -75,8 +75,16 @@ def test_bad_input(kw, match):
         costmodel.parse_bandwidth('fast')
     args = dict(params=1e6, workers=4, compression=10, bandwidth='1Gbit')
     args.update(kw)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         costmodel.cost(**args)
+    # the whole message: the argument's condition and the value given
+    (value,) = kw.values()
+    assert str(info.value) == 'cost model: need {}, got {!r}'.format(
+        match, value)
+    for bad in (0, -1e9, '0Gbit'):
+        with pytest.raises(ValueError, match='bandwidth must be positive, '
+                           'got {!r}'.format(bad)):
+            costmodel.cost(1e6, 4, 10, bad)
 
 
 def test_command_line():

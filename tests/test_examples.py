@@ -174,6 +174,68 @@ def test_simulation_matches_mpiexec_bit_for_bit(tmp_path, method, flags, kw,
         assert sim.warmup == 4 and summary['controls']['warmup'] == 4
         assert summary['compressed_exchanges'] == 3
         assert 0 < sim.last['vgc/dense_fraction'] < 1
+    # both sides above average with the same code: the simulation's mean
+    # against one computed here from every worker's decoded update
+    check_simulated_mean(method, kw, min_size=6 if group else 0)
+
+
+def check_simulated_mean(method, kw, min_size):
+    """One exchange of SimulatedWorkers (2 workers): ``param.grad`` must be
+    the mean of the workers' updates, each decoded here (tests/reference)
+    from a compressor of the same rule fed the same gradients; parameters
+    of fewer than ``min_size`` elements go dense (their update is the
+    gradient)."""
+    import chainer
+    import chainer.links as L
+    import reference
+    from chainer_vgc import GradientCompressor
+    from chainer_vgc import create_rule
+    from chainer_vgc.simulation import SimulatedWorkers
+    from chainer_vgc.statistics import PerSampleSquares
+    from chainer_vgc.statistics import model_params
+    numpy.random.seed(0)
+    model = L.Classifier(chainer.Sequential(
+        L.Linear(6, 5), chainer.functions.relu, L.Linear(5, 3)))
+    rng = numpy.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 6)).astype(numpy.float32),
+                rng.integers(0, 3, 8).astype(numpy.int32))
+               for _ in range(2)]
+    sim = SimulatedWorkers(model, chainer.optimizers.SGD(lr=0.1).setup(
+        model), 2, method=method, min_size=min_size, **kw)
+    sim.update(model, batches)  # the first update only "broadcasts"
+    names, params = model_params(model)
+    dense = [p.size < min_size for p in params]
+    compressed = [k for k, d in enumerate(dense) if not d]
+    rule = create_rule(method, **kw)
+    total = [numpy.zeros(p.size) for p in params]
+    for rank, batch in enumerate(batches):
+        model.cleargrads()
+        loss = model(*batch)
+        stats = PerSampleSquares(model)
+        stats.skip = {n for n, d in zip(names, dense) if d}
+        sq = (stats.backward(loss, batch=batch) if rule.needs_sqsum
+              else loss.backward())
+        comp = GradientCompressor(
+            rule.for_rank(rank), [names[k] for k in compressed],
+            [params[k].shape for k in compressed],
+            [params[k].dtype for k in compressed])
+        msg = comp.compress([params[k].grad for k in compressed],
+                            None if sq is None else
+                            [sq[k] for k in compressed])
+        decoded = reference.decode_message(
+            msg, [params[k].size for k in compressed])
+        for k, update in zip(compressed, decoded):
+            total[k] += update
+        for k, d in enumerate(dense):
+            if d:
+                total[k] += params[k].grad.reshape(-1)
+    before = [p.array.copy() for p in params]
+    sim.update(model, batches)
+    assert sum(dense) == (2 if min_size else 0)
+    for name, p, t, b in zip(names, params, total, before):
+        numpy.testing.assert_allclose(p.grad.reshape(-1), t / 2, rtol=1e-6,
+                                      atol=1e-30, err_msg=name)
+        assert (p.array != b).any() or not t.any(), name
 
 
 def test_paper_harness_row_settings():

@@ -125,3 +125,15 @@ def test_rule_objects_dense_groups_and_warmup(p):
     group within float16 rounding at half the bytes; bad arguments raise
     naming them."""
     run_ok(p, 'check_groups.py', expect='groups OK at p={}'.format(p))
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_strength_against_independent_oracles(p):
+    """tests/mpi/check_strength.py: vgc/bytes, the totals and the bytes
+    each rank really sends against the ring algorithm and the messages;
+    vgc/compression against the elements of the messages; the mean against
+    the decoded messages / p; allgatherv='mpi' and chunk_words=7 equal to
+    the default ring; ranks with different hyperparameters fail at the
+    first step naming them, on every rank; zero_fill=False with a branch
+    on some ranks only gives every rank the oracle's mean."""
+    run_ok(p, 'check_strength.py', expect='strength OK at p={}'.format(p))

@@ -241,15 +241,45 @@ def test_conservation_over_1000_steps(method, kw, dtype):
     comp = GradientCompressor(method, ['p'], [(n,)], [dtype], **kw)
     total_g = numpy.zeros(n)
     total_sent = numpy.zeros(n)
+    # The bound that rounding justifies, element by element.  In exact
+    # arithmetic r_t = r_(t-1) + g_t - sent_t, so sum g = sum sent + r.
+    # The rule computes x = fl(r + g) in the state dtype (here ``dtype``),
+    # then sends x and sets r = 0 (vgc, quantize=False: no further
+    # rounding) or sends float32(tau) exactly and sets r = fl(x -+ tau)
+    # (strom, hybrid).  Each fl() errs by at most half a unit in the last
+    # place of its result, 0.5 * spacing(|result|), so the identity is off
+    # by at most the sum of those over the steps.  The test's float64
+    # sums (total_g, total_sent, and total_sent + r at the end) add half
+    # a float64 spacing of each result.  (Here, float32: below 0.04 < tau
+    # = 0.05 even where strom's |r| grows to ~950, about 0.005 typically,
+    # 7e-5 for vgc; the tolerance below, 1000 * eps * (max|sum g| + 1) =
+    # 0.119 for float32, exceeds 2 tau and would not notice a lost
+    # element.)
+    bound = numpy.zeros(n)
     for g, s in make_stream(rng, 1000, n, dtype):
+        state = comp.state(0)
+        r_prev = (numpy.zeros(n, dtype) if state is None
+                  else state['r'].copy())
         total_g += g
-        total_sent += comp.decode(comp.compress([g], [s]))[0]
+        sent = comp.decode(comp.compress([g], [s]))[0]
+        total_sent += sent
+        x = r_prev + g  # fl(r + g), as the rule computes it
+        r_now = comp.state(0)['r']
+        bound += 0.5 * numpy.spacing(numpy.abs(x)).astype(numpy.float64)
+        bound += numpy.where(sent != 0, 0.5 * numpy.spacing(
+            numpy.abs(r_now)).astype(numpy.float64), 0.0)
+        bound += 0.5 * (numpy.spacing(numpy.abs(total_g)) +
+                        numpy.spacing(numpy.abs(total_sent)))
     residual = comp.state(0)['r'].astype(numpy.float64)
     eps = numpy.finfo(dtype).eps
     scale = numpy.abs(total_g).max() + 1
     assert total_sent.any()
     numpy.testing.assert_allclose(total_sent + residual, total_g, rtol=0,
                                   atol=1000 * eps * scale)
+    got = total_sent + residual
+    bound += 0.5 * numpy.spacing(numpy.abs(got))
+    err = numpy.abs(got - total_g)
+    assert (err <= bound * (1 + 1e-9)).all(), (err / bound).max()
 
 
 def test_compression_increases_with_alpha():

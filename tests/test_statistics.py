@@ -16,6 +16,7 @@ from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import UncoveredParameterError
 from chainer_vgc.statistics import bruteforce_sqsum
 from chainer_vgc.statistics import model_params
+import reference
 
 RTOL = {numpy.float64: 1e-5, numpy.float32: 1e-3}
 
@@ -344,8 +345,17 @@ def test_uncovered_parameters_error_or_bruteforce():
         got = check(model, loss_fn, (x,), numpy.float64,
                     uncovered='bruteforce')
         assert model.W.grad is not None  # the usual gradient is there
-        names, _ = model_params(model)
+        names, params = model_params(model)
         assert got[names.index('/unused/W')] is None  # no gradient: None
+        # check() compares with bruteforce_sqsum, which shares the
+        # per-example passes of uncovered='bruteforce': an independent loop
+        # of ordinary backward passes too
+        want = reference.per_example_sqsum(params, loss_fn, x)
+        for name, g, w in zip(names, got, want):
+            assert (g is None) == (w is None), name
+            if w is not None:
+                numpy.testing.assert_allclose(g, w, rtol=1e-10, atol=0,
+                                              err_msg=name)
         model.cleargrads()
         with pytest.raises(ValueError, match='needs loss_fn and batch'):
             PerSampleSquares(model, uncovered='bruteforce').backward(

@@ -1,0 +1,317 @@
+"""Independent oracles shared by the tests.
+
+Everything here is written from the paper and the documented formats, in
+plain Python loops over elements, without calling the chainer_vgc functions
+it checks:
+
+- :func:`vgc_step`: the paper's Fig. "Basic" for one tensor, with the
+  Sec. 4.2 quantization (e_k = floor(log2 max |r|) over the *selected*
+  elements, g' = nearest power of two, ties up, truncated at 2**e_k,
+  d = e_k - log2 g', d > 7 not sent);
+- :func:`decode_group`: the wire format of ``chainer_vgc/codec.py``'s
+  module docstring, one word at a time;
+- :func:`parse_message`: the message structure (magic, groups, counts);
+- :func:`ring_simulation`: the pipelined ring allgatherv of
+  ``chainer_vgc/transport.py``'s docstring, word by word with labels;
+- :func:`per_example_sqsum`: sum_z (grad_z / B)**2 with one ordinary
+  ``loss.backward()`` per example.
+"""
+
+import math
+import struct
+
+import numpy
+
+MAGIC = 0x31434756  # b'VGC1' little-endian
+FMT_POW2, FMT_RAW, FMT_QSGD = 1, 2, 3
+MAX_D = 7
+
+
+# ---- quantization (Sec. 4.2, App. B) ----------------------------------------
+
+def floor_log2(m):
+    """floor(log2 m) of a positive finite float, exactly (frexp)."""
+    _, ex = math.frexp(float(m))  # m = mant * 2**ex, mant in [0.5, 1)
+    return ex - 1
+
+
+def is_tiny(x, dtype):
+    """Zero or subnormal in ``dtype``: never sent."""
+    return abs(float(x)) < numpy.finfo(dtype).tiny
+
+
+def quantize(x, e_k, dtype):
+    """The value sent for ``x`` against ``e_k``, or None if not sent.
+
+    |x| is rounded to the nearer of 2**e and 2**(e + 1) (e = floor(log2
+    |x|); the tie 1.5 * 2**e goes up), truncated at 2**e_k; d = e_k - its
+    exponent must be <= 7.
+    """
+    if is_tiny(x, dtype):
+        return None
+    a = abs(float(x))
+    e = floor_log2(a)
+    if a >= 1.5 * 2.0 ** e:  # exact in binary floating point
+        e += 1
+    e = min(e, e_k)
+    if e_k - e > MAX_D:
+        return None
+    return math.copysign(2.0 ** e, float(x))
+
+
+# ---- Fig. "Basic" -----------------------------------------------------------
+
+def vgc_step(g, s, r, v, alpha, zeta, quantize_values=True,
+             keep_unrepresentable=False, info=None):
+    """One step of Fig. "Basic" on one tensor, element by element.
+
+    ``r``, ``v``: Python lists of NumPy scalars of the state dtype (float32
+    for float16/float32 parameters, float64 for float64), updated in place.
+    Returns ``(sent, e_k)``: the dense list of values sent (0.0 where
+    nothing) and the exponent of the group (None if nothing was selected
+    or quantization is off).  ``info`` (a dict): receives ``'r'`` (the
+    residuals after accumulation, floats) and ``'selected'`` (indices).
+    """
+    T = type(r[0])
+    alpha, zeta = T(alpha), T(zeta)
+    selected = []
+    for i in range(len(r)):
+        r[i] = T(r[i] + T(g[i]))
+        v[i] = T(v[i] + T(s[i]))
+        if r[i] * r[i] > alpha * v[i]:  # eq. (4)
+            selected.append(i)
+        else:
+            v[i] = T(v[i] * zeta)
+    if info is not None:
+        info['r'] = [float(x) for x in r]
+        info['selected'] = list(selected)
+    sent = [0.0] * len(r)
+    if not selected:
+        return sent, None
+    if not quantize_values:
+        for i in selected:
+            sent[i] = float(r[i])
+            r[i] = v[i] = T(0)
+        return sent, None
+    biggest = max(abs(float(r[i])) for i in selected)  # selected ones only
+    e_k = None if is_tiny(biggest, T) else floor_log2(biggest)
+    for i in selected:
+        q = None if e_k is None else quantize(r[i], e_k, T)
+        if q is not None:
+            sent[i] = q
+            r[i] = v[i] = T(0)
+        elif keep_unrepresentable:
+            v[i] = T(v[i] * zeta)  # stays in r, decays like an unselected
+        else:
+            r[i] = v[i] = T(0)  # the paper's Encode(): dropped
+    return sent, e_k
+
+
+class VGCOracle(object):
+    """:func:`vgc_step` over several tensors of one worker (state per
+    tensor; a tensor without gradient this step keeps its state)."""
+
+    def __init__(self, sizes, state_dtype, alpha=1.5, zeta=0.999,
+                 quantize_values=True, keep_unrepresentable=False):
+        T = numpy.dtype(state_dtype).type
+        self.r = [[T(0)] * n for n in sizes]
+        self.v = [[T(0)] * n for n in sizes]
+        self.kw = dict(alpha=alpha, zeta=zeta,
+                       quantize_values=quantize_values,
+                       keep_unrepresentable=keep_unrepresentable)
+
+    def step(self, grads, sqsums):
+        """Dense float64 arrays sent per tensor (None for no gradient);
+        ``last_e_k``: each tensor's e_k (None: no group)."""
+        out = []
+        self.last_e_k = []
+        self.last_info = []
+        for k, (g, s) in enumerate(zip(grads, sqsums)):
+            if g is None:
+                out.append(None)
+                self.last_e_k.append(None)
+                self.last_info.append(None)
+                continue
+            info = {}
+            sent, e_k = vgc_step(numpy.ravel(g).tolist(),
+                                 numpy.ravel(s).tolist(), self.r[k],
+                                 self.v[k], info=info, **self.kw)
+            self.last_info.append(info)
+            self.last_e_k.append(e_k if any(sent) else None)
+            out.append(numpy.array(sent, dtype=numpy.float64))
+        return out
+
+
+# ---- wire format ------------------------------------------------------------
+
+def _f32(word):
+    return struct.unpack('<f', struct.pack('<I', int(word)))[0]
+
+
+def _f64(lo, hi):
+    return struct.unpack('<d', struct.pack('<II', int(lo), int(hi)))[0]
+
+
+def decode_group(tensor_id, fmt, count, a, b, body, size):
+    """(indices, values) of one group, word by word, from the format in
+    ``codec.py``'s docstring (values as Python floats, before any cast)."""
+    body = [int(w) for w in body]
+    index, value = [], []
+    if fmt == FMT_POW2:
+        e_k = struct.unpack('<i', struct.pack('<I', a))[0]
+        scale = _f32(b)
+        assert len(body) == count
+        for w in body:
+            sign = -1.0 if w >> 31 else 1.0
+            d = (w >> 28) & 7
+            index.append(w & ((1 << 28) - 1))
+            value.append(sign * scale * 2.0 ** (e_k - d))
+    elif fmt == FMT_RAW:
+        dense, f64 = a & 1, a & 2
+        if dense:
+            index = list(range(size))
+            vals = body
+        else:
+            index = body[:count]
+            vals = body[count:]
+        if f64:
+            assert len(vals) == 2 * count
+            value = [_f64(vals[2 * i], vals[2 * i + 1]) for i in range(count)]
+        else:
+            assert len(vals) == count
+            value = [_f32(w) for w in vals]
+    elif fmt == FMT_QSGD:
+        n_rec, bucket = a, b & 0xFFFFFF
+        words = body[4 * n_rec:]
+        pos = 0
+        for k in range(n_rec):
+            bid, n, lo, hi = body[4 * k:4 * k + 4]
+            scale = _f64(lo, hi)
+            for w in words[pos:pos + n]:
+                sign = -1.0 if w >> 31 else 1.0
+                level = (w >> 23) & 0xFF
+                index.append(bid * bucket + (w & ((1 << 23) - 1)))
+                value.append(sign * level * scale)
+            pos += n
+        assert pos == count == len(words)
+    else:
+        raise AssertionError('unknown format {}'.format(fmt))
+    return index, value
+
+
+def parse_message(words):
+    """[(tensor_id, fmt, count, a, b, body words)] of a message, read from
+    the layout MAGIC, n_groups, then per group a 5-word header and a body
+    whose length follows from the format."""
+    words = [int(w) for w in words]
+    assert words[0] == MAGIC, hex(words[0])
+    pos, out = 2, []
+    for _ in range(words[1]):
+        tid, fmt, count, a, b = words[pos:pos + 5]
+        pos += 5
+        if fmt == FMT_POW2:
+            length = count
+        elif fmt == FMT_RAW:
+            length = (0 if a & 1 else count) + count * (2 if a & 2 else 1)
+        else:
+            length = 4 * a + count
+        out.append((tid, fmt, count, a, b, words[pos:pos + length]))
+        pos += length
+    assert pos == len(words)
+    return out
+
+
+def message_elements(words):
+    """Elements a message carries (sum of its groups' counts)."""
+    return sum(g[2] for g in parse_message(words))
+
+
+def decode_message(words, sizes):
+    """Dense float64 arrays, one per tensor, of what a message carries."""
+    outs = [numpy.zeros(n) for n in sizes]
+    for tid, fmt, count, a, b, body in parse_message(words):
+        index, value = decode_group(tid, fmt, count, a, b, body, sizes[tid])
+        for i, x in zip(index, value):
+            outs[tid][i] += x
+    return outs
+
+
+# ---- the pipelined ring -----------------------------------------------------
+
+def ring_simulation(counts, chunk_words):
+    """The pipelined ring allgatherv with labelled words.
+
+    Rank r's stream to rank r + 1 is its own block, then the blocks it
+    receives from r - 1 in the order they arrive, stopping before the block
+    of r + 1 (which r + 1 already has).  Every round each rank sends the
+    next words of its stream that it already holds (held at the start of
+    the round), at most ``chunk_words``.
+
+    Returns ``(rounds, received)``: the words each rank sends per round
+    (tuples; no all-zero round) and, per rank, the labels ``(origin,
+    offset)`` it received, in order.
+    """
+    p = len(counts)
+    if p < 2:
+        return [], [[] for _ in range(p)]
+    stream = []
+    for r in range(p):
+        labels = []
+        for k in range(p - 1):  # r, r-1, ..., r-(p-2) = r+2
+            origin = (r - k) % p
+            labels += [(origin, j) for j in range(counts[origin])]
+        stream.append(labels)
+    held = [set((r, j) for j in range(counts[r])) for r in range(p)]
+    received = [[] for _ in range(p)]
+    sent = [0] * p
+    rounds = []
+    while True:
+        s = []
+        for r in range(p):
+            n = 0
+            while (n < chunk_words and sent[r] + n < len(stream[r])
+                   and stream[r][sent[r] + n] in held[r]):
+                n += 1
+            s.append(n)
+        if not any(s):
+            break
+        for r in range(p):
+            words = stream[r][sent[r]:sent[r] + s[r]]
+            dest = (r + 1) % p
+            received[dest] += words
+            sent[r] += s[r]
+        for r in range(p):
+            held[r].update(received[r])
+        rounds.append(tuple(s))
+    assert sent == [len(x) for x in stream], 'the ring stalled'
+    return rounds, received
+
+
+def ring_bytes_sent(counts, chunk_words=1):
+    """Bytes each rank sends in the ring allgatherv of blocks of ``counts``
+    32-bit words (from :func:`ring_simulation`)."""
+    rounds, _ = ring_simulation(list(counts), chunk_words)
+    return [4 * sum(s[r] for s in rounds) for r in range(len(counts))]
+
+
+# ---- per-sample statistics --------------------------------------------------
+
+def per_example_sqsum(params, loss_fn, *batch):
+    """sum_z (grad_z / B)**2 in float64, with one ordinary backward pass
+    per example (``loss_fn`` gives the mean loss of the examples it is
+    given; ``.grad`` of the parameters is overwritten).  None where no
+    example gave the parameter a gradient."""
+    n = len(batch[0])
+    out = [None] * len(params)
+    for z in range(n):
+        for p in params:
+            p.cleargrad()
+        loss_fn(*[a[z:z + 1] for a in batch]).backward()
+        for k, p in enumerate(params):
+            if p.grad is None:
+                continue
+            g = numpy.asarray(p.grad, dtype=numpy.float64) / n
+            out[k] = g * g if out[k] is None else out[k] + g * g
+    for p in params:
+        p.cleargrad()
+    return out
