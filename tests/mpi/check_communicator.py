@@ -1,8 +1,6 @@
 """Run under mpiexec: VGCCommunicator against ChainerMN's naive communicator
 and against the invariants of the paper.  Prints 'communicator OK'."""
 
-import sys
-
 import chainer
 import chainer.functions as F
 import chainer.links as L
@@ -12,6 +10,8 @@ from mpi4py import MPI
 
 import chainer_vgc
 from chainer_vgc.statistics import model_params
+
+import runner
 
 comm_world = MPI.COMM_WORLD
 
@@ -297,13 +297,7 @@ CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
 
 
 def main():
-    names = sys.argv[1:] or [c.__name__ for c in CHECKS]
-    for check in CHECKS:
-        if check.__name__ in names:
-            check()
-            comm_world.Barrier()
-    if comm_world.rank == 0:
-        print('communicator OK at p={}'.format(comm_world.size))
+    runner.run(CHECKS, 'communicator')
 
 
 if __name__ == '__main__':

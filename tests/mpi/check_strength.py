@@ -29,6 +29,7 @@ from chainer_vgc.statistics import model_params
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 import reference  # NOQA: E402  (tests/reference.py)
+import runner  # NOQA: E402  (tests/mpi/runner.py)
 
 comm_world = MPI.COMM_WORLD
 RANK, SIZE = comm_world.rank, comm_world.size
@@ -338,13 +339,7 @@ CHECKS = [check_traffic_and_allgatherv_variants,
 
 
 def main():
-    names = sys.argv[1:] or [c.__name__ for c in CHECKS]
-    for check in CHECKS:
-        if check.__name__ in names:
-            check()
-            comm_world.Barrier()
-    if RANK == 0:
-        print('strength OK at p={}'.format(SIZE))
+    runner.run(CHECKS, 'strength')
 
 
 if __name__ == '__main__':
