@@ -315,3 +315,55 @@ def per_example_sqsum(params, loss_fn, *batch):
     for p in params:
         p.cleargrad()
     return out
+
+
+# ---- an independent reference of the quantizer (exact float arithmetic) ----
+
+def ref_floor_log2(m):
+    mant, ex = math.frexp(abs(float(m)))
+    return ex - 1
+
+
+def ref_quantize(x, e_k, dtype):
+    """(negative, d) or None if not sent, from the paper's definition."""
+    a = abs(float(x))
+    if a < numpy.finfo(dtype).tiny:  # zero or subnormal: not sent
+        return None
+    mant, ex = math.frexp(a)  # a = mant * 2**ex, mant in [0.5, 1)
+    e = ex - 1
+    if 2 * mant >= 1.5:  # nearer to 2**(e+1); ties go up
+        e += 1
+    e = min(e, e_k)  # |x| > 2**e_k is truncated to 2**e_k
+    d = e_k - e
+    return (math.copysign(1.0, float(x)) < 0, d) if d <= 7 else None
+
+
+def edge_values(dtype):
+    """Zeros, subnormals, powers of two, mid-points 1.5*2**e and neighbours."""
+    dtype = numpy.dtype(dtype)
+    fi = numpy.finfo(dtype)
+    vals = [0.0, -0.0, fi.tiny, fi.tiny / 2, fi.tiny / 4, fi.tiny * 0.75,
+            fi.max, fi.max / 2]
+    for e in (-20, -3, -1, 0, 1, 2, 5, 10):
+        for base in (2.0 ** e, 1.5 * 2.0 ** e):
+            b = dtype.type(base)
+            vals += [b, numpy.nextafter(b, dtype.type(numpy.inf)),
+                     numpy.nextafter(b, dtype.type(0))]
+    arr = numpy.array(vals, dtype=dtype)
+    return numpy.concatenate([arr, -arr])
+
+
+# ---- comparisons ------------------------------------------------------------
+
+def bits(a):
+    """Bit pattern view, so that NaN == NaN and -0.0 != 0.0."""
+    a = numpy.ascontiguousarray(a)
+    return a.view({1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32,
+                   8: numpy.uint64}[a.dtype.itemsize])
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = numpy.nonzero(bits(a) != bits(b))[0]
+    assert diff.size == 0, 'first differences at {}: {} vs {}'.format(
+        diff[:5], a[diff[:5]], b[diff[:5]])

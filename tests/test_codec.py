@@ -1,7 +1,5 @@
 """Codec: quantization, word packing and message validation (Sec. 4.2, App. B)."""
 
-import math
-
 import numpy
 import pytest
 from hypothesis import given
@@ -11,42 +9,9 @@ from chainer_vgc import codec
 from chainer_vgc.codec import WireFormatError
 from wire_messages import random_message
 import reference
-
-
-# ---- an independent reference of the quantizer (exact float arithmetic) ----
-
-def ref_floor_log2(m):
-    mant, ex = math.frexp(abs(float(m)))
-    return ex - 1
-
-
-def ref_quantize(x, e_k, dtype):
-    """(negative, d) or None if not sent, from the paper's definition."""
-    a = abs(float(x))
-    if a < numpy.finfo(dtype).tiny:  # zero or subnormal: not sent
-        return None
-    mant, ex = math.frexp(a)  # a = mant * 2**ex, mant in [0.5, 1)
-    e = ex - 1
-    if 2 * mant >= 1.5:  # nearer to 2**(e+1); ties go up
-        e += 1
-    e = min(e, e_k)  # |x| > 2**e_k is truncated to 2**e_k
-    d = e_k - e
-    return (math.copysign(1.0, float(x)) < 0, d) if d <= 7 else None
-
-
-def edge_values(dtype):
-    """Zeros, subnormals, powers of two, mid-points 1.5*2**e and neighbours."""
-    dtype = numpy.dtype(dtype)
-    fi = numpy.finfo(dtype)
-    vals = [0.0, -0.0, fi.tiny, fi.tiny / 2, fi.tiny / 4, fi.tiny * 0.75,
-            fi.max, fi.max / 2]
-    for e in (-20, -3, -1, 0, 1, 2, 5, 10):
-        for base in (2.0 ** e, 1.5 * 2.0 ** e):
-            b = dtype.type(base)
-            vals += [b, numpy.nextafter(b, dtype.type(numpy.inf)),
-                     numpy.nextafter(b, dtype.type(0))]
-    arr = numpy.array(vals, dtype=dtype)
-    return numpy.concatenate([arr, -arr])
+from reference import edge_values
+from reference import ref_floor_log2
+from reference import ref_quantize
 
 
 def test_appendix_b_example():

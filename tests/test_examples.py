@@ -10,8 +10,8 @@ import sys
 import numpy
 import pytest
 
-from test_mpi import run
-from test_mpi import run_ok
+from mpirun import run
+from mpirun import run_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, 'examples')

@@ -18,7 +18,7 @@ from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import communicator
 
-from test_kernels import assert_bitwise
+from reference import assert_bitwise
 
 F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
 SHAPES = [(17, 3), (5,), (0,), (64,), (9, 2)]

@@ -20,23 +20,10 @@ from chainer_vgc.rules import QSGD
 from chainer_vgc.rules import Strom
 from chainer_vgc.rules import VGC
 
-from test_codec import edge_values
+from reference import assert_bitwise
+from reference import edge_values
 
 F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
-
-
-def bits(a):
-    """Bit pattern view, so that NaN == NaN and -0.0 != 0.0."""
-    a = numpy.ascontiguousarray(a)
-    return a.view({1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32,
-                   8: numpy.uint64}[a.dtype.itemsize])
-
-
-def assert_bitwise(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = numpy.nonzero(bits(a) != bits(b))[0]
-    assert diff.size == 0, 'first differences at {}: {} vs {}'.format(
-        diff[:5], a[diff[:5]], b[diff[:5]])
 
 
 def instances():

@@ -12,8 +12,8 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import create_rule
 from chainer_vgc.backend import state_dtype
 
-from test_codec import ref_floor_log2
-from test_codec import ref_quantize
+from reference import ref_floor_log2
+from reference import ref_quantize
 
 DTYPES = [numpy.float16, numpy.float32, numpy.float64]
 
