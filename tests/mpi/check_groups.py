@@ -14,21 +14,26 @@ from mpi4py import MPI
 import chainer_vgc
 from chainer_vgc.rules import CompressionRule
 
+import runner
 from topk_rule import TopK
 
 world = MPI.COMM_WORLD
 
 
 class Attention(chainer.Link):
-    """A parameter used through F.matmul: not covered by the statistics."""
+    """A parameter used through F.matmul: not covered by the statistics
+    (on the ranks in ``ranks`` only; None: on every rank)."""
 
-    def __init__(self, n):
+    def __init__(self, n, ranks=None):
         super(Attention, self).__init__()
+        self.ranks = ranks
         with self.init_scope():
             self.M = chainer.Parameter(
                 numpy.random.normal(0, 0.3, (n, n)).astype(numpy.float32))
 
     def forward(self, x):
+        if self.ranks is not None and world.rank not in self.ranks:
+            return x
         return x + F.matmul(x, self.M)
 
 
@@ -159,25 +164,13 @@ def check_uncovered_dense():
         raise AssertionError('uncovered parameter accepted')
 
 
-class RankBranch(chainer.Link):
-    """M is used (through F.matmul, uncovered) on rank 1 only."""
-
-    def __init__(self, n):
-        super(RankBranch, self).__init__()
-        with self.init_scope():
-            self.M = chainer.Parameter(
-                numpy.random.normal(0, 0.3, (n, n)).astype(numpy.float32))
-
-    def forward(self, x):
-        return x + F.matmul(x, self.M) if world.rank == 1 else x
-
-
 def check_uncovered_on_some_ranks():
     """A parameter only some ranks find uncovered: every rank moves it to
     the dense group (no mismatched collectives)."""
     numpy.random.seed(0)
     model = L.Classifier(chainer.Sequential(
-        L.Linear(6, 32), F.relu, RankBranch(32), L.Linear(32, 3)))
+        L.Linear(6, 32), F.relu, Attention(32, ranks=(1,)),
+        L.Linear(32, 3)))
     model(numpy.zeros((1, 6), numpy.float32), numpy.zeros(1, numpy.int32))
     comm = chainer_vgc.create_communicator('vgc', alpha=1.0,
                                            uncovered='dense')
@@ -232,6 +225,25 @@ def check_float16_dense():
         assert comm.figures['vgc/bytes'] * 2 == exact.figures['vgc/bytes']
 
 
+def float64_refused(method, **kw):
+    """A float16 dense exchange of float64 parameters is refused, naming
+    dense_dtype and float64."""
+    comm = chainer_vgc.create_communicator(method, dense_dtype='float16',
+                                           **kw)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(6, 3))
+        x, t = data(0)
+        model(x.astype(numpy.float64), t).backward()
+    try:
+        comm.multi_node_mean_grad(model, True)
+    except ValueError as e:
+        assert 'dense_dtype' in str(e) and 'float64' in str(e), e
+    else:
+        raise AssertionError('float16 exchange of float64 accepted: {} '
+                             '{}'.format(method, kw))
+
+
 def check_bad_input():
     """Clear errors naming the argument, on every rank, before any
     exchange."""
@@ -253,45 +265,18 @@ def check_bad_input():
             method=type('Broken', (CompressionRule,), {'name': 'broken'})())
     refused(TypeError, ['method'], method=object())
     # a float16 warm-up (every parameter dense) of a float64 model
-    try:
-        comm = chainer_vgc.create_communicator('vgc', warmup=2,
-                                               dense_dtype='float16')
-        with chainer.using_config('dtype', numpy.float64):
-            numpy.random.seed(0)
-            model = L.Classifier(L.Linear(6, 3))
-            x, t = data(0)
-            model(x.astype(numpy.float64), t).backward()
-        comm.multi_node_mean_grad(model, True)
-    except ValueError as e:
-        assert 'dense_dtype' in str(e) and 'float64' in str(e), e
-    else:
-        raise AssertionError('float16 warm-up of float64 accepted')
+    float64_refused('vgc', warmup=2)
     # float16 dense group with a float64 parameter
-    try:
-        comm = chainer_vgc.create_communicator('none', dense_dtype='float16')
-        with chainer.using_config('dtype', numpy.float64):
-            numpy.random.seed(0)
-            model = L.Classifier(L.Linear(6, 3))
-            x, t = data(0)
-            model(x.astype(numpy.float64), t).backward()
-        comm.multi_node_mean_grad(model, True)
-    except ValueError as e:
-        assert 'dense_dtype' in str(e) and 'float64' in str(e), e
-    else:
-        raise AssertionError('float16 dense group of float64 accepted')
+    float64_refused('none')
+
+
+CHECKS = [check_plugin_rule, check_dense_group_equals_naive,
+          check_uncovered_dense, check_uncovered_on_some_ranks,
+          check_warmup, check_float16_dense, check_bad_input]
 
 
 def main():
-    check_plugin_rule()
-    check_dense_group_equals_naive()
-    check_uncovered_dense()
-    check_uncovered_on_some_ranks()
-    check_warmup()
-    check_float16_dense()
-    check_bad_input()
-    world.Barrier()
-    if world.rank == 0:
-        print('groups OK at p={}'.format(world.size))
+    runner.run(CHECKS, 'groups')
 
 
 if __name__ == '__main__':
