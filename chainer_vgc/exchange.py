@@ -28,6 +28,8 @@ functions in the same rank order, which is why the simulation matches an
 ``mpiexec`` run bit for bit.
 """
 
+import functools
+
 import numpy
 
 from chainer_vgc import backend
@@ -128,8 +130,8 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
             if rescale not in (None, 1):
                 p.grad *= p.grad.dtype.type(rescale)
             continue
-        if g is None and not zero_fill and not (
-                present[i] if present is not None else (n and out.any())):
+        if _stays_none(g, zero_fill, present, i,
+                       lambda: bool(n and out.any())):
             continue  # nothing (or a zero sum) for a gradient-less param
         p.grad = _finish_mean(out.reshape(p.shape).copy(), p.dtype, size,
                               rescale)
@@ -144,21 +146,45 @@ def sum_messages(blocks, compressor, params, dense):
     bit for bit (two ranks: any order does).
     """
     xp = backend.get_array_module(blocks[0]) if blocks else numpy
-    dtypes = [backend.state_dtype(p.dtype) for p in params]
+    adders = [functools.partial(codec.decode_into, block,
+                                sizes=compressor.sizes) for block in blocks]
+    return _rank_order_sum(adders, lambda: _zero_sums(params, xp), dense)
 
-    def zeros():
-        return [xp.zeros(p.shape, dtype=d) for p, d in zip(params, dtypes)]
+
+def _zero_sums(params, xp):
+    """Zeros of each parameter's shape in its state dtype, on its device."""
+    out = []
+    for p in params:
+        with backend.device_scope(p.array):
+            out.append(xp.zeros(p.shape, dtype=backend.state_dtype(p.dtype)))
+    return out
+
+
+def _rank_order_sum(adders, zeros, dense):
+    """Every worker's elements added up in rank order: ``adders[r](outs)``
+    adds worker r's message into ``outs``, fresh ``zeros()``; ``dense``:
+    each worker into its own zeros, then the pairwise tree
+    (:func:`_tree_sum`)."""
     if dense:
         per_rank = []
-        for block in blocks:
-            outs = zeros()
-            codec.decode_into(block, outs, compressor.sizes)
-            per_rank.append(outs)
+        for add in adders:
+            per_rank.append(zeros())
+            add(per_rank[-1])
         return _tree_sum(per_rank)
     outs = zeros()
-    for block in blocks:
-        codec.decode_into(block, outs, compressor.sizes)
+    for add in adders:
+        add(outs)
     return outs
+
+
+def _stays_none(g, zero_fill, present, i, received):
+    """Whether parameter i, without a gradient here, keeps ``grad = None``:
+    only with ``zero_fill`` off, and when no worker had a gradient for it
+    (``present``, the workers' agreement) or, without that, when nothing
+    nonzero was received (``received()``)."""
+    if g is not None or zero_fill:
+        return False
+    return not (present[i] if present is not None else received())
 
 
 def write_mean(params, grads, sums, size, zero_fill, rescale=None,
@@ -168,9 +194,8 @@ def write_mean(params, grads, sums, size, zero_fill, rescale=None,
     cast to a float16 parameter's dtype (see :func:`_finish_mean`);
     ``present``: see :func:`mean_gradients`."""
     for i, (p, g, total) in enumerate(zip(params, grads, sums)):
-        if g is None and not zero_fill and not (
-                present[i] if present is not None
-                else bool((total != 0).any())):
+        if _stays_none(g, zero_fill, present, i,
+                       lambda: bool((total != 0).any())):
             continue  # nobody sent anything for a gradient-less param
         with backend.device_scope(p.array):
             p.grad = _finish_mean(total, p.dtype, size, rescale)
@@ -280,28 +305,17 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)
-
-    def zeros():
-        out = []
-        for p, n in zip(params, compressor.sizes):
-            with backend.device_scope(p.array):
-                out.append(xp.zeros(n, dtype=backend.state_dtype(p.dtype)))
-        return out
     device = upload_blocks(blocks, xp, first)
+
+    def adder(host, dev):
+        def add(outs):
+            codec.add_validated(host, dev, [o.reshape(-1) for o in outs],
+                                compressor.sizes)
+        return add
     with backend.device_scope(first):
-        if dense:
-            per_rank = []
-            for host, dev in zip(blocks, device):
-                per_rank.append(zeros())
-                codec.add_validated(host, dev, per_rank[-1],
-                                    compressor.sizes)
-            sums = _tree_sum(per_rank)
-        else:
-            sums = zeros()
-            for host, dev in zip(blocks, device):
-                codec.add_validated(host, dev, sums, compressor.sizes)
-    write_mean(params, grads, [s.reshape(p.shape) for s, p in
-                               zip(sums, params)], size, zero_fill, rescale, present)
+        sums = _rank_order_sum([adder(h, d) for h, d in zip(blocks, device)],
+                               lambda: _zero_sums(params, xp), dense)
+    write_mean(params, grads, sums, size, zero_fill, rescale, present)
     return elements
 
 
