@@ -25,6 +25,21 @@ header checks, checked decoder, unchecked device decoder):
     body: records ``bucket_id, count, float64 scale`` then ``count`` words
     ``sign(1) | level(8) | offset-in-bucket(23)``; value =
     ``sign * level * scale``.
+``FMT_GAP`` (the elements of ``FMT_POW2``, indices gap-coded; beyond the
+    paper)
+    ``a``, ``b`` as ``FMT_POW2``; body: a param word (bits 0-5: the Rice
+    parameter k; bit 6, :data:`GAP_SIGN_ONLY`: one value bit, the sign,
+    and d = 0; other bits 0), ``G``, then ``G`` words of gap codes, then
+    the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
+    ``sign << 3 | d`` (the top 4 bits of the ``FMT_POW2`` word) or 1-bit
+    signs.  Bit strings are LSB-first: bit p is ``(w[p >> 5] >> (p & 31))
+    & 1``.  Gap j is ``i_j - i_{j-1} - 1`` (``i_{-1} = -1``), coded with
+    ``q = gap >> k``: q zeros and a one (q < :data:`GAP_ESCAPE`), or
+    GAP_ESCAPE zeros then the Elias-gamma code of ``q - GAP_ESCAPE + 1``
+    (n zeros, a one, the n bits below its top bit); then the k low bits of
+    the gap.  ``G`` is exactly the words the codes fill, padding bits are
+    0: every message has one encoding (:func:`gap_body`).  No limit on the
+    tensor size; at most 2**32 - 1 elements sent per tensor and step.
 
 :func:`unpack` checks every field against the receiving model (tensor ids,
 counts, body lengths, exponents and scales, indices in range and strictly
@@ -39,6 +54,7 @@ a source text with them, and the native backend compares its compiled ones.
 """
 
 import ast
+import bisect
 import collections
 import re
 
@@ -61,6 +77,16 @@ RAW_FLOAT64 = 2
 QSGD_OFFSET_BITS = 23
 MAX_QSGD_BUCKET = 1 << QSGD_OFFSET_BITS
 QSGD_RECORD_WORDS = 4  # bucket id, count, float64 scale
+FMT_GAP = 4
+GAP_PARAM_WORDS = 2  # param word (k, flags), gap-stream length
+GAP_K_MASK = 0x3F
+GAP_SIGN_ONLY = 1 << 6  # param flag: one value bit (the sign), d = 0
+GAP_ESCAPE = 16  # unary zeros before the Elias-gamma escape
+GAP_MAX_K = 62
+MAX_COUNT = (1 << 32) - 1  # the header's count is one word
+#: index codings of the pow2 elements (``index_coding`` of vgc, hybrid,
+#: strom); the native backend takes the position in this tuple
+CODINGS = ('auto', 'fixed', 'gap')
 LOG2_ZERO = -(1 << 30)  # same sentinel as VGC_LOG2_ZERO in the kernels
 
 #: the constants above under the names the C++/CUDA sources ``#define``
@@ -79,10 +105,14 @@ C_CONSTANTS = collections.OrderedDict([
     ('VGC_RAW_FLOAT64', RAW_FLOAT64),
     ('VGC_QSGD_OFFSET_BITS', QSGD_OFFSET_BITS),
     ('VGC_QSGD_RECORD_WORDS', QSGD_RECORD_WORDS),
+    ('VGC_FMT_GAP', FMT_GAP),
+    ('VGC_GAP_ESCAPE', GAP_ESCAPE),
+    ('VGC_GAP_SIGN_ONLY', GAP_SIGN_ONLY),
+    ('VGC_GAP_PARAM_WORDS', GAP_PARAM_WORDS),
 ])
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
-                    'VGC_MAX_D')
+                    'VGC_MAX_D', 'VGC_GAP_ESCAPE')
 
 _TRAITS = {
     # dtype: (unsigned view, mantissa bits, bias, sign shift)
@@ -212,16 +242,18 @@ def pow2_group(tensor_id, words, e_k, scale=1.0):
                  int(e_k) & 0xFFFFFFFF, _f32_bits(scale), words)
 
 
-def pow2_sign_group(tensor_id, sign, tau, dtype):
-    """A FMT_POW2 group of ``sign * tau`` (e_k 0, d 0, scale tau: Strom,
-    hybrid) for the nonzero entries of ``sign`` (+1, -1, 0), or None when
-    there is none; ``dtype`` is the state dtype."""
+def pow2_sign_group(tensor_id, sign, tau, dtype, coding='auto'):
+    """The group of ``sign * tau`` (e_k 0, d 0, scale tau: Strom, hybrid)
+    for the nonzero entries of ``sign`` (+1, -1, 0), or None when there is
+    none; ``dtype`` is the state dtype, ``coding`` as
+    :func:`pow2_best_group` (gap-coded: one value bit per element)."""
     xp = backend.get_array_module(sign)
     index = xp.nonzero(sign)[0]
     if index.size == 0:
         return None
     words, _ = pow2_encode(sign[index].astype(dtype), index, 0)
-    return pow2_group(tensor_id, words, 0, scale=tau)
+    return pow2_best_group(tensor_id, words, index, 0, tau, sign.size,
+                           coding=coding, sign_only=True)
 
 
 # ---- FMT_RAW and FMT_QSGD group builders ------------------------------------
@@ -283,10 +315,247 @@ def _run_lengths(sorted_values, xp):
     return sorted_values[pos], counts
 
 
+# ---- FMT_GAP: gap-coded indices (beyond the paper) ---------------------------
+# The paper's word spends 28 bits on the index; at the densities VGC reaches
+# (1 element in 200-5000) a gap carries ~8-12 bits of information.  A
+# Golomb-Rice code with the parameter set from the tensor's density is the
+# optimal prefix code for geometric gaps (Gallager & van Voorhis 1975); the
+# Elias-gamma escape bounds the cost of the rare huge gap (clustered
+# selections) to O(log gap) bits.  These functions are the readable
+# reference; the native backend and the CuPy kernels produce the same words.
+
+def rice_parameter(count, size):
+    """The Rice parameter k of a tensor of ``size`` elements sending
+    ``count``: floor(log2(ln 2 * mean gap)), the optimum for geometric gaps,
+    in integers (11/16 for ln 2) so that every backend picks the same k."""
+    count, size = int(count), int(size)
+    if not 0 < count <= size:
+        raise ValueError('rice_parameter: need 0 < count <= size, got {} '
+                         'and {}'.format(count, size))
+    t = (11 * (size - count)) // (16 * count)
+    return min(t.bit_length() - 1, GAP_MAX_K) if t >= 1 else 0
+
+
+def _bit_length(v):
+    """Elementwise bit length of non-negative int64 ``v`` (0 for 0)."""
+    v = numpy.array(v, dtype=numpy.int64)
+    n = numpy.zeros(v.shape, dtype=numpy.int64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        big = v >= (numpy.int64(1) << shift)
+        n[big] += shift
+        v[big] >>= shift
+    return n + (v > 0)
+
+
+def _gaps(index):
+    index = numpy.asarray(index, dtype=numpy.int64).reshape(-1)
+    return numpy.diff(index, prepend=numpy.int64(-1)) - 1
+
+
+def gap_code_lengths(gaps, k):
+    """Bits of each gap's code (unary or escape, then k low bits)."""
+    q = numpy.asarray(gaps, dtype=numpy.int64) >> k
+    n = _bit_length(numpy.maximum(q - GAP_ESCAPE + 1, 1)) - 1
+    return numpy.where(q < GAP_ESCAPE, q + 1, GAP_ESCAPE + 2 * n + 1) + k
+
+
+def _bits_to_words(bits):
+    """uint32 words of an LSB-first bit string (0/1 uint8), zero-padded."""
+    nwords = -(-bits.size // 32)
+    padded = numpy.zeros(32 * nwords, dtype=numpy.uint8)
+    padded[:bits.size] = bits
+    return numpy.packbits(padded, bitorder='little').view('<u4').astype(
+        numpy.uint32)
+
+
+def _words_to_bits(words):
+    return numpy.unpackbits(
+        numpy.ascontiguousarray(words, dtype='<u4').view(numpy.uint8),
+        bitorder='little')
+
+
+def gap_body(index, nibbles, k, sign_only):
+    """The FMT_GAP body of sorted unique ``index`` with value fields
+    ``nibbles`` (``sign << 3 | d``; ``sign_only``: d must be 0 and only the
+    sign is sent), Rice parameter ``k``.  CuPy input runs the kernels
+    (:func:`chainer_vgc.kernels.gap_body`)."""
+    if backend.is_cupy(backend.get_array_module(index)):
+        return kernels.gap_body(index, nibbles, k, sign_only)
+    k = int(k)
+    if not 0 <= k <= GAP_K_MASK:
+        raise ValueError('gap_body: k must be in 0..63, got {}'.format(k))
+    gaps = _gaps(index)
+    if gaps.size and int(gaps.min()) < 0:
+        raise ValueError('gap_body: indices must be sorted and unique')
+    q = gaps >> k
+    escaped = q >= GAP_ESCAPE
+    lengths = gap_code_lengths(gaps, k)
+    starts = numpy.cumsum(lengths) - lengths
+    bits = numpy.zeros(int(lengths.sum()), dtype=numpy.uint8)
+    # unary codes: q zeros, a one
+    bits[(starts + q)[~escaped]] = 1
+    # escapes: GAP_ESCAPE zeros, then n zeros, a one, the n bits below v's
+    # top bit (v = q - GAP_ESCAPE + 1); rare, so one at a time
+    for j in numpy.flatnonzero(escaped):
+        v = int(q[j]) - GAP_ESCAPE + 1
+        n = v.bit_length() - 1
+        at = int(starts[j]) + GAP_ESCAPE + n
+        bits[at] = 1
+        for b in range(n):
+            bits[at + 1 + b] = (v >> b) & 1
+    # the k low bits end every code
+    low_at = starts + lengths - k
+    for b in range(k):
+        bits[low_at + b] = (gaps >> b) & 1
+    stream = _bits_to_words(bits)
+    nib = numpy.asarray(nibbles).astype(numpy.uint8).reshape(-1)
+    if sign_only:
+        vbits = (nib >> 3) & 1
+    else:
+        vbits = ((nib[:, None] >> numpy.arange(4, dtype=numpy.uint8))
+                 & 1).reshape(-1)
+    values = _bits_to_words(vbits.astype(numpy.uint8))
+    param = k | (GAP_SIGN_ONLY if sign_only else 0)
+    return numpy.concatenate([
+        numpy.array([param, stream.size], dtype=numpy.uint32), stream,
+        values])
+
+
+def _gap_value_words(count, param):
+    vbits = 1 if param & GAP_SIGN_ONLY else 4
+    return -(-count * vbits // 32)
+
+
+def gap_decode_body(body, count, size):
+    """Decode and check a FMT_GAP body (host words) of ``count`` elements
+    of a tensor of ``size``: ``(index int64, nibbles uint8)``.  Raises
+    :class:`WireFormatError` on reserved bits, a code running past the
+    stream, an Elias-gamma prefix of 64 zeros or more, a gap past the end
+    of the tensor, a stream longer than its codes or nonzero padding."""
+    body = numpy.asarray(body, dtype=numpy.uint32).reshape(-1)
+    where = 'chainer_vgc wire message, FMT_GAP body: '
+    if body.size < GAP_PARAM_WORDS:
+        raise WireFormatError(where + 'truncated')
+    param, n_stream = int(body[0]), int(body[1])
+    if param & ~(GAP_K_MASK | GAP_SIGN_ONLY):
+        raise WireFormatError(where + 'reserved bits set in the param word')
+    k = param & GAP_K_MASK
+    n_values = _gap_value_words(count, param)
+    if body.size != GAP_PARAM_WORDS + n_stream + n_values:
+        raise WireFormatError(where + '{} words, the header says {}'.format(
+            body.size, GAP_PARAM_WORDS + n_stream + n_values))
+    stream = body[GAP_PARAM_WORDS:GAP_PARAM_WORDS + n_stream]
+    nbits = 32 * n_stream
+    bits = _words_to_bits(stream)
+    ones = numpy.flatnonzero(bits).tolist()
+    padded = stream.tolist() + [0, 0, 0]
+
+    def field(at, n):  # the n bits (n < 64) from bit `at`, LSB first
+        w, shift = at >> 5, at & 31
+        x = padded[w] | (padded[w + 1] << 32) | (padded[w + 2] << 64)
+        return (x >> shift) & ((1 << n) - 1)
+
+    index = numpy.empty(count, dtype=numpy.int64)
+    pos, prev = 0, -1
+    for j in range(count):
+        t = bisect.bisect_left(ones, pos)
+        one = ones[t] if t < len(ones) else nbits
+        if one >= nbits:
+            raise WireFormatError(where + 'code {} runs past the gap stream'
+                                  .format(j))
+        zeros = one - pos
+        if zeros < GAP_ESCAPE:
+            q, pos = zeros, one + 1
+        else:
+            n = zeros - GAP_ESCAPE
+            if n >= 64:
+                raise WireFormatError(where + 'Elias-gamma prefix of {} '
+                                      'zeros'.format(n))
+            if one + 1 + n > nbits:
+                raise WireFormatError(where + 'code {} runs past the gap '
+                                      'stream'.format(j))
+            q = ((1 << n) | field(one + 1, n)) - 1 + GAP_ESCAPE
+            pos = one + 1 + n
+        if pos + k > nbits:
+            raise WireFormatError(where + 'code {} runs past the gap stream'
+                                  .format(j))
+        gap = (q << k) | field(pos, k)
+        pos += k
+        if gap >= size - prev - 1:
+            raise WireFormatError(where + 'gap {} overruns the tensor of {} '
+                                  'elements'.format(j, size))
+        prev += 1 + gap
+        index[j] = prev
+    if -(-pos // 32) != n_stream or bits[pos:].any():
+        raise WireFormatError(where + 'gap stream longer than its codes or '
+                              'nonzero padding (non-canonical)')
+    vbits = _words_to_bits(body[GAP_PARAM_WORDS + n_stream:])
+    if param & GAP_SIGN_ONLY:
+        used = count
+        nibbles = vbits[:count] << 3
+    else:
+        used = 4 * count
+        nibbles = (vbits[:used].reshape(count, 4)
+                   << numpy.arange(4, dtype=numpy.uint8)).sum(
+                       axis=1, dtype=numpy.uint8)
+    if vbits[used:].any():
+        raise WireFormatError(where + 'nonzero padding after the values')
+    return index, nibbles.astype(numpy.uint8)
+
+
+def pow2_max_words(size, coding):
+    """Most words (header included) :func:`pow2_best_group` gives for a
+    tensor of ``size`` elements.  FMT_GAP's codes take at most
+    ``count * (k + 2) + (size - count) / 2**k`` bits (an escape is never
+    more than one bit longer than the unary code it replaces), which the
+    k of :func:`rice_parameter` keeps below 2.4 bits per tensor element;
+    the value fields take at most 4."""
+    fixed = HEADER_WORDS + size
+    gap = HEADER_WORDS + GAP_PARAM_WORDS + 2 + (7 * size + 31) // 32
+    if coding == 'fixed':
+        return fixed
+    if coding == 'auto' and size <= MAX_INDEX:
+        return fixed  # FMT_GAP only when shorter
+    return gap
+
+
+def pow2_best_group(tensor_id, words, index, e_k, scale, size,
+                    coding='auto', sign_only=False):
+    """The group of FMT_POW2 ``words`` (from :func:`pow2_encode`; only their
+    top 4 bits are read when gap-coded) at ``index`` (sorted, unique,
+    int64: any tensor size) of a tensor of ``size`` elements.
+
+    ``coding``: ``'fixed'`` (the paper's word, FMT_POW2), ``'gap'``
+    (FMT_GAP) or ``'auto'``: FMT_GAP when its body is shorter, or when
+    ``size`` exceeds the 28-bit index (ties go to FMT_POW2).
+    ``sign_only``: every d is 0 (Strom, hybrid), one value bit per element.
+    """
+    if coding not in CODINGS:
+        raise ValueError('index_coding must be one of {}, got {!r}'.format(
+            CODINGS, coding))
+    count = int(words.size)
+    if count > MAX_COUNT:
+        raise ValueError('{} elements sent from one tensor in one step; the '
+                         'wire format carries at most 2**32 - 1'.format(count))
+    if coding == 'fixed':
+        if size > MAX_INDEX:
+            raise ValueError('index_coding=\'fixed\' addresses at most '
+                             '2**28 elements per tensor, got {}'.format(size))
+        return pow2_group(tensor_id, words, e_k, scale)
+    nibbles = words >> numpy.uint32(INDEX_BITS)
+    body = gap_body(index, nibbles, rice_parameter(count, size), sign_only)
+    if coding == 'auto' and size <= MAX_INDEX and body.size >= count:
+        return pow2_group(tensor_id, words, e_k, scale)
+    return Group(int(tensor_id), FMT_GAP, count, int(e_k) & 0xFFFFFFFF,
+                 _f32_bits(scale), body)
+
+
 # ---- the wire formats --------------------------------------------------------
 # Each format's functions take a Group ``g`` read from a message (``g.body``:
 # its body words, host or device):
-#   body_words(g)              body length in words, from the header
+#   body_words(g, head)        body length in words, from the header and
+#                              ``head``: the first body words present (at
+#                              most GAP_PARAM_WORDS; fewer if truncated)
 #   check(g, size)             header checks (``size``: the receiving tensor's
 #                              elements, None when unknown)
 #   decode(g, size, dtype, xp) (index, value in ``dtype``), every word and
@@ -320,6 +589,15 @@ def _pow2_header(g):
 
 def _pow2_decode(g, size, dtype, xp):
     e_k, scale = _pow2_header(g)
+    _checked_pow2_table(g, e_k, scale, dtype)
+    index, value = pow2_decode(g.body, e_k, scale, dtype)
+    _check_index(index, size, g)
+    return index, value
+
+
+def _checked_pow2_table(g, e_k, scale, dtype):
+    """The 16 values of a FMT_POW2 or FMT_GAP group in ``dtype``, all
+    finite and nonzero (else :class:`WireFormatError`)."""
     fi = numpy.finfo(dtype)
     if not (numpy.isfinite(scale) and scale > 0
             and fi.minexp <= e_k <= fi.maxexp - 1):
@@ -329,9 +607,7 @@ def _pow2_decode(g, size, dtype, xp):
     table = pow2_table(e_k, scale, dtype)
     if not (numpy.isfinite(table).all() and (table != 0).all()):
         raise WireFormatError(_where(g) + 'values out of range')
-    index, value = pow2_decode(g.body, e_k, scale, dtype)
-    _check_index(index, size, g)
-    return index, value
+    return table
 
 
 def _pow2_values(g, size, dtype, xp):
@@ -347,7 +623,7 @@ def _raw_check(g, size):
                               'elements'.format(g.count, size))
 
 
-def _raw_body_words(g):
+def _raw_body_words(g, head):
     return (0 if g.a & RAW_DENSE else g.count) + g.count * (
         2 if g.a & RAW_FLOAT64 else 1)
 
@@ -385,7 +661,7 @@ def _qsgd_check(g, size):
         raise WireFormatError(_where(g) + 'bad QSGD header')
 
 
-def _qsgd_body_words(g):
+def _qsgd_body_words(g, head):
     return QSGD_RECORD_WORDS * g.a + g.count
 
 
@@ -444,13 +720,56 @@ def _qsgd_values(g, size, dtype, xp):
     return index, xp.where(negative, -mag, mag)
 
 
+def _gap_body_words(g, head):
+    if len(head) < GAP_PARAM_WORDS:
+        raise WireFormatError(_where(g) + 'truncated in the FMT_GAP param '
+                              'words')
+    return (GAP_PARAM_WORDS + int(head[1])
+            + _gap_value_words(g.count, int(head[0])))
+
+
+def _gap_decode(g, size, dtype, xp):
+    """Decoded on the host (the codes are sequential; a device body is
+    downloaded), checked like FMT_POW2, the values from the same table."""
+    e_k, scale = _pow2_header(g)
+    table = _checked_pow2_table(g, e_k, scale, dtype)
+    index, nibbles = gap_decode_body(backend.to_numpy(g.body), g.count, size)
+    _check_nibbles(g, nibbles)
+    return xp.asarray(index), xp.asarray(table[nibbles])
+
+
+def _check_nibbles(g, nibbles):
+    # never true for a body gap_decode_body accepted; kept next to the table
+    # lookup so that a future value width cannot index past 16 entries
+    if nibbles.size and int(nibbles.max()) > 15:
+        raise WireFormatError(_where(g) + 'value field out of range')
+
+
+def _indexed_body_words(g, head):
+    return 3 * g.count
+
+
+def _indexed_values(g, size, dtype, xp):
+    """FMT_INDEXED (internal): count FMT_POW2 words (index bits 0), then
+    count int64 indices; the values by the FMT_POW2 decoder."""
+    e_k, scale = _pow2_header(g)
+    _, value = pow2_decode(g.body[:g.count], e_k, scale, dtype)
+    # a copy: an int64 view must start on an 8-byte boundary
+    index = g.body[g.count:].copy().view(numpy.int64)
+    return index, value
+
+
+def _not_on_the_wire(g, size, dtype, xp):
+    raise WireFormatError(_where(g) + 'internal format on the wire')
+
+
 #: code -> :class:`WireFormat`
 FORMATS = collections.OrderedDict((f.code, f) for f in [
     WireFormat(FMT_POW2, 'pow2',
                a='e_k (int32)', b='float32 bits of scale',
                body='count words sign(1) | d(3) | index(28); value = '
                     'sign * scale * 2**(e_k - d)',
-               body_words=lambda g: g.count, check=_no_check,
+               body_words=lambda g, head: g.count, check=_no_check,
                decode=_pow2_decode, values=_pow2_values),
     WireFormat(FMT_RAW, 'raw',
                a='flags: RAW_DENSE (no index words), RAW_FLOAT64', b='0',
@@ -466,7 +785,24 @@ FORMATS = collections.OrderedDict((f.code, f) for f in [
                     '= sign * level * scale',
                body_words=_qsgd_body_words, check=_qsgd_check,
                decode=_qsgd_decode, values=_qsgd_values),
+    WireFormat(FMT_GAP, 'gap',
+               a='e_k (int32)', b='float32 bits of scale',
+               body='param word (k | SIGN_ONLY), G, G words of gap codes, '
+                    'then the value fields (4-bit sign << 3 | d, or 1-bit '
+                    'sign); value as FMT_POW2',
+               body_words=_gap_body_words, check=_no_check,
+               decode=_gap_decode, values=None),
 ])
+
+#: FMT_GAP groups as the GPU decoder receives them (:func:`expand_gap`):
+#: never sent, refused on the wire
+FMT_INDEXED = 0x100 | FMT_GAP
+INTERNAL_FORMATS = {FMT_INDEXED: WireFormat(
+    FMT_INDEXED, 'indexed (internal)', a='e_k (int32)',
+    b='float32 bits of scale',
+    body='count FMT_POW2 words (index bits 0), then count int64 indices',
+    body_words=_indexed_body_words, check=_no_check,
+    decode=_not_on_the_wire, values=_indexed_values)}
 
 
 # ---- message ----------------------------------------------------------------
@@ -562,10 +898,14 @@ def add_validated(host, device, outs, sizes):
     :func:`decode_into`, bit for bit.  Returns the number of elements."""
     xp = backend.get_array_module(device)
     n = 0
-    for g in _walk(host, sizes, device):
+    for g in _walk(host, sizes, device, internal=True):
         out = outs[g.tensor_id]
-        index, value = FORMATS[g.fmt].values(g, sizes[g.tensor_id],
-                                             out.dtype, xp)
+        form = FORMATS.get(g.fmt) or INTERNAL_FORMATS[g.fmt]
+        if form.values is None:
+            raise ValueError('add_validated: {} groups are decoded on the '
+                             'host first; pass the message through '
+                             'expand_gap'.format(form.name))
+        index, value = form.values(g, sizes[g.tensor_id], out.dtype, xp)
         value = kernels.cast(value, out.dtype)
         if index is None:  # dense
             kernels.add_into(out, value)
@@ -577,10 +917,33 @@ def add_validated(host, device, outs, sizes):
     return n
 
 
-def _walk(m, sizes, words=None):
+def expand_gap(message, sizes, decoder=None):
+    """A validated host ``message`` with every FMT_GAP group rewritten as
+    FMT_INDEXED (pow2 words and int64 indices: what the device adds from,
+    see :func:`add_validated`); ``message`` itself when it has none.
+    ``decoder(body, count, size) -> (index, nibbles)``: default
+    :func:`gap_decode_body` (the native backend passes its own)."""
+    decoder = decoder or gap_decode_body
+    groups = list(_walk(message, sizes))
+    if not any(g.fmt == FMT_GAP for g in groups):
+        return message
+    out = []
+    for g in groups:
+        if g.fmt == FMT_GAP:
+            index, nibbles = decoder(g.body, g.count, sizes[g.tensor_id])
+            words = nibbles.astype(numpy.uint32) << numpy.uint32(INDEX_BITS)
+            g = g._replace(fmt=FMT_INDEXED, body=numpy.concatenate([
+                words, numpy.ascontiguousarray(index, dtype='<i8').view(
+                    numpy.uint32)]))
+        out.append(g)
+    return pack(out)
+
+
+def _walk(m, sizes, words=None, internal=False):
     """Validate the structure of the host message ``m``; yield a
     :class:`Group` per group, its body a view of ``words`` (the same
-    message, e.g. on the device; default ``m``)."""
+    message, e.g. on the device; default ``m``).  ``internal``: accept the
+    formats of :data:`INTERNAL_FORMATS` too (:func:`add_validated`)."""
     if m.ndim != 1 or m.dtype != numpy.uint32:
         raise WireFormatError('chainer_vgc wire message must be a 1-D uint32 '
                               'array, got shape {} dtype {}'.format(
@@ -610,11 +973,13 @@ def _walk(m, sizes, words=None):
             raise WireFormatError(_where(g) + 'count {} invalid for a tensor '
                                   'of {} elements'.format(g.count, size))
         form = FORMATS.get(g.fmt)
+        if form is None and internal:
+            form = INTERNAL_FORMATS.get(g.fmt)
         if form is None:
             raise WireFormatError(_where(g) + 'unknown format {}'.format(
                 g.fmt))
         form.check(g, size)
-        length = form.body_words(g)
+        length = form.body_words(g, m[pos:pos + GAP_PARAM_WORDS])
         if pos + length > m.size:
             raise WireFormatError(_where(g) + 'body of {} words runs past the '
                                   'end of the message ({} words); truncated'

@@ -60,12 +60,14 @@ class GradientCompressor(object):
             if dtype.kind != 'f':
                 raise TypeError('parameter {!r}: dtype {} is not floating '
                                 'point'.format(name, dtype))
-            if rule.uses_index_words and size > codec.MAX_INDEX:
+            if (rule.uses_index_words and rule.index_coding == 'fixed'
+                    and size > codec.MAX_INDEX):
                 raise ValueError(
                     'parameter {!r} has {} elements; the 32-bit word format '
                     '(sign | 3-bit d | 28-bit index, paper Sec. 4.2) '
-                    'addresses at most 2**28 = {} elements per tensor. Split '
-                    'the parameter, or use quantize=False / qsgd / none'
+                    'addresses at most 2**28 = {} elements per tensor. Use '
+                    "index_coding='auto' or 'gap' (gap-coded indices, any "
+                    'size), or split the parameter'
                     .format(name, size, codec.MAX_INDEX))
         self.states = [None] * len(self.names)
         self.backend = _backend.cpu_backend(backend)

@@ -16,8 +16,10 @@ step runs one way (paper Sec. 4.3):
    backend's one fused call, equal to it bit for bit).
 
 On a GPU the messages are checked on the host (:func:`validate_messages`),
-uploaded with one host-to-device copy (:func:`upload_blocks`), decoded and
-summed on the device without reading a value back.  A dense group (method
+their gap-coded groups (FMT_GAP: sequential codes) expanded to indices on
+the host (:func:`chainer_vgc.codec.expand_gap`), uploaded with one
+host-to-device copy (:func:`upload_blocks`), decoded and summed on the
+device without reading a value back.  A dense group (method
 ``'none'``, the simulation's dense group) is summed in a rank-order pairwise
 tree, MPI's recursive-doubling order, so that 2^k ranks reproduce a dense
 allreduce bit for bit.
@@ -267,6 +269,14 @@ def _native_decode_applies(blocks, compressor):
             and all(d in native.DTYPE_CODES for d in compressor.dtypes))
 
 
+def _gap_decoder(compressor):
+    """The FMT_GAP decoder of the compressor's backend (None: the
+    reference, :func:`chainer_vgc.codec.gap_decode_body`)."""
+    if compressor.backend == 'native' and hasattr(native, 'gap_decode'):
+        return native.gap_decode
+    return None
+
+
 def _on_device(params):
     return any(backend.get_array_module(p.array) is not numpy
                for p in params if p.array is not None)
@@ -302,6 +312,9 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     read from there.)"""
     dtypes = [p.dtype for p in params]
     elements = validate_messages(blocks, compressor, dtypes)
+    # gap-coded indices are sequential codes: decoded here, on the host
+    blocks = [codec.expand_gap(b, compressor.sizes, _gap_decoder(compressor))
+              for b in blocks]
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)

@@ -39,6 +39,13 @@ DTYPE_CODES = {numpy.dtype(numpy.float16): 0, numpy.dtype(numpy.float32): 1,
 
 #: flags returned by the compress functions
 BAD_GRAD, BAD_SQSUM, OVERFLOW_R, OVERFLOW_V = 1, 2, 4, 8
+#: the group cannot be written (more than 2**32 - 1 elements, or a tensor
+#: over 2**28 elements with coding 'fixed'); :func:`_compress` raises
+UNENCODABLE = 16
+
+#: the ``coding`` argument of the compress functions: the position in
+#: ``codec.CODINGS`` ('auto', 'fixed', 'gap')
+CODING_AUTO, CODING_FIXED, CODING_GAP = 0, 1, 2
 
 _FIX = ('rebuild it with the package (`pip install --no-build-isolation '
         '--no-deps -e .` in a source checkout, `make venv` with the Makefile; '
@@ -107,16 +114,19 @@ def _signatures(lib):
         'vgc_native_workspace_new': (vp, []),
         'vgc_native_workspace_free': (None, [vp]),
         'vgc_native_vgc': (i64, [vp, i32, i32] + [vp] * 6 +
-                           [i64, f64, f64, i32, i32, vp, vp]),
+                           [i64, f64, f64, i32, i32, i32, vp, vp]),
         'vgc_native_hybrid': (i64, [vp, i32, i32] + [vp] * 6 +
-                              [i64, f64, f64, f64, vp, vp]),
-        'vgc_native_strom': (i64, [vp, i32, i32, vp, vp, vp, i64, f64, vp,
-                                   vp]),
+                              [i64, f64, f64, f64, i32, vp, vp]),
+        'vgc_native_strom': (i64, [vp, i32, i32, vp, vp, vp, i64, f64, i32,
+                                   vp, vp]),
         'vgc_native_none': (i64, [vp, i32, i32, vp, i64, vp, vp]),
         'vgc_native_qsgd': (i64, [vp, i32, i32, vp, vp, i64, i64, i32, vp,
                                   vp]),
         'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
                                     vp, vp, vp]),
+        'vgc_native_rice_parameter': (i32, [i64, i64]),
+        'vgc_native_gap_encode': (i64, [vp, vp, i64, i32, i32, vp]),
+        'vgc_native_gap_decode': (i32, [vp, i64, i64, i64, vp, vp]),
     }
     for name, (res, args) in table.items():
         fn = getattr(lib, name)
@@ -187,7 +197,8 @@ def isa():
 CONSTANTS = ('VGC_MAGIC', 'VGC_FMT_POW2', 'VGC_FMT_RAW', 'VGC_FMT_QSGD',
              'VGC_HEADER_WORDS', 'VGC_INDEX_BITS', 'VGC_MAX_D',
              'VGC_LOG2_ZERO', 'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64',
-             'VGC_QSGD_OFFSET_BITS', 'VGC_QSGD_RECORD_WORDS')
+             'VGC_QSGD_OFFSET_BITS', 'VGC_QSGD_RECORD_WORDS', 'VGC_FMT_GAP',
+             'VGC_GAP_ESCAPE', 'VGC_GAP_SIGN_ONLY', 'VGC_GAP_PARAM_WORDS')
 
 
 def _check_constants(lib):
@@ -246,27 +257,56 @@ def _compress(rule, ws, tensor_id, g, *args):
         ws.handle, tensor_id, DTYPE_CODES[g.dtype], g.ctypes.data,
         *[a.ctypes.data if isinstance(a, numpy.ndarray) else a
           for a in args], info.ctypes.data)
-    return tuple(int(x) for x in info)
+    words, elements, flags = (int(x) for x in info)
+    if flags & UNENCODABLE:
+        raise ValueError(
+            'chainer_vgc: tensor {} ({} elements) cannot be sent: a group '
+            'carries at most 2**32 - 1 elements, and index_coding=\'fixed\' '
+            '(FMT_POW2) addresses at most 2**28 elements per tensor (use '
+            '\'auto\' or \'gap\')'.format(tensor_id, g.size))
+    return words, elements, flags
+
+
+def _coding(coding):
+    """The int code of ``coding`` (an int code or a name of
+    ``codec.CODINGS``)."""
+    if isinstance(coding, str):
+        names = ('auto', 'fixed', 'gap')
+        if coding not in names:
+            raise ValueError('index coding must be one of {}, got {!r}'
+                             .format(names, coding))
+        return names.index(coding)
+    coding = int(coding)
+    if coding not in (CODING_AUTO, CODING_FIXED, CODING_GAP):
+        raise ValueError('index coding code must be 0, 1 or 2, got {}'
+                         .format(coding))
+    return coding
 
 
 def compress_vgc(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
-                 quantize, keep_unrepresentable, out):
-    """Fig. "Basic" on one tensor; returns (words, elements, flags)."""
+                 quantize, keep_unrepresentable, out, coding=CODING_AUTO):
+    """Fig. "Basic" on one tensor; returns (words, elements, flags).
+    ``coding`` (quantized groups): 0 'auto' (FMT_GAP where it is shorter
+    or the tensor exceeds 2**28 elements, else FMT_POW2), 1 'fixed'
+    (FMT_POW2), 2 'gap' (FMT_GAP, 4-bit values)."""
     return _compress('vgc', ws, tensor_id, g, s, r, v, r_out, v_out, g.size,
                      alpha, zeta, int(quantize), int(keep_unrepresentable),
-                     out)
+                     _coding(coding), out)
 
 
 def compress_hybrid(ws, tensor_id, g, s, r, v, r_out, v_out, alpha, zeta,
-                    tau, out):
-    """Fig. "Hybrid" on one tensor; returns (words, elements, flags)."""
+                    tau, out, coding=CODING_AUTO):
+    """Fig. "Hybrid" on one tensor; returns (words, elements, flags).
+    ``coding`` as for :func:`compress_vgc` (FMT_GAP with SIGN_ONLY)."""
     return _compress('hybrid', ws, tensor_id, g, s, r, v, r_out, v_out,
-                     g.size, alpha, zeta, tau, out)
+                     g.size, alpha, zeta, tau, _coding(coding), out)
 
 
-def compress_strom(ws, tensor_id, g, r, r_out, tau, out):
-    """Strom's threshold on one tensor; returns (words, elements, flags)."""
-    return _compress('strom', ws, tensor_id, g, r, r_out, g.size, tau, out)
+def compress_strom(ws, tensor_id, g, r, r_out, tau, out, coding=CODING_AUTO):
+    """Strom's threshold on one tensor; returns (words, elements, flags).
+    ``coding`` as for :func:`compress_hybrid`."""
+    return _compress('strom', ws, tensor_id, g, r, r_out, g.size, tau,
+                     _coding(coding), out)
 
 
 def compress_qsgd(ws, tensor_id, g, u, bucket, levels, out):
@@ -321,3 +361,51 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
     if rc != 0:
         return None
     return touched[:n], elements[:p]
+
+
+def rice_parameter(count, size):
+    """``codec.rice_parameter`` computed by the library (for the tests)."""
+    return int(load().vgc_native_rice_parameter(int(count), int(size)))
+
+
+def gap_encode(index, nibbles, k, sign_only):
+    """The FMT_GAP body (uint32) of the elements at ``index`` (strictly
+    increasing, >= 0) with table entries ``nibbles`` (sign << 3 | d; with
+    ``sign_only`` only the sign, ``nibbles >> 3``, is written) and Rice
+    parameter ``k``: the fast path of ``codec.gap_body``.  ValueError for
+    invalid arguments."""
+    lib = load()
+    index = numpy.ascontiguousarray(index, dtype=numpy.int64).reshape(-1)
+    nibbles = numpy.ascontiguousarray(nibbles, dtype=numpy.uint8).reshape(-1)
+    if index.size != nibbles.size:
+        raise ValueError('gap_encode: index and nibbles differ in length')
+    args = (index.ctypes.data, nibbles.ctypes.data, index.size, int(k),
+            int(bool(sign_only)))
+    words = lib.vgc_native_gap_encode(*args, None)
+    if words < 0:
+        raise ValueError('gap_encode: indices must be strictly increasing '
+                         'and >= 0, nibbles < 16, k in 0..63')
+    body = numpy.empty(words, dtype=numpy.uint32)
+    lib.vgc_native_gap_encode(*args, body.ctypes.data)
+    return body
+
+
+def gap_decode(body, count, size):
+    """``(index int64, nibbles uint8)`` of the FMT_GAP body ``body`` (exactly
+    the body's words) of a group of ``count`` elements of a tensor of
+    ``size``, every decoder check of the format applied; None if it is
+    invalid (the fast path of ``codec.gap_decode_body``, which names the
+    fault).  ``nibbles`` are the value-table entries sign << 3 | d (d = 0
+    for SIGN_ONLY)."""
+    lib = load()
+    body = numpy.ascontiguousarray(body, dtype=numpy.uint32).reshape(-1)
+    count, size = int(count), int(size)
+    if count < 0 or count >= 2 ** 32 or size < 0:
+        return None
+    index = numpy.empty(count, dtype=numpy.int64)
+    nibbles = numpy.empty(count, dtype=numpy.uint8)
+    rc = lib.vgc_native_gap_decode(body.ctypes.data, body.size, count, size,
+                                   index.ctypes.data, nibbles.ctypes.data)
+    if rc != 0:
+        return None
+    return index, nibbles

@@ -18,13 +18,18 @@
  *     and one write of r, v, and the caller keeps the old state untouched
  *     when any check fails (it swaps the arrays only on success).
  *   pass 2, parallel over chunks, over the selected elements only: quantize
- *     and encode (Sec. 4.2, App. B), then copy the words straight into the
- *     message buffer at prefix-summed offsets.
+ *     and encode (Sec. 4.2, App. B) into FMT_POW2 words, then either copy
+ *     the words straight into the message buffer at prefix-summed offsets
+ *     (FMT_POW2) or, by the index coding, write them gap-coded (FMT_GAP:
+ *     serially, over the sent elements only; vgc_emit).  A chunk has at
+ *     most 2**28 elements, so a staged word's low index bits and the
+ *     chunk's start give the full index of any tensor size.
  * Decode: validate every message completely (the checks of codec.unpack,
- *   down to every value being finite in the state dtype it is written in),
- *   then per tensor zero the output and merge the p messages' sorted index
- *   lists, adding the contributions in rank order and applying the 1/p
- *   mean once; never a read or write out of bounds.
+ *   down to every value being finite in the state dtype it is written in;
+ *   FMT_GAP bodies are decoded into per-call index / value-entry arrays
+ *   then), then per tensor zero the output and merge the p messages'
+ *   sorted index lists, adding the contributions in rank order and
+ *   applying the 1/p mean once; never a read or write out of bounds.
  */
 #include <stdint.h>
 #include <string.h>
@@ -54,6 +59,10 @@
 #define VGC_RAW_FLOAT64 2u
 #define VGC_QSGD_OFFSET_BITS 23
 #define VGC_QSGD_RECORD_WORDS 4
+#define VGC_FMT_GAP 4u
+#define VGC_GAP_ESCAPE 16
+#define VGC_GAP_SIGN_ONLY 64u
+#define VGC_GAP_PARAM_WORDS 2
 
 /* dtype codes shared with native.py */
 enum { VGC_F16 = 0, VGC_F32 = 1, VGC_F64 = 2 };
@@ -64,7 +73,13 @@ enum {
     VGC_BAD_SQSUM = 2,   /* NaN, Inf or negative in s */
     VGC_OVERFLOW_R = 4,  /* r not finite after the step */
     VGC_OVERFLOW_V = 8,  /* v not finite after the step */
+    /* the group cannot be written: more than 2**32 - 1 elements, or a
+     * tensor over 2**28 elements with coding 'fixed' (FMT_POW2) */
+    VGC_UNENCODABLE = 16,
 };
+
+/* index codings of the compress functions (codec.CODINGS) */
+enum { VGC_CODING_AUTO = 0, VGC_CODING_FIXED = 1, VGC_CODING_GAP = 2 };
 
 /* elements below which a tensor is processed by one thread */
 static const int64_t VGC_PARALLEL_MIN = 1 << 16;
@@ -151,9 +166,16 @@ struct vgc_workspace {
     std::vector<vgc_chunk> chunks;
 };
 
+/* Elements per chunk at most: a staged word keeps the low 28 bits of an
+ * index (FMT_POW2 words, sign words) or its low 32 bits, and the full
+ * index is its chunk's start plus the offset they give (vgc_full_index). */
+static const int64_t VGC_CHUNK_MAX = (int64_t)VGC_INDEX_MASK + 1;
+
 static void vgc_plan(vgc_workspace *ws, int64_t n) {
     int t = n >= VGC_PARALLEL_MIN ? vgc_nthreads() : 1;
     if (t < 1) t = 1;
+    if ((n + t - 1) / t > VGC_CHUNK_MAX)
+        t = (int)((n + VGC_CHUNK_MAX - 1) / VGC_CHUNK_MAX);
     ws->chunks.resize(t);
     int64_t per = (n + t - 1) / t;
     per = (per + 15) & ~(int64_t)15; /* 64-byte aligned chunk starts */
@@ -171,7 +193,8 @@ static void vgc_plan(vgc_workspace *ws, int64_t n) {
 template <typename F> static void vgc_for_chunks(vgc_workspace *ws, F body) {
     int t = (int)ws->chunks.size();
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(t) schedule(static, 1) if (t > 1)
+    int nt = std::min(t, std::max(1, vgc_nthreads()));
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (t > 1)
 #endif
     for (int k = 0; k < t; ++k) body(ws->chunks[k]);
 }
@@ -199,6 +222,286 @@ static void vgc_header(uint32_t *out, int tid, uint32_t fmt, int64_t count,
     out[2] = (uint32_t)count;
     out[3] = a;
     out[4] = b;
+}
+
+/* ---- FMT_GAP: gap-coded indices (codec.gap_body, docs: issue 14) ------- */
+
+/* The Rice parameter of codec.rice_parameter (integers only):
+ * t = 11 (size - count) // (16 count), k = floor(log2 t) (0 if t < 1),
+ * at most 62. */
+static int vgc_rice_parameter(int64_t count, int64_t size) {
+    if (count <= 0 || size <= count) return 0;
+    unsigned __int128 num = (unsigned __int128)11 * (uint64_t)(size - count);
+    unsigned __int128 den = (unsigned __int128)16 * (uint64_t)count;
+    uint64_t t = (uint64_t)(num / den);
+    if (t < 1) return 0;
+    int k = 63 - __builtin_clzll(t);
+    return k < 62 ? k : 62;
+}
+
+/* Bits of the code of one gap. */
+static inline uint64_t vgc_gap_code_bits(uint64_t gap, int k) {
+    uint64_t q = gap >> k;
+    if (q < VGC_GAP_ESCAPE) return q + 1 + (uint64_t)k;
+    int n = 63 - __builtin_clzll(q - VGC_GAP_ESCAPE + 1);
+    return VGC_GAP_ESCAPE + 2 * (uint64_t)n + 1 + (uint64_t)k;
+}
+
+/* LSB-first bit writer: fields go to increasing bit positions. */
+struct vgc_bit_writer {
+    uint32_t *p;
+    uint64_t acc; /* pending bits, below nb */
+    int nb;       /* 0..31 */
+    explicit vgc_bit_writer(uint32_t *dst) : p(dst), acc(0), nb(0) {}
+    /* a field of len <= 32 bits holding x < 2**len */
+    inline void put(uint64_t x, int len) {
+        acc |= x << nb;
+        nb += len;
+        if (nb >= 32) {
+            *p++ = (uint32_t)acc;
+            acc >>= 32;
+            nb -= 32;
+        }
+    }
+    /* a field of len <= 64 bits holding x (len < 64: x < 2**len) */
+    inline void put_long(uint64_t x, int len) {
+        if (len > 32) {
+            put(x & 0xFFFFFFFFu, 32);
+            put(x >> 32, len - 32);
+        } else {
+            put(x, len);
+        }
+    }
+    inline void zeros(int len) {
+        nb += len;
+        while (nb >= 32) {
+            *p++ = (uint32_t)acc;
+            acc >>= 32;
+            nb -= 32;
+        }
+    }
+    /* the code of one gap (k <= 63) */
+    inline void code(uint64_t gap, int k) {
+        const uint64_t q = gap >> k;
+        const uint64_t low = k ? gap & (~0ull >> (64 - k)) : 0;
+        if (q < VGC_GAP_ESCAPE) {
+            const int ul = (int)q + 1;
+            if (ul + k <= 32) {
+                put((1ull << q) | (low << ul), ul + k);
+                return;
+            }
+            put(1ull << q, ul);
+        } else {
+            const uint64_t v = q - VGC_GAP_ESCAPE + 1;
+            const int n = 63 - __builtin_clzll(v);
+            zeros(VGC_GAP_ESCAPE + n);
+            put(1, 1);
+            if (n) put_long(v & (~0ull >> (64 - n)), n);
+        }
+        if (k) put_long(low, k);
+    }
+    /* writes the last partial word; returns the end */
+    inline uint32_t *finish() {
+        if (nb) *p++ = (uint32_t)acc;
+        acc = 0;
+        nb = 0;
+        return p;
+    }
+};
+
+/* Bits of the gap stream of the elements each(f) visits in index order
+ * (f(index, nibble)). */
+template <typename Each>
+static uint64_t vgc_gap_stream_bits(Each each, int k) {
+    uint64_t bits = 0;
+    int64_t prev = -1;
+    each([&](int64_t ix, uint32_t) {
+        bits += vgc_gap_code_bits((uint64_t)(ix - prev - 1), k);
+        prev = ix;
+    });
+    return bits;
+}
+
+static inline int64_t vgc_gap_value_words(int64_t count, bool sign_only) {
+    return (count * (sign_only ? 1 : 4) + 31) / 32;
+}
+
+/* Writes the FMT_GAP body (param word, G, gap stream, values) of the
+ * elements each(f) visits; G = ceil(bits / 32).  Returns its words. */
+template <typename Each>
+static int64_t vgc_gap_write(Each each, int64_t count, uint64_t bits, int k,
+                             bool sign_only, uint32_t *body) {
+    const int64_t G = (int64_t)((bits + 31) / 32);
+    body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+    body[1] = (uint32_t)G;
+    vgc_bit_writer gaps(body + VGC_GAP_PARAM_WORDS);
+    vgc_bit_writer values(body + VGC_GAP_PARAM_WORDS + G);
+    int64_t prev = -1;
+    each([&](int64_t ix, uint32_t nib) {
+        gaps.code((uint64_t)(ix - prev - 1), k);
+        prev = ix;
+        if (sign_only)
+            values.put(nib >> 3, 1);
+        else
+            values.put(nib, 4);
+    });
+    gaps.finish();
+    values.finish();
+    return VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
+}
+
+/* Bits pos..pos+31 of the stream s of G words (0 past its end). */
+static inline uint32_t vgc_peek32(const uint32_t *s, int64_t G, uint64_t pos) {
+    const uint64_t i = pos >> 5;
+    const uint64_t lo = i < (uint64_t)G ? s[i] : 0;
+    const uint64_t hi = i + 1 < (uint64_t)G ? s[i + 1] : 0;
+    return (uint32_t)((lo | hi << 32) >> (pos & 31));
+}
+
+/* The field of n <= 64 bits at pos. */
+static inline uint64_t vgc_read_bits(const uint32_t *s, int64_t G,
+                                     uint64_t pos, int n) {
+    if (n == 0) return 0;
+    if (n <= 32) return vgc_peek32(s, G, pos) & (~0u >> (32 - n));
+    return (uint64_t)vgc_peek32(s, G, pos) |
+           (uint64_t)(vgc_peek32(s, G, pos + 32) & (~0u >> (64 - n))) << 32;
+}
+
+/* Decodes and checks a FMT_GAP body of exactly len words (the decoder
+ * checks of the spec): index[count] (strictly increasing, < size) and
+ * nib[count] (sign << 3 | d; d = 0 for SIGN_ONLY).  false: invalid. */
+static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
+                           int64_t size, int64_t *index, uint8_t *nib) {
+    if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
+    const uint32_t param = body[0];
+    if (param >> 7) return false; /* reserved bits */
+    const int k = (int)(param & 63);
+    const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
+    const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
+    if (len != VGC_GAP_PARAM_WORDS + G + V) return false;
+    if (count > 32 * G && count) return false; /* a code has >= 1 bit */
+    const uint32_t *s = body + VGC_GAP_PARAM_WORDS;
+    const uint64_t total = 32 * (uint64_t)G;
+    uint64_t pos = 0;
+    int64_t prev = -1;
+    for (int64_t j = 0; j < count; ++j) {
+        /* gap < limit keeps the index below size */
+        const uint64_t limit = (uint64_t)(size - prev - 1);
+        if (limit == 0) return false;
+        const uint64_t qmax = (limit - 1) >> k;
+        uint64_t q;
+        const uint32_t w = vgc_peek32(s, G, pos);
+        if (w & ((1u << VGC_GAP_ESCAPE) - 1)) { /* unary */
+            const int z = __builtin_ctz(w);
+            if (pos + z + 1 > total) return false;
+            q = (uint64_t)z;
+            pos += z + 1;
+            if (q > qmax) return false;
+        } else { /* escape, then Elias gamma */
+            if (pos + VGC_GAP_ESCAPE > total) return false;
+            pos += VGC_GAP_ESCAPE;
+            int n = 0;
+            for (;;) {
+                if (pos + n >= total) return false;
+                const uint32_t x = vgc_peek32(s, G, pos + n);
+                if (x) {
+                    n += __builtin_ctz(x);
+                    break;
+                }
+                n += 32;
+                if (n >= 64) return false;
+            }
+            if (n >= 64) return false;
+            if (pos + 2 * (uint64_t)n + 1 > total) return false;
+            const uint64_t v =
+                (1ull << n) | vgc_read_bits(s, G, pos + n + 1, n);
+            pos += 2 * (uint64_t)n + 1;
+            if (qmax < VGC_GAP_ESCAPE || v > qmax - (VGC_GAP_ESCAPE - 1))
+                return false;
+            q = v + (VGC_GAP_ESCAPE - 1);
+        }
+        if (pos + k > total) return false;
+        const uint64_t gap = (q << k) | vgc_read_bits(s, G, pos, k);
+        pos += k;
+        if (gap >= limit) return false; /* overruns the tensor */
+        prev += 1 + (int64_t)gap;
+        index[j] = prev;
+    }
+    /* canonical end: the last code ends in the last word, zeros after */
+    if ((pos + 31) / 32 != (uint64_t)G) return false;
+    if ((pos & 31) && (s[G - 1] >> (pos & 31))) return false;
+    const uint32_t *v = s + G;
+    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
+    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
+    if (sign_only)
+        for (int64_t j = 0; j < count; ++j)
+            nib[j] = (uint8_t)(((v[j >> 5] >> (j & 31)) & 1u) << 3);
+    else
+        for (int64_t j = 0; j < count; ++j)
+            nib[j] = (uint8_t)((v[j >> 3] >> (4 * (j & 7))) & 15u);
+    return true;
+}
+
+/* The full index of a word a chunk staged: FMT_POW2 and sign words keep
+ * the low 28 bits of the index, the chunk (at most 2**28 elements) its
+ * start. */
+static inline int64_t vgc_full_index(const vgc_chunk &c, uint32_t word) {
+    return c.begin + (int64_t)((word - (uint32_t)c.begin) & VGC_INDEX_MASK);
+}
+
+/* The FMT_POW2 words the chunks staged (c.words[0..c.out), in index
+ * order) as one group: FMT_POW2 (the words as they are) or FMT_GAP by
+ * `coding` (VGC_CODING_*); e_k and scale in the header fields a and b.
+ * Sets info = {words, elements, flags}; returns the words. */
+static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
+                        bool sign_only, uint32_t a, uint32_t b, uint32_t *out,
+                        int64_t *info) {
+    const int64_t count = vgc_offsets(ws);
+    info[0] = info[1] = 0;
+    info[2] = vgc_flags(ws);
+    if (count == 0) return 0;
+    const bool large = n > (int64_t)VGC_INDEX_MASK + 1;
+    if (count > (int64_t)0xFFFFFFFFu ||
+        (large && coding == VGC_CODING_FIXED)) {
+        info[2] |= VGC_UNENCODABLE;
+        return 0;
+    }
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    bool gap = coding == VGC_CODING_GAP || large;
+    const int k = vgc_rice_parameter(count, n);
+    auto each = [&](auto f) {
+        for (size_t t = 0; t < ws->chunks.size(); ++t) {
+            const vgc_chunk &c = ws->chunks[t];
+            const uint32_t *w = c.words.data();
+            for (int64_t j = 0; j < c.out; ++j)
+                f(vgc_full_index(c, w[j]), w[j] >> VGC_INDEX_BITS);
+        }
+    };
+    uint64_t bits = 0;
+    if (coding != VGC_CODING_FIXED) {
+        bits = vgc_gap_stream_bits(each, k);
+        const int64_t words = VGC_GAP_PARAM_WORDS +
+                              (int64_t)((bits + 31) / 32) +
+                              vgc_gap_value_words(count, sign_only);
+        gap |= words < count;
+        if (gap && (bits + 31) / 32 > 0xFFFFFFFFu) {
+            info[2] |= VGC_UNENCODABLE;
+            return 0;
+        }
+    }
+    int64_t words;
+    if (gap) {
+        words = vgc_gap_write(each, count, bits, k, sign_only, body);
+    } else {
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
+        });
+        words = count;
+    }
+    vgc_header(out, tid, gap ? VGC_FMT_GAP : VGC_FMT_POW2, count, a, b);
+    info[0] = VGC_HEADER_WORDS + words;
+    info[1] = count;
+    return info[0];
 }
 
 /* ---- blocks: one cache line of the state at a time ---------------------- */
@@ -534,7 +837,10 @@ static void vgc_quantize_chunk(vgc_chunk &c, int e_k, bool keep, S *r_out,
         return;
     }
     for (int64_t j = 0; j < c.count; ++j) {
-        uint32_t index = c.words[j], word;
+        /* staged: the index's low 32 bits (the chunk has <= 2**28) */
+        const int64_t index =
+            c.begin + (int64_t)(uint32_t)(c.words[j] - (uint32_t)c.begin);
+        uint32_t word;
         S x = values[j];
         if (vgc_pow2_encode<S>(x, e_k, (long long)index, word)) {
             c.words[w++] = word;
@@ -552,8 +858,8 @@ template <typename G, typename S>
 static int64_t vgc_basic(vgc_workspace *ws, int tid, const G *g, const S *s,
                          const S *r_in, const S *v_in, S *r_out, S *v_out,
                          int64_t n, double alpha_d, double zeta_d,
-                         int quantize, int keep_unrep, uint32_t *out,
-                         int64_t *info) {
+                         int quantize, int keep_unrep, int coding,
+                         uint32_t *out, int64_t *info) {
     typedef vgc_float_traits<S> T;
     const S alpha = (S)alpha_d, zeta = (S)zeta_d;
     const bool keep = quantize && keep_unrep;
@@ -608,17 +914,8 @@ static int64_t vgc_basic(vgc_workspace *ws, int tid, const G *g, const S *s,
     vgc_for_chunks(ws, [&](vgc_chunk &c) {
         vgc_quantize_chunk<S>(c, e_k, keep, r_out, v_out);
     });
-    int64_t sent = vgc_offsets(ws);
-    info[2] = vgc_flags(ws);
-    if (sent == 0) return 0;
-    vgc_for_chunks(ws, [&](vgc_chunk &c) {
-        if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
-    });
-    vgc_header(out, tid, VGC_FMT_POW2, sent, (uint32_t)e_k,
-               vgc_f32_bits(1.0f));
-    info[0] = VGC_HEADER_WORDS + sent;
-    info[1] = sent;
-    return info[0];
+    return vgc_emit(ws, tid, n, coding, false, (uint32_t)e_k,
+                    vgc_f32_bits(1.0f), out, info);
 }
 
 /* ---- Fig. "Hybrid" and Strom: +-tau, one pass -------------------------- */
@@ -700,28 +997,21 @@ static void vgc_strom_pass(vgc_chunk &c, const G *g, const S *r_in, S *r_out,
     c.flags = vgc_lane_flags(bad_g, (I *)NULL, over_r, (I *)NULL, B);
 }
 
-/* Copies the staged sign words into a FMT_POW2 group (e_k 0, scale tau). */
-static int64_t vgc_sign_group(vgc_workspace *ws, int tid, float tau,
-                              uint32_t *out, int64_t *info) {
-    int64_t count = vgc_offsets(ws);
-    info[0] = info[1] = 0;
-    info[2] = vgc_flags(ws);
-    if (count == 0) return 0;
-    uint32_t *body = out + VGC_HEADER_WORDS;
-    vgc_for_chunks(ws, [&](vgc_chunk &c) {
-        if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
-    });
-    vgc_header(out, tid, VGC_FMT_POW2, count, 0u, vgc_f32_bits(tau));
-    info[0] = VGC_HEADER_WORDS + count;
-    info[1] = count;
-    return info[0];
+/* The staged sign words as a FMT_POW2 or FMT_GAP (SIGN_ONLY) group
+ * (e_k 0, scale tau). */
+static int64_t vgc_sign_group(vgc_workspace *ws, int tid, int64_t n,
+                              float tau, int coding, uint32_t *out,
+                              int64_t *info) {
+    return vgc_emit(ws, tid, n, coding, true, 0u, vgc_f32_bits(tau), out,
+                    info);
 }
 
 template <typename G, typename S>
 static int64_t vgc_hybrid(vgc_workspace *ws, int tid, const G *g, const S *s,
                           const S *r_in, const S *v_in, S *r_out, S *v_out,
                           int64_t n, double alpha_d, double zeta_d,
-                          double tau_d, uint32_t *out, int64_t *info) {
+                          double tau_d, int coding, uint32_t *out,
+                          int64_t *info) {
     const float tau32 = (float)tau_d; /* the value on the wire */
     const S alpha = (S)alpha_d, zeta = (S)zeta_d, tau = (S)tau32;
     vgc_plan(ws, n);
@@ -729,20 +1019,20 @@ static int64_t vgc_hybrid(vgc_workspace *ws, int tid, const G *g, const S *s,
         vgc_hybrid_pass<G, S>(c, g, s, r_in, v_in, r_out, v_out, alpha, zeta,
                               tau);
     });
-    return vgc_sign_group(ws, tid, tau32, out, info);
+    return vgc_sign_group(ws, tid, n, tau32, coding, out, info);
 }
 
 template <typename G, typename S>
 static int64_t vgc_strom(vgc_workspace *ws, int tid, const G *g,
                          const S *r_in, S *r_out, int64_t n, double tau_d,
-                         uint32_t *out, int64_t *info) {
+                         int coding, uint32_t *out, int64_t *info) {
     const float tau32 = (float)tau_d;
     const S tau = (S)tau32;
     vgc_plan(ws, n);
     vgc_for_chunks(ws, [&](vgc_chunk &c) {
         vgc_strom_pass<G, S>(c, g, r_in, r_out, tau);
     });
-    return vgc_sign_group(ws, tid, tau32, out, info);
+    return vgc_sign_group(ws, tid, n, tau32, coding, out, info);
 }
 
 /* ---- none: the dense gradient in the state dtype (FMT_RAW, dense) ------ */
@@ -894,7 +1184,11 @@ struct vgc_group {
     int64_t pos;   /* element number */
     int64_t index; /* current index */
     int64_t rec, rec_left, word_at;
-    double table[16]; /* FMT_POW2 values, in the state dtype */
+    double table[16]; /* FMT_POW2 and FMT_GAP values, in the state dtype */
+    /* FMT_GAP, decoded by vgc_check_group: the indices and the table
+     * entries (sign << 3 | d) */
+    std::vector<int64_t> gap_index;
+    std::vector<uint8_t> gap_nib;
 };
 
 static double vgc_word_double(const uint32_t *p) {
@@ -914,6 +1208,8 @@ static int64_t vgc_group_index(const vgc_group &g) {
     switch (g.fmt) {
     case VGC_FMT_POW2:
         return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
+    case VGC_FMT_GAP:
+        return g.gap_index[g.pos];
     case VGC_FMT_RAW:
         return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
     default: { /* QSGD: record rec, word at word_at */
@@ -929,6 +1225,8 @@ template <typename S> static S vgc_group_value(const vgc_group &g) {
     switch (g.fmt) {
     case VGC_FMT_POW2:
         return (S)g.table[g.body[g.pos] >> VGC_INDEX_BITS];
+    case VGC_FMT_GAP:
+        return (S)g.table[g.gap_nib[g.pos]];
     case VGC_FMT_RAW: {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : g.count);
         if (g.a & VGC_RAW_FLOAT64) return (S)vgc_word_double(v + 2 * g.pos);
@@ -987,11 +1285,13 @@ static bool vgc_value_finite(const vgc_group &g, bool f64) {
                : vgc_finite(vgc_group_value<float>(g));
 }
 
-/* Validates one group's contents as codec.unpack does. */
-static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
+/* Validates one group's contents as codec.unpack does (body_words: its
+ * body's length); decodes a FMT_GAP body into g.gap_index, g.gap_nib. */
+static bool vgc_check_group(vgc_group &g, int64_t size, int scode,
+                            int64_t body_words) {
     const bool f64 = scode == VGC_F64;
     const int64_t count = g.count;
-    if (g.fmt == VGC_FMT_POW2) {
+    if (g.fmt == VGC_FMT_POW2 || g.fmt == VGC_FMT_GAP) {
         int e_k = (int)(int32_t)g.a;
         float scale = vgc_word_float(&g.b);
         int minexp = f64 ? -1022 : -126, maxexp = f64 ? 1024 : 128;
@@ -1006,6 +1306,12 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
                                  k << VGC_INDEX_BITS, e_k, scale, ix);
             if (!vgc_finite(v) || v == 0.0) return false;
             g.table[k] = v;
+        }
+        if (g.fmt == VGC_FMT_GAP) {
+            g.gap_index.resize(count);
+            g.gap_nib.resize(count);
+            return vgc_gap_decode(g.body, body_words, count, size,
+                                  g.gap_index.data(), g.gap_nib.data());
         }
     } else if (g.fmt == VGC_FMT_RAW) {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : count);
@@ -1090,6 +1396,12 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
             if (a == 0 || a > count || (b & 0xFFFFFF) == 0 || (b >> 24) == 0)
                 return false;
             length = VGC_QSGD_RECORD_WORDS * (int64_t)a + count;
+        } else if (fmt == VGC_FMT_GAP) {
+            /* the param word and G, before any other body word */
+            if (pos + VGC_GAP_PARAM_WORDS > len) return false;
+            const bool sign_only = (m[pos] & VGC_GAP_SIGN_ONLY) != 0;
+            length = VGC_GAP_PARAM_WORDS + (int64_t)m[pos + 1] +
+                     vgc_gap_value_words(count, sign_only);
         } else {
             return false;
         }
@@ -1100,17 +1412,20 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
         g.count = count;
         g.a = a;
         g.b = b;
-        if (!vgc_check_group(g, size, scodes[tid])) return false;
+        if (!vgc_check_group(g, size, scodes[tid], length)) return false;
         *elements += count;
         pos += length;
     }
     return pos == len;
 }
 
-/* Position of the first element of group g (FMT_POW2 or FMT_RAW, sorted
- * indices) whose index is >= lo. */
+/* Position of the first element of group g (FMT_POW2, FMT_GAP or
+ * FMT_RAW, sorted indices) whose index is >= lo. */
 static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
     if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
+    if (g.fmt == VGC_FMT_GAP)
+        return std::lower_bound(g.gap_index.begin(), g.gap_index.end(), lo) -
+               g.gap_index.begin();
     int64_t a = 0, b = g.count;
     const uint32_t mask = g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
     while (a < b) {
@@ -1135,6 +1450,14 @@ static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
             uint32_t w = g.body[j], ix = w & VGC_INDEX_MASK;
             if ((int64_t)ix >= hi) break;
             out[ix] += table[w >> VGC_INDEX_BITS];
+        }
+    } else if (g.fmt == VGC_FMT_GAP) {
+        const int64_t *index = g.gap_index.data();
+        const uint8_t *nib = g.gap_nib.data();
+        for (; j < count; ++j) {
+            const int64_t ix = index[j];
+            if (ix >= hi) break;
+            out[ix] += table[nib[j]];
         }
     } else { /* FMT_RAW */
         const bool dense = g.a & VGC_RAW_DENSE, f64 = g.a & VGC_RAW_FLOAT64;
@@ -1270,6 +1593,10 @@ void vgc_native_constants(int64_t *c) {
     c[9] = VGC_RAW_FLOAT64;
     c[10] = VGC_QSGD_OFFSET_BITS;
     c[11] = VGC_QSGD_RECORD_WORDS;
+    c[12] = VGC_FMT_GAP;
+    c[13] = VGC_GAP_ESCAPE;
+    c[14] = VGC_GAP_SIGN_ONLY;
+    c[15] = VGC_GAP_PARAM_WORDS;
 }
 
 void vgc_native_set_threads(int n) { vgc_threads = n > 0 ? n : 0; }
@@ -1285,39 +1612,40 @@ void vgc_native_workspace_free(void *ws) { delete (vgc_workspace *)ws; }
 int64_t vgc_native_vgc(void *ws, int tid, int gcode, const void *g,
                        const void *s, const void *r_in, const void *v_in,
                        void *r_out, void *v_out, int64_t n, double alpha,
-                       double zeta, int quantize, int keep_unrep,
+                       double zeta, int quantize, int keep_unrep, int coding,
                        uint32_t *out, int64_t *info) {
     return vgc_dispatch(gcode, [&](auto gt, auto st) {
         VGC_TYPES(gt, st);
         return vgc_basic<G, S>((vgc_workspace *)ws, tid, (const G *)g,
                                (const S *)s, (const S *)r_in,
                                (const S *)v_in, (S *)r_out, (S *)v_out, n,
-                               alpha, zeta, quantize, keep_unrep, out, info);
+                               alpha, zeta, quantize, keep_unrep, coding, out,
+                               info);
     });
 }
 
 int64_t vgc_native_hybrid(void *ws, int tid, int gcode, const void *g,
                           const void *s, const void *r_in, const void *v_in,
                           void *r_out, void *v_out, int64_t n, double alpha,
-                          double zeta, double tau, uint32_t *out,
+                          double zeta, double tau, int coding, uint32_t *out,
                           int64_t *info) {
     return vgc_dispatch(gcode, [&](auto gt, auto st) {
         VGC_TYPES(gt, st);
         return vgc_hybrid<G, S>((vgc_workspace *)ws, tid, (const G *)g,
                                 (const S *)s, (const S *)r_in,
                                 (const S *)v_in, (S *)r_out, (S *)v_out, n,
-                                alpha, zeta, tau, out, info);
+                                alpha, zeta, tau, coding, out, info);
     });
 }
 
 int64_t vgc_native_strom(void *ws, int tid, int gcode, const void *g,
                          const void *r_in, void *r_out, int64_t n, double tau,
-                         uint32_t *out, int64_t *info) {
+                         int coding, uint32_t *out, int64_t *info) {
     return vgc_dispatch(gcode, [&](auto gt, auto st) {
         VGC_TYPES(gt, st);
         return vgc_strom<G, S>((vgc_workspace *)ws, tid, (const G *)g,
-                               (const S *)r_in, (S *)r_out, n, tau, out,
-                               info);
+                               (const S *)r_in, (S *)r_out, n, tau, coding,
+                               out, info);
     });
 }
 
@@ -1338,6 +1666,45 @@ int64_t vgc_native_none(void *ws, int tid, int gcode, const void *g,
         return vgc_none<G, S>((vgc_workspace *)ws, tid, (const G *)g, n, out,
                               info);
     });
+}
+
+/* codec.rice_parameter(count, size). */
+int vgc_native_rice_parameter(int64_t count, int64_t size) {
+    return vgc_rice_parameter(count, size);
+}
+
+/* codec.gap_body: the FMT_GAP body of the elements index[count] (strictly
+ * increasing, >= 0) with table entries nib[count] (sign << 3 | d; only
+ * the sign, nib >> 3, is written with sign_only), Rice parameter k
+ * (0..63).  out NULL: only returns the body's words.  Returns -1 for
+ * invalid arguments. */
+int64_t vgc_native_gap_encode(const int64_t *index, const uint8_t *nib,
+                              int64_t count, int k, int sign_only,
+                              uint32_t *out) {
+    if (count < 0 || k < 0 || k > 63) return -1;
+    for (int64_t j = 0; j < count; ++j)
+        if (index[j] < 0 || (j && index[j] <= index[j - 1]) || nib[j] > 15)
+            return -1;
+    auto each = [&](auto f) {
+        for (int64_t j = 0; j < count; ++j) f(index[j], (uint32_t)nib[j]);
+    };
+    const uint64_t bits = vgc_gap_stream_bits(each, k);
+    if ((bits + 31) / 32 > 0xFFFFFFFFu) return -1;
+    if (!out)
+        return VGC_GAP_PARAM_WORDS + (int64_t)((bits + 31) / 32) +
+               vgc_gap_value_words(count, sign_only != 0);
+    return vgc_gap_write(each, count, bits, k, sign_only != 0, out);
+}
+
+/* codec.gap_decode_body: decodes and checks the FMT_GAP body of len words
+ * (exactly the body) of a group of count elements of a tensor of size;
+ * writes index[count], nib[count] (sign << 3 | d).  Returns VGC_OK or
+ * VGC_BAD_MESSAGE. */
+int vgc_native_gap_decode(const uint32_t *body, int64_t len, int64_t count,
+                          int64_t size, int64_t *index, uint8_t *nib) {
+    return vgc_gap_decode(body, len, count, size, index, nib)
+               ? VGC_OK
+               : VGC_BAD_MESSAGE;
 }
 
 /* Validates the p messages, then writes for every tensor t with outs[t]

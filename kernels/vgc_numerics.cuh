@@ -98,6 +98,11 @@ template <typename T> struct vgc_convert<double, T> {
 template <> struct vgc_convert<double, double> {
     static VGC_FN double run(double x) { return x; }
 };
+/* *p |= x for the FMT_GAP bit writes, where codes of different elements
+ * share a word */
+VGC_FN void vgc_atomic_or(unsigned int *p, unsigned int x) {
+    atomicOr(p, x);
+}
 #else
 #include <math.h>
 #include <string.h>
@@ -131,6 +136,9 @@ template <typename F> VGC_FN bool vgc_gt(F a, F b) { return a > b; }
 template <typename S, typename T> struct vgc_convert {
     static S run(T x) { return (S)x; }
 };
+/* host: the kernels run element by element (tests/kernel_harness.py), so
+ * CUDA's atomicOr is a plain OR */
+VGC_FN void vgc_atomic_or(unsigned int *p, unsigned int x) { *p |= x; }
 #endif
 
 /* (S)x by the rule above; used by the kernels' operation strings */
@@ -331,6 +339,106 @@ VGC_FN F vgc_pow2_decode(unsigned int word, int e_k, F scale,
     int d = (int)((word >> VGC_INDEX_BITS) & 7u);
     F mag = vgc_ldexp(scale, e_k - d);
     return (word >> 31) ? vgc_neg(mag) : mag;
+}
+
+/* ---- FMT_GAP: the gap-coded index stream (issue 14) -------------------- *
+ * Integers only.  Element j of a group (sorted unique indices i_0 < i_1 <
+ * ...) has gap_j = i_j - i_{j-1} - 1 (gap_0 = i_0), written as one code:
+ * q = gap >> k; q < VGC_GAP_ESCAPE: q zero bits and a one bit (unary); else
+ * VGC_GAP_ESCAPE zero bits and the Elias-gamma code of v = q - ESC + 1
+ * (n = floor(log2 v) zero bits, a one bit, the low n bits of v); then the
+ * low k bits of gap.  Fields are LSB-first: bit p of the stream is bit p & 31
+ * of word p >> 5.  Codes are back to back from bit 0; the device writes
+ * them with one thread per element at the exclusive prefix sum of the code
+ * lengths, into a zeroed stream (zero bits are not written). */
+#define VGC_GAP_ESCAPE 16
+
+/* floor(log2 v) for v >= 1 */
+VGC_FN int vgc_ilog2_u64(unsigned long long v) {
+    int n = 0;
+    if (v >> 32) { v >>= 32; n += 32; }
+    if (v >> 16) { v >>= 16; n += 16; }
+    if (v >> 8) { v >>= 8; n += 8; }
+    if (v >> 4) { v >>= 4; n += 4; }
+    if (v >> 2) { v >>= 2; n += 2; }
+    if (v >> 1) { n += 1; }
+    return n;
+}
+
+/* bits of the code of `gap` (>= 0) with Rice parameter k (0..63) */
+VGC_FN long long vgc_gap_code_length(long long gap, int k) {
+    unsigned long long q = (unsigned long long)gap >> k;
+    long long len = q < VGC_GAP_ESCAPE
+        ? (long long)q + 1
+        : VGC_GAP_ESCAPE + 2LL * vgc_ilog2_u64(q - VGC_GAP_ESCAPE + 1) + 1;
+    return len + k;
+}
+
+/* gap of element j of the sorted indices (a raw array: index[j - 1] is
+ * read) and, the return value, the length of its code */
+template <typename A>
+VGC_FN long long vgc_gap_length(const A &index, long long j, int k,
+                                long long &gap) {
+    long long prev = j ? (long long)index[j - 1] : -1LL;
+    gap = (long long)index[j] - prev - 1;
+    return vgc_gap_code_length(gap, k);
+}
+
+/* ORs the n (0..64) low bits of x (the rest 0) at bit `pos` of `stream`,
+ * a word at a time */
+template <typename A>
+VGC_FN void vgc_or_field(A stream, long long pos, unsigned long long x,
+                         int n) {
+    while (n > 0) {
+        int off = (int)(pos & 31);
+        int take = 32 - off < n ? 32 - off : n;
+        unsigned int chunk =
+            (unsigned int)(x & ((1ULL << take) - 1ULL)) << off;
+        if (chunk) vgc_atomic_or(&stream[pos >> 5], chunk);
+        x >>= take; /* take <= 32 */
+        pos += take;
+        n -= take;
+    }
+}
+
+/* Writes the code of `gap`, which ends at bit `end` (the inclusive prefix
+ * sum of the code lengths), into the zeroed `stream` (a raw uint32 array;
+ * other threads write the neighbouring codes: atomic ORs). */
+template <typename A>
+VGC_FN void vgc_gap_write(A stream, long long gap, long long end, int k) {
+    unsigned long long g = (unsigned long long)gap;
+    unsigned long long q = g >> k;
+    long long pos = end - vgc_gap_code_length(gap, k);
+    if (q < VGC_GAP_ESCAPE) {
+        pos += (long long)q; /* q zero bits */
+        vgc_or_field(stream, pos, 1ULL, 1);
+        pos += 1;
+    } else {
+        unsigned long long v = q - VGC_GAP_ESCAPE + 1;
+        int n = vgc_ilog2_u64(v);
+        pos += VGC_GAP_ESCAPE + n; /* ESC zero bits, n zero bits */
+        vgc_or_field(stream, pos, 1ULL, 1);
+        vgc_or_field(stream, pos + 1, v & ((1ULL << n) - 1ULL), n);
+        pos += 1 + n;
+    }
+    if (k) vgc_or_field(stream, pos, g & ((1ULL << k) - 1ULL), k);
+}
+
+/* Value word w of the FMT_GAP body: the 4-bit fields nibble = sign << 3 | d
+ * of elements 8w..8w+7, or (sign_only) the sign bits (nibble >> 3) of
+ * elements 32w..32w+31, LSB-first; fields past `count` are 0. */
+template <typename A>
+VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
+                                       bool sign_only, long long w) {
+    int per = sign_only ? 32 : 8, bits = sign_only ? 1 : 4;
+    long long first = w * per;
+    unsigned int word = 0;
+    for (int j = 0; j < per && first + j < count; ++j) {
+        unsigned int x = (unsigned int)nibbles[first + j];
+        unsigned int field = sign_only ? (x >> 3) & 1u : x & 15u;
+        word |= field << (j * bits);
+    }
+    return word;
 }
 
 #endif /* CHAINER_VGC_NUMERICS_CUH */

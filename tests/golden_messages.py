@@ -1,8 +1,9 @@
 """Messages recorded before the issue-13 restructuring, to prove it changed
-no byte on the wire: ``python tests/golden_messages.py`` rewrites
+no byte on the wire, and FMT_GAP messages recorded when issue 14 added it:
+``python tests/golden_messages.py`` rewrites
 ``tests/data/golden_messages.npz`` (only ever on purpose, with a wire
-change); ``tests/test_golden.py`` compares every backend's messages with
-it."""
+change; it refuses to change a recorded message unless ``--force``);
+``tests/test_golden.py`` compares every backend's messages with it."""
 
 import os
 
@@ -15,14 +16,23 @@ SHAPES = [(33, 7), (5,), (0,), (200,), (4, 4, 3)]
 DTYPES = [numpy.float16, numpy.float32, numpy.float32, numpy.float64,
           numpy.float32]
 CASES = [
-    ('vgc', dict(alpha=1.0)),
-    ('vgc', dict(alpha=1.5, zeta=0.99)),
-    ('vgc', dict(alpha=1.0, keep_unrepresentable=True)),
+    # the paper's 32-bit words (index_coding='fixed'), unchanged since
+    # before issue 13
+    ('vgc', dict(alpha=1.0, index_coding='fixed')),
+    ('vgc', dict(alpha=1.5, zeta=0.99, index_coding='fixed')),
+    ('vgc', dict(alpha=1.0, keep_unrepresentable=True,
+                 index_coding='fixed')),
     ('vgc', dict(alpha=2.0, quantize=False)),
-    ('hybrid', dict(alpha=2.0, tau=0.05)),
-    ('strom', dict(tau=0.05)),
+    ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='fixed')),
+    ('strom', dict(tau=0.05, index_coding='fixed')),
     ('qsgd', dict(bits=3, bucket=16, seed=1)),
     ('none', {}),
+    # FMT_GAP (issue 14), recorded when it was introduced; its correctness
+    # is checked against an independent decoder in tests/test_gap_format.py
+    ('vgc', dict(alpha=1.0, index_coding='gap')),
+    ('vgc', dict(alpha=1.5, zeta=0.99)),  # 'auto': per tensor and step
+    ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='gap')),
+    ('strom', dict(tau=0.05)),
 ]
 STEPS = 6
 
@@ -53,13 +63,22 @@ def key(k, step):
     return 'case{}_step{}'.format(k, step)
 
 
-def record():
+def record(force=False):
+    """Record the cases not yet in the file; a recorded message that would
+    change is an error unless ``force``."""
+    old = dict(numpy.load(PATH)) if os.path.exists(PATH) else {}
     arrays = {}
     for k, (method, kw) in enumerate(CASES):
         for step, m in enumerate(messages(method, kw, 'numpy')):
-            arrays[key(k, step)] = m
+            name = key(k, step)
+            if (name in old and not numpy.array_equal(old[name], m)
+                    and not force):
+                raise SystemExit('{} ({} {}) would change; pass --force to '
+                                 'rewrite it'.format(name, method, kw))
+            arrays[name] = m
     numpy.savez_compressed(PATH, **arrays)
 
 
 if __name__ == '__main__':
-    record()
+    import sys
+    record(force='--force' in sys.argv[1:])

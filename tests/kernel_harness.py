@@ -7,10 +7,16 @@ operation string after ``#include``-ing the same ``kernels/vgc_numerics.cuh``.
 The host build uses ``-ffp-contract=off``; the CuPy kernels use
 ``--fmad=false``; so results must match the NumPy path bit for bit.
 
+``raw T name`` parameters (CuPy's ``raw``: the whole array, not bound to
+the element) are passed as pointers, indexed in the operation as
+``name[j]``; the loop variable is ``i``, CuPy's element number.  The loop
+runs over the non-raw arrays' elements (all of equal size).
+
 The same generated code, as ``__global__`` functions, is what
 :func:`compile_ptx` feeds to ``nvcc``.
 """
 
+import collections
 import ctypes
 import hashlib
 import os
@@ -29,13 +35,15 @@ _HOST_TYPES = {
     numpy.dtype(numpy.float64): ('double', ctypes.c_double),
     numpy.dtype(numpy.bool_): ('bool', ctypes.c_bool),
     numpy.dtype(numpy.int8): ('signed char', ctypes.c_int8),
+    numpy.dtype(numpy.uint8): ('unsigned char', ctypes.c_uint8),
     numpy.dtype(numpy.int32): ('int', ctypes.c_int32),
     numpy.dtype(numpy.int64): ('long long', ctypes.c_int64),
     numpy.dtype(numpy.uint32): ('unsigned int', ctypes.c_uint32),
 }
 _DEVICE_TYPES = dict((k, v[0]) for k, v in _HOST_TYPES.items())
 _DEVICE_TYPES[numpy.dtype(numpy.float16)] = '__half'
-_CONCRETE = {'bool': numpy.bool_, 'int8': numpy.int8, 'int32': numpy.int32,
+_CONCRETE = {'bool': numpy.bool_, 'int8': numpy.int8, 'uint8': numpy.uint8,
+             'int32': numpy.int32,
              'int64': numpy.int64, 'uint32': numpy.uint32,
              'float16': numpy.float16, 'float32': numpy.float32,
              'float64': numpy.float64}
@@ -44,26 +52,36 @@ HOST_FLAGS = ['-std=c++14', '-O2', '-ffp-contract=off', '-fno-fast-math',
               '-fPIC', '-shared']
 
 
+#: one kernel parameter: ``raw`` ones are whole arrays, indexed in the
+#: operation by an element number (CuPy's ``raw T name``, a CArray there)
+Param = collections.namedtuple('Param', ['type', 'name', 'raw'])
+
+
 def parse_params(text):
-    """'G g, S alpha' -> [(type, name), ...] (CuPy's parameter syntax)."""
+    """'G g, raw S alpha' -> [Param(type, name, raw), ...] (CuPy's
+    parameter syntax)."""
     out = []
     for item in text.split(','):
         words = item.split()
+        raw = bool(words) and words[0] == 'raw'
+        if raw:
+            words = words[1:]
         if len(words) != 2 or words[0] == 'raw':
-            raise ValueError('harness supports "TYPE name" params only: '
-                             '{!r}'.format(item))
-        out.append((words[0], words[1]))
+            raise ValueError('harness supports "TYPE name" and "raw TYPE '
+                             'name" params only: {!r}'.format(item))
+        out.append(Param(words[0], words[1], raw))
     return out
 
 
 def _deduce(params, args):
     """Bind type placeholders as CuPy does: from array arguments only
-    (CuPy treats scalars, NumPy scalars included, as untyped)."""
+    (raw ones included; CuPy treats scalars, NumPy scalars included, as
+    untyped)."""
     binding = {}
-    for (typ, name), a in zip(params, args):
+    for (typ, name, raw), a in zip(params, args):
         if typ not in _CONCRETE and isinstance(a, numpy.ndarray):
             binding.setdefault(typ, a.dtype)
-    for typ, name in params:
+    for typ, name, raw in params:
         if typ not in _CONCRETE and typ not in binding:
             raise TypeError('type placeholder {} (parameter {}) cannot be '
                             'deduced: CuPy needs an array argument of that '
@@ -72,17 +90,20 @@ def _deduce(params, args):
 
 
 def _resolve(spec, args):
-    """Bind placeholders to dtypes; returns (params, dtypes, is_array)."""
+    """Bind placeholders to dtypes; returns (params, dtypes, is_array,
+    binding).  A raw parameter must be given an array."""
     params = parse_params(spec.in_params) + parse_params(spec.out_params)
     if len(args) != len(params):
         raise TypeError('expected {} arguments, got {}'.format(
             len(params), len(args)))
     binding = _deduce(params, args)
     dtypes, is_array = [], []
-    for (typ, name), a in zip(params, args):
+    for (typ, name, raw), a in zip(params, args):
         dtypes.append(numpy.dtype(_CONCRETE[typ]) if typ in _CONCRETE
                       else binding[typ])
-        is_array.append(isinstance(a, numpy.ndarray) and a.ndim > 0)
+        is_array.append(raw or isinstance(a, numpy.ndarray) and a.ndim > 0)
+        if raw and not isinstance(a, numpy.ndarray):
+            raise TypeError('raw parameter {} needs an array'.format(name))
     return params, dtypes, is_array, binding
 
 
@@ -94,10 +115,13 @@ def _body(name, spec, params, dtypes, is_array, binding, device):
     for ph, dt in sorted(binding.items()):
         lines.append('typedef {} {};'.format(types[dt], ph))
     sig, bind = ['long long n'], []
-    for k, ((typ, pname), dt, arr) in enumerate(zip(params, dtypes,
-                                                    is_array)):
+    for k, ((typ, pname, raw), dt, arr) in enumerate(zip(params, dtypes,
+                                                         is_array)):
         ctype = types[dt]
-        if k >= n_in:
+        if raw:  # the whole array, indexed in the operation as name[j]
+            sig.append('{}{} *{}'.format('const ' if k < n_in else '',
+                                         ctype, pname))
+        elif k >= n_in:
             sig.append('{} *{}_p'.format(ctype, pname))
             bind.append('{} &{} = {}_p[i];'.format(ctype, pname, pname))
         elif arr:
@@ -179,16 +203,23 @@ class HostKernels(object):
     @staticmethod
     def _allocate(spec, inputs):
         in_params = parse_params(spec.in_params)
-        size = 0
-        for a in inputs:
-            if isinstance(a, numpy.ndarray) and a.ndim:
+        out_params = parse_params(spec.out_params)
+        if any(p.raw for p in out_params):
+            raise TypeError('a raw output parameter must be given (its '
+                            'size is not the kernel\'s)')
+        size = None
+        for p, a in zip(in_params, inputs):
+            if isinstance(a, numpy.ndarray) and a.ndim and not p.raw:
                 size = a.size
+        if size is None:
+            raise ValueError('the outputs\' size cannot be deduced: no '
+                             'non-raw input array (pass the outputs)')
         binding = _deduce(in_params + [
-            p for p in parse_params(spec.out_params)
-            if p[0] in _CONCRETE], list(inputs) + [None] * 8)
-        return tuple(numpy.empty(size, dtype=_CONCRETE.get(typ) or
-                                 binding[typ])
-                     for typ, _ in parse_params(spec.out_params))
+            p for p in out_params if p.type in _CONCRETE],
+            list(inputs) + [None] * 8)
+        return tuple(numpy.empty(size, dtype=_CONCRETE.get(p.type) or
+                                 binding[p.type])
+                     for p in out_params)
 
     def reduce_axis0(self, kname, x):
         """Run reduction kernel ``kname`` over axis 0 of ``x``."""
@@ -212,21 +243,29 @@ class HostKernels(object):
     def __call__(self, kname, *args):
         """Run kernel ``kname``: inputs then (preallocated) outputs.
 
-        Array arguments must be 1-D, contiguous and of equal size; outputs
-        are written in place and returned.
+        Array arguments must be 1-D, contiguous and, except the ``raw``
+        ones (any size), of equal size: the kernel runs once per element
+        of those, with ``i`` the element number; outputs are written in
+        place and returned.
         """
         spec = kernels.SPECS[kname]
+        params = parse_params(spec.in_params) + parse_params(
+            spec.out_params)
         n_in = len(parse_params(spec.in_params))
         if len(args) == n_in:  # CuPy allocates outputs that are not given
             args = args + self._allocate(spec, args)
         _, fn, dtypes, is_array = self._library(kname, args)
         n = None
         cargs = []
-        for k, (a, dt, arr) in enumerate(zip(args, dtypes, is_array)):
+        for k, (a, dt, arr, p) in enumerate(zip(args, dtypes, is_array,
+                                                params)):
             if arr:
                 if a.dtype != dt or not a.flags.c_contiguous or a.ndim != 1:
                     raise TypeError('argument {} must be a contiguous 1-D {} '
                                     'array'.format(k, dt))
+                if p.raw:
+                    cargs.append(a.ctypes.data_as(ctypes.c_void_p))
+                    continue
                 if n is not None and a.size != n:
                     raise ValueError('array arguments differ in size')
                 n = a.size
@@ -246,8 +285,8 @@ def reduction_source(kname, dtype):
     a = reduce(a, map(row)) row after row, then the post-map.  CuPy's order
     of the rows differs (a tree); the map and reduce are the same text."""
     spec = kernels.REDUCTION_SPECS[kname]
-    (tin, xin), = parse_params(spec.in_params)
-    (tout, yout), = parse_params(spec.out_params)
+    (tin, xin, _), = parse_params(spec.in_params)
+    (tout, yout, _), = parse_params(spec.out_params)
     ctype = _HOST_TYPES[numpy.dtype(dtype)][0]
     return '\n'.join([
         '#include "{}"'.format(os.path.join(kernels.source_dir(),
@@ -357,7 +396,7 @@ def cupy_reduction_source(kname, dtype, block_size=512):
              _kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True),
              _kernel._ArgInfo(3, _scalar.CScalar, numpy.dtype(numpy.int32),
                               0, True, True))
-    (typ, _), = parse_params(kernels.REDUCTION_SPECS[kname].in_params)
+    (typ, _, _), = parse_params(kernels.REDUCTION_SPECS[kname].in_params)
     code = _reduction._ReductionKernel_get_cached_function_code(
         1, 1, kern._params, infos,
         _kernel._TypeMap(((typ, dt), ('IndexT', numpy.dtype(numpy.int32)))),

@@ -23,7 +23,7 @@ import struct
 import numpy
 
 MAGIC = 0x31434756  # b'VGC1' little-endian
-FMT_POW2, FMT_RAW, FMT_QSGD = 1, 2, 3
+FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP = 1, 2, 3, 4
 MAX_D = 7
 
 
@@ -157,15 +157,18 @@ def decode_group(tensor_id, fmt, count, a, b, body, size):
     ``codec.py``'s docstring (values as Python floats, before any cast)."""
     body = [int(w) for w in body]
     index, value = [], []
-    if fmt == FMT_POW2:
+    if fmt in (FMT_POW2, FMT_GAP):
         e_k = struct.unpack('<i', struct.pack('<I', a))[0]
         scale = _f32(b)
-        assert len(body) == count
-        for w in body:
-            sign = -1.0 if w >> 31 else 1.0
-            d = (w >> 28) & 7
-            index.append(w & ((1 << 28) - 1))
-            value.append(sign * scale * 2.0 ** (e_k - d))
+        if fmt == FMT_GAP:  # the same elements as FMT_POW2, gap-coded
+            index, nibbles = oracle_decode_body(body, count, size)
+        else:
+            assert len(body) == count
+            index = [w & ((1 << 28) - 1) for w in body]
+            nibbles = [w >> 28 for w in body]
+        for nib in nibbles:
+            sign = -1.0 if nib >> 3 else 1.0
+            value.append(sign * scale * 2.0 ** (e_k - (nib & 7)))
     elif fmt == FMT_RAW:
         dense, f64 = a & 1, a & 2
         if dense:
@@ -209,16 +212,23 @@ def parse_message(words):
     for _ in range(words[1]):
         tid, fmt, count, a, b = words[pos:pos + 5]
         pos += 5
-        if fmt == FMT_POW2:
-            length = count
-        elif fmt == FMT_RAW:
-            length = (0 if a & 1 else count) + count * (2 if a & 2 else 1)
-        else:
-            length = 4 * a + count
+        length = body_length(fmt, count, a, words[pos:pos + 2])
         out.append((tid, fmt, count, a, b, words[pos:pos + length]))
         pos += length
     assert pos == len(words)
     return out
+
+
+def body_length(fmt, count, a, head):
+    """Words of a group's body, from its header fields and ``head``, the
+    first two body words (FMT_GAP: param word and gap-stream length)."""
+    if fmt == FMT_POW2:
+        return count
+    if fmt == FMT_GAP:
+        return body_words_needed(head[0], head[1], count)
+    if fmt == FMT_RAW:
+        return (0 if a & 1 else count) + count * (2 if a & 2 else 1)
+    return 4 * a + count
 
 
 def message_elements(words):
@@ -367,3 +377,161 @@ def assert_bitwise(a, b):
     diff = numpy.nonzero(bits(a) != bits(b))[0]
     assert diff.size == 0, 'first differences at {}: {} vs {}'.format(
         diff[:5], a[diff[:5]], b[diff[:5]])
+
+# ---- FMT_GAP (issue 14), from the format's description alone ---------------
+
+ESC = 16
+SIGN_ONLY = 64
+
+
+class Reject(Exception):
+    """The oracle finds the message malformed."""
+
+
+def rice_k(count, size):
+    """The Rice parameter, as the format defines it (integers only)."""
+    t = (11 * (size - count)) // (16 * count)
+    k = t.bit_length() - 1 if t >= 1 else 0
+    return min(k, 62)
+
+
+def gaps_of(index):
+    gaps, prev = [], -1
+    for i in index:
+        i = int(i)
+        assert i > prev
+        gaps.append(i - prev - 1)
+        prev = i
+    return gaps
+
+
+def code_bits(gap, k):
+    """Length of one code, counted from the description of the code."""
+    q = gap >> k
+    if q < ESC:
+        return q + 1 + k
+    n = (q - ESC + 1).bit_length() - 1
+    return ESC + n + 1 + n + k
+
+
+def put_field(bits, x, n):
+    for i in range(n):
+        bits.append((x >> i) & 1)
+
+
+def gap_code(gap, k):
+    """The bits of one code, in writing order."""
+    bits = []
+    q = gap >> k
+    if q < ESC:
+        bits += [0] * q + [1]
+    else:
+        v = q - ESC + 1
+        n = v.bit_length() - 1
+        bits += [0] * ESC + [0] * n + [1]
+        put_field(bits, v, n)  # the low n bits of v
+    put_field(bits, gap & ((1 << k) - 1), k)
+    return bits
+
+
+def to_words(bits):
+    words = [0] * ((len(bits) + 31) // 32)
+    for p, b in enumerate(bits):
+        if b:
+            words[p >> 5] |= 1 << (p & 31)
+    return words
+
+
+def oracle_encode(index, nibbles, k, sign_only):
+    """Body words (Python ints) of the elements ``index`` (strictly
+    increasing) with the 4-bit ``nibbles`` (sign << 3 | d)."""
+    stream = []
+    for gap in gaps_of(index):
+        stream += gap_code(gap, k)
+    values = []
+    for nib in nibbles:
+        nib = int(nib)
+        if sign_only:
+            assert nib & 7 == 0, 'sign-only values have d = 0'
+            put_field(values, nib >> 3, 1)
+        else:
+            put_field(values, nib, 4)
+    gap_words = to_words(stream)
+    return ([k | (SIGN_ONLY if sign_only else 0), len(gap_words)] + gap_words
+            + to_words(values))
+
+
+class BitReader(object):
+
+    def __init__(self, words, end):
+        self.words, self.end, self.pos = words, end, 0
+
+    def bit(self):
+        if self.pos >= self.end:
+            raise Reject('read past the end of the gap stream')
+        b = (self.words[self.pos >> 5] >> (self.pos & 31)) & 1
+        self.pos += 1
+        return b
+
+    def field(self, n):
+        x = 0
+        for i in range(n):
+            x |= self.bit() << i
+        return x
+
+
+def body_words_needed(param, G, count):
+    vbits = 1 if param & SIGN_ONLY else 4
+    return 2 + G + (count * vbits + 31) // 32
+
+
+def oracle_decode_body(body, count, size):
+    """(indices, nibbles) as lists of ints, or raises :class:`Reject`.
+    ``body`` must be exactly the group's body.  Sign-only nibbles are
+    ``sign << 3`` (d = 0)."""
+    body = [int(w) for w in body]
+    if len(body) < 2:
+        raise Reject('no param/G words')
+    param, G = body[0], body[1]
+    if param >> 7:
+        raise Reject('reserved param bits')
+    k, sign_only = param & 63, bool(param & SIGN_ONLY)
+    if len(body) != body_words_needed(param, G, count):
+        raise Reject('body length')
+    r = BitReader(body[2:2 + G], 32 * G)
+    index, prev = [], -1
+    for _ in range(count):
+        q = None
+        for zeros in range(ESC):
+            if r.bit():
+                q = zeros
+                break
+        if q is None:  # escape: Elias-gamma
+            n = 0
+            while not r.bit():
+                n += 1
+                if n >= 64:
+                    raise Reject('Elias-gamma prefix of 64 zeros')
+            v = (1 << n) | r.field(n)
+            q = v - 1 + ESC
+        gap = (q << k) | r.field(k)
+        if prev + 1 + gap >= size:
+            raise Reject('gap overruns the tensor')
+        prev = prev + 1 + gap
+        index.append(prev)
+    if (r.pos + 31) // 32 != G:
+        raise Reject('extra gap words')
+    while r.pos < 32 * G:
+        if r.bit():
+            raise Reject('nonzero padding after the last code')
+    vbits = 1 if sign_only else 4
+    vals = body[2 + G:]
+    v = BitReader(vals, 32 * len(vals))
+    nibbles = []
+    for _ in range(count):
+        x = v.field(vbits)
+        nibbles.append(x << 3 if sign_only else x)
+    while v.pos < 32 * len(vals):
+        if v.bit():
+            raise Reject('nonzero padding after the last value')
+    return index, nibbles

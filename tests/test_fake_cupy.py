@@ -282,3 +282,16 @@ def test_views_copies_and_ufunc_methods(xp):
     assert isinstance(z, DeviceArray) and z.dtype == numpy.int32
     assert xp.count('upload') == 2 and xp.count('download') == 0
     numpy.testing.assert_array_equal(a.get(), [2, 2, 3, 0, 0, 0])
+
+
+def test_int64_cumsum_stays_on_device(xp):
+    """The FMT_GAP encoder's scan (kernels.gap_body): cumsum of int64 code
+    lengths on the device is free and exact; reading its last element is
+    the one scalar read."""
+    lengths = xp.asarray(numpy.array([5, 2 ** 40, 7, 141], numpy.int64))
+    xp.reset()
+    end = xp.cumsum(lengths)
+    assert isinstance(end, DeviceArray) and end.dtype == numpy.int64
+    assert xp.log == []
+    assert int(end[-1]) == 2 ** 40 + 153
+    assert xp.log == [('scalar', 8, 'int')]

@@ -64,6 +64,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
     fake = device
     streams = [stream(10 + r, 3) for r in range(RANKS)]
     comps = compressors(method, kw)
+    formats = set()
     for step in range(3):
         blocks = []
         for r, comp in enumerate(comps):
@@ -79,6 +80,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
             assert fake.count('upload') == 0
             assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
                 SHAPES)
+            formats.update(g.fmt for g in codec._walk(blocks[-1], None))
         # rank 0 decodes every rank's message into its device gradients
         grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(SHAPES,
                                                                 DTYPES)]
@@ -88,7 +90,10 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
         elements = communicator.mean_gradients(
             blocks, comps[0], params, grads, RANKS, True, False)
         assert fake.count('upload') == 1
-        assert fake.bytes('upload') == 4 * sum(b.size for b in blocks)
+        # the messages, their gap-coded groups expanded on the host to
+        # a FMT_POW2 word and an int64 index per element (codec.expand_gap)
+        assert fake.bytes('upload') == 4 * sum(
+            codec.expand_gap(b, comps[0].sizes).size for b in blocks)
         assert fake.count('download') == 0 and fake.count('scalar') == 0
         assert elements == [codec.message_count(b) for b in blocks]
         # the CPU decoder's means of the same messages, bit for bit
@@ -107,6 +112,8 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
                                         True)
         for h, p in zip(host, params):
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
+    if comps[0].rule.uses_index_words:  # gap-coded groups went through
+        assert codec.FMT_GAP in formats, formats
 
 
 def test_a_bad_message_is_refused_on_the_host_before_any_transfer(device):

@@ -70,6 +70,16 @@ def instances():
             ('vgc_pow2_decode', (numpy.zeros(2, numpy.uint32), numpy.int32(0),
                                  sdt(1), numpy.zeros(2, numpy.int64), x)),
         ]
+    i64 = numpy.zeros(2, numpy.int64)
+    for idt in (numpy.int64, numpy.int32):  # FMT_GAP (integers only)
+        out.append(('vgc_gap_lengths', (numpy.zeros(2, idt), numpy.int32(0),
+                                        i64, i64)))
+    out.append(('vgc_gap_write', (i64, i64, numpy.int32(0),
+                                  numpy.zeros(3, numpy.uint32))))
+    for ndt in (numpy.uint8, numpy.int32, numpy.uint32):
+        out.append(('vgc_gap_values', (numpy.zeros(5, ndt),
+                                       numpy.int64(5), False,
+                                       numpy.zeros(2, numpy.uint32))))
     return out
 
 
@@ -110,6 +120,10 @@ def test_kernel_as_cupy_compiles_it_keeps_subnormals_and_has_no_fma(k):
         assert any(op.startswith('setp.gt.f') for op in float_ops), float_ops
     if name in ('vgc_add_to', 'vgc_scale', 'vgc_divide'):
         assert float_ops, 'no floating-point instruction found'
+    if name == 'vgc_gap_write':  # codes sharing a word: atomic ORs
+        assert 'atom.global.or.b32' in ptx
+    if name.startswith('vgc_gap_'):  # integers only
+        assert not float_ops, float_ops
     if name == 'vgc_cast' and not float_ops:  # f16 conversions: CuPy's
         assert 'cvt.' in ptx  # header converts in inline asm of its own
     # (the codec kernels work on the bits only: no float instruction)
@@ -317,11 +331,13 @@ def test_gpu_code_path_matches_numpy_path(request, method, kw):
 
 
 def device_decode(fake, comp, message):
-    """The GPU decoder (codec.add_validated) on an uploaded message."""
+    """The GPU decoder (codec.add_validated) on an uploaded message, its
+    gap-coded groups expanded on the host first (as exchange does)."""
     codec.unpack(message, comp.sizes, comp.dtypes)  # validated first
+    host = codec.expand_gap(message, comp.sizes)
     outs = [fake.zeros(n, state_dtype(dt)) for n, dt in zip(comp.sizes,
                                                            comp.dtypes)]
-    codec.add_validated(message, fake.asarray(message), outs, comp.sizes)
+    codec.add_validated(host, fake.asarray(host), outs, comp.sizes)
     return [fake.asnumpy(o) for o in outs]
 
 
@@ -451,3 +467,250 @@ def test_add_scale_divide_kernels_match_numpy(host_kernels, sdt):
             assert_bitwise(got, a * k)
             host_kernels('vgc_divide', a, k, got)
             assert_bitwise(got, a / k)
+
+
+# ---- FMT_GAP (issue 14): the gap-coded index body on the device ------------
+
+def gap_body_reference(index, nibbles, k, sign_only):
+    """The FMT_GAP body straight from the spec, a bit list at a time (an
+    oracle independent of the kernels and of chainer_vgc.codec)."""
+    bits, prev = [], -1
+    for i in (int(x) for x in index):
+        gap, prev = i - prev - 1, i
+        q, low = gap >> k, gap & ((1 << k) - 1)
+        if q < kernels.GAP_ESCAPE:
+            bits += [0] * q + [1]
+        else:
+            v = q - kernels.GAP_ESCAPE + 1
+            n = v.bit_length() - 1
+            bits += [0] * (kernels.GAP_ESCAPE + n) + [1]
+            bits += [(v >> b) & 1 for b in range(n)]
+        bits += [(low >> b) & 1 for b in range(k)]
+    vbits = 1 if sign_only else 4
+    values = []
+    for x in (int(x) for x in nibbles):
+        values += [(x >> 3) & 1] if sign_only else [(x >> b) & 1
+                                                    for b in range(4)]
+
+    def words(bit_list):
+        n = -(-len(bit_list) // 32)
+        padded = numpy.zeros(32 * n, numpy.uint8)
+        padded[:len(bit_list)] = bit_list
+        return numpy.packbits(padded, bitorder='little').view('<u4')
+
+    stream = words(bits)
+    assert len(values) == len(index) * vbits
+    head = [k | (kernels.GAP_SIGN_ONLY if sign_only else 0), stream.size]
+    return numpy.concatenate([numpy.array(head, numpy.uint32), stream,
+                              words(values)]).astype(numpy.uint32)
+
+
+def rice_parameter(count, size):
+    """k of the spec (integers only)."""
+    t = (11 * (size - count)) // (16 * count)
+    return min(t.bit_length() - 1 if t >= 1 else 0, 62)
+
+
+def _gap_cases():
+    """(size, index, nibbles, k, sign_only): densities from one element to
+    all, the first and last index, escapes, gaps past 2**32 and 2**62, k
+    from 0 to 62."""
+    rng = numpy.random.default_rng(14)
+    cases = []
+    for size in (1, 7, 100, 1000, 5000):
+        for count in sorted({min(c, size) for c in (
+                1, 2, size // 100, size // 10, size // 2, size - 1,
+                size) if c}):
+            index = numpy.sort(rng.choice(size, count, replace=False))
+            cases.append((size, index))
+    cases += [(100, numpy.array([0])), (100, numpy.array([99])),
+              (100, numpy.array([0, 99])), (5000, numpy.arange(5000)),
+              (5000, numpy.arange(0, 5000, 37)),
+              (2 ** 40, numpy.array([0, 2 ** 32 + 5, 2 ** 33 + 7,
+                                     2 ** 40 - 1])),
+              (2 ** 63 - 1, numpy.array([2 ** 62, 2 ** 63 - 2])),
+              (2 ** 63 - 1, numpy.array([2 ** 63 - 2])),
+              (2 ** 36, numpy.sort(rng.choice(2 ** 36, 300,
+                                              replace=False)))]
+    out = []
+    for n, (size, index) in enumerate(cases):
+        index = index.astype(numpy.int64)
+        nibbles = rng.integers(0, 16, index.size).astype(numpy.uint8)
+        ks = {rice_parameter(index.size, size), 0, 1, 5}
+        if n % 3 == 0:
+            ks |= {17, 33, 62}
+        for k in sorted(ks):
+            out.append((size, index, nibbles, k, n % 2 == 0))
+            out.append((size, index, nibbles, k, n % 2 == 1))
+    return out
+
+
+def test_gap_reference_worked_example():
+    """The oracle reproduces the spec's worked example (and the lead's
+    codec.gap_body too, once it exists)."""
+    index = numpy.array([3, 4, 40], numpy.int64)
+    nibbles = numpy.array([0b0001, 0b1000, 0b0010], numpy.uint8)
+    assert rice_parameter(3, 100) == 4
+    want = [4, 1, 0x7027, 0x281]
+    assert gap_body_reference(index, nibbles, 4, False).tolist() == want
+    if hasattr(codec, 'gap_body'):
+        assert codec.gap_body(index, nibbles, 4, False).tolist() == want
+        assert kernels.gap_body(index, nibbles, 4, False).tolist() == want
+
+
+def test_gap_reference_agrees_with_codec():
+    """Where chainer_vgc.codec has its NumPy FMT_GAP reference, it is the
+    same function as the oracle above (so the kernels agree with it)."""
+    if not hasattr(codec, 'gap_body'):
+        pytest.skip('chainer_vgc.codec.gap_body not written yet')
+    for size, index, nibbles, k, sign_only in _gap_cases()[::5]:
+        if sign_only:
+            nibbles = nibbles & 8
+        assert_bitwise(codec.gap_body(index, nibbles, k, sign_only),
+                       gap_body_reference(index, nibbles, k, sign_only))
+        if hasattr(codec, 'rice_parameter'):
+            assert codec.rice_parameter(index.size, size) == \
+                rice_parameter(index.size, size)
+
+
+def test_gap_length_kernel_matches_the_spec(host_kernels):
+    """vgc_gap_lengths on the CPU: the gaps (index[i-1] read through the
+    raw parameter) and the code lengths of the spec, from gap 0 to
+    2**63 - 1 (Elias-gamma prefixes up to 62 zero bits), k 0..63."""
+    index = numpy.array([0, 1, 2, 4, 19, 20, 36, 2 ** 31, 2 ** 32 + 1,
+                         2 ** 40, 2 ** 62, 2 ** 63 - 2], numpy.int64)
+    tops = numpy.array([2 ** 63 - 1], numpy.int64)  # gap 2**63 - 1
+    for idx in (index, tops):
+        want_gap = numpy.diff(numpy.concatenate([[-1], idx])) - 1
+        for k in list(range(64)):
+            gap = numpy.full(idx.size, -5, numpy.int64)
+            length = numpy.full(idx.size, -5, numpy.int64)
+            host_kernels('vgc_gap_lengths', idx, numpy.int32(k), gap,
+                         length)
+            assert (gap == want_gap).all()
+            for g, n in zip(want_gap.tolist(), length.tolist()):
+                q = g >> k
+                esc = kernels.GAP_ESCAPE
+                want = (q + 1 if q < esc else
+                        esc + 2 * ((q - esc + 1).bit_length() - 1) + 1) + k
+                assert n == want, (g, k)
+    small = numpy.array([5, 9], numpy.int32)  # int32 indices
+    gap, length = _gap_lengths(host_kernels, small, 0)
+    assert gap.tolist() == [5, 3] and length.tolist() == [6, 4]
+    # as CuPy, the loop size is the non-raw arrays': the outputs here
+    with pytest.raises(ValueError, match='cannot be deduced'):
+        host_kernels('vgc_gap_lengths', small, numpy.int32(0))
+
+
+def test_harness_parses_raw_params():
+    params = kernel_harness.parse_params('raw I index, int32 k')
+    assert params == [('I', 'index', True), ('int32', 'k', False)]
+    with pytest.raises(ValueError):
+        kernel_harness.parse_params('raw raw I index')
+
+
+def _gap_lengths(host_kernels, index, k):
+    gap = numpy.empty(index.size, numpy.int64)
+    length = numpy.empty(index.size, numpy.int64)
+    host_kernels('vgc_gap_lengths', index, numpy.int32(k), gap, length)
+    return gap, length
+
+
+def _host_gap_body(host_kernels, index, nibbles, k, sign_only):
+    """kernels.gap_body's steps with the host-compiled kernels on NumPy
+    arrays (the scan by numpy.cumsum)."""
+    count = index.size
+    gap, length = _gap_lengths(host_kernels, index, k)
+    end = numpy.cumsum(length)
+    g = -(-int(end[-1]) // 32)
+    v = -(-count * (1 if sign_only else 4) // 32)
+    body = numpy.zeros(2 + g + v, numpy.uint32)
+    body[:2] = [k | (64 if sign_only else 0), g]
+    host_kernels('vgc_gap_write', gap, end, numpy.int32(k), body[2:2 + g])
+    host_kernels('vgc_gap_values', nibbles, numpy.int64(count),
+                 bool(sign_only), body[2 + g:])
+    return body
+
+
+def test_gap_kernels_on_the_host_match_the_reference(host_kernels):
+    """The three FMT_GAP kernels, run element by element on the CPU from
+    kernels/vgc_numerics.cuh: bodies bit-identical to the spec's."""
+    cases = _gap_cases()
+    for size, index, nibbles, k, sign_only in cases:
+        got = _host_gap_body(host_kernels, index, nibbles, k, sign_only)
+        want = gap_body_reference(index, nibbles, k, sign_only)
+        assert got.tolist() == want.tolist(), (size, index.size, k,
+                                               sign_only)
+    assert len(cases) > 100
+
+
+def test_gap_write_keeps_the_neighbours_bits(host_kernels):
+    """Codes spanning up to several words (an escape of 16 + 125 bits and a
+    62-bit low part), written in any element order, give the same stream:
+    each thread only ORs its own bits in."""
+    index = numpy.array([2 ** 62 - 1, 2 ** 62, 2 ** 63 - 2], numpy.int64)
+    for k in (0, 3, 31, 62):
+        gap, length = _gap_lengths(host_kernels, index, k)
+        end = numpy.cumsum(length)
+        g = -(-int(end[-1]) // 32)
+        want = gap_body_reference(index, numpy.zeros(3, numpy.uint8), k,
+                                  False)[2:2 + g]
+        for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+            stream = numpy.zeros(g, numpy.uint32)
+            for j in order:
+                host_kernels('vgc_gap_write', gap[j:j + 1].copy(),
+                             end[j:j + 1].copy(), numpy.int32(k), stream)
+            assert stream.tolist() == want.tolist(), (k, order)
+
+
+@pytest.mark.parametrize('ndt', [numpy.uint8, numpy.int32, numpy.uint32])
+def test_gap_values_kernel_fields_and_padding(host_kernels, ndt):
+    """vgc_gap_values: one thread per value word; 4-bit nibbles or sign
+    bits (bit 3), LSB-first, the padding past count 0, from nibbles of any
+    integer dtype."""
+    rng = numpy.random.default_rng(3)
+    for count in (1, 7, 8, 9, 31, 32, 33, 100):
+        nib = rng.integers(0, 16, count).astype(ndt)
+        for sign_only in (False, True):
+            per = 32 if sign_only else 8
+            words = numpy.full(-(-count // per), 0xFFFFFFFF, numpy.uint32)
+            host_kernels('vgc_gap_values', nib, numpy.int64(count),
+                         sign_only, words)
+            want = gap_body_reference(numpy.arange(count), nib, 0,
+                                      sign_only)
+            assert words.tolist() == want[-words.size:].tolist()
+
+
+def test_gap_body_on_the_device_matches_the_reference(device):
+    """kernels.gap_body end to end on (fake) device arrays, its kernels
+    run host-compiled: the spec's body bit for bit, built on the device
+    with one scalar read (the total bit count) and no other transfer."""
+    for n, (size, index, nibbles, k, sign_only) in enumerate(_gap_cases()):
+        idt = numpy.int32 if n % 4 == 1 and size < 2 ** 31 else numpy.int64
+        ndt = (numpy.uint8, numpy.int32, numpy.uint32)[n % 3]
+        d_index = device.asarray(index.astype(idt))
+        d_nib = device.asarray(nibbles.astype(ndt))
+        device.reset()
+        body = kernels.gap_body(d_index, d_nib, k, sign_only)
+        assert isinstance(body, device.ndarray)
+        assert body.dtype == numpy.uint32
+        assert device.log == [('scalar', 8, 'int')], device.log
+        device.reset()
+        want = gap_body_reference(index, nibbles, k, sign_only)
+        assert device.asnumpy(body).tolist() == want.tolist(), (
+            size, index.size, k, sign_only)
+
+
+def test_gap_body_on_the_device_edge_arguments(device):
+    """No element: the empty body [param, 0] without any read; a bad k or
+    a nibble count that differs from the index count: ValueError."""
+    empty = device.zeros(0, numpy.int64)
+    device.reset()
+    body = kernels.gap_body(empty, device.zeros(0, numpy.uint8), 3, True)
+    assert device.asnumpy(body).tolist() == [3 | 64, 0]
+    assert device.count('scalar') == 0
+    index = device.asarray(numpy.arange(3))
+    with pytest.raises(ValueError):
+        kernels.gap_body(index, device.zeros(3, numpy.uint8), 64, False)
+    with pytest.raises(ValueError):
+        kernels.gap_body(index, device.zeros(2, numpy.uint8), 1, False)

@@ -597,3 +597,433 @@ def _format_of(msg, tensor_id):
     """Format of the group of ``tensor_id`` in a valid message."""
     return next(g.fmt for g in codec._walk(msg, None)
                 if g.tensor_id == tensor_id)
+
+
+# ---- FMT_GAP: the native encoder and decoder against codec's reference ------
+
+CODING_CODES = {name: code for code, name in enumerate(codec.CODINGS)}
+GAP_RULES = ['vgc', 'vgc-keep', 'hybrid', 'strom']
+
+
+def _gap_patterns(rng, size, count):
+    """Sorted unique indices of ``count`` of ``size``: uniform, clustered
+    (runs with huge gaps between them) and the extremes."""
+    yield numpy.sort(rng.choice(size, count, replace=False))
+    runs = max(1, count // 7)
+    starts = numpy.sort(rng.choice(max(1, size - 8), runs, replace=False))
+    clustered = numpy.unique((starts[:, None] + numpy.arange(8)).ravel())
+    clustered = clustered[clustered < size][:count]
+    if clustered.size:
+        yield clustered
+    yield numpy.arange(count)  # first elements, gaps 0
+    yield numpy.arange(size - count, size)  # one big first gap
+
+
+def test_gap_body_and_decode_match_codec(isa):
+    """native.gap_encode / gap_decode / rice_parameter equal codec's
+    gap_body / gap_decode_body / rice_parameter on uniform, clustered and
+    extreme index patterns, every k (escapes included), 4-bit and
+    sign-only values, tensors up to 2**40 elements."""
+    rng = numpy.random.default_rng(14)
+    sizes = [1, 2, 3, 31, 32, 33, 100, 1000, 4099, 2 ** 20, 2 ** 40]
+    for size in sizes:
+        for count in sorted({1, 2, 3, 17, 64, 65, 500} & set(
+                range(1, min(size, 500) + 1)) | {min(size, 500)}):
+            assert native.rice_parameter(count, size) == \
+                codec.rice_parameter(count, size)
+            for index in _gap_patterns(rng, size, count):
+                n = index.size
+                nib = rng.integers(0, 16, n).astype(numpy.uint8)
+                for sign_only in (False, True):
+                    if sign_only:
+                        nib = nib & numpy.uint8(8)
+                    ks = {codec.rice_parameter(n, size), 0, 1,
+                          int(rng.integers(0, 64)), 63}
+                    for k in ks:
+                        want = codec.gap_body(index, nib, k, sign_only)
+                        got = native.gap_encode(index, nib, k, sign_only)
+                        _assert_same(want, got, (size, n, k, sign_only))
+                        ix, nb = native.gap_decode(got, n, size)
+                        assert numpy.array_equal(ix, index)
+                        assert numpy.array_equal(nb, nib)
+    assert native.gap_encode([3, 4, 40], [1, 8, 2], 4, False).tolist() == \
+        [4, 1, 0x7027, 0x281]  # the worked example of the spec
+    with pytest.raises(ValueError):
+        native.gap_encode([3, 3], [0, 0], 0, False)
+    with pytest.raises(ValueError):
+        native.gap_encode([1], [0], 64, False)
+
+
+def _gap_body_corruptions(rng, body):
+    """A FMT_GAP body with one fault, and what it is."""
+    bad = body.copy()
+    how = int(rng.integers(0, 9))
+    if how == 0:  # a bit anywhere
+        pos = int(rng.integers(0, bad.size))
+        bad[pos] ^= numpy.uint32(1 << int(rng.integers(0, 32)))
+    elif how == 1:  # a reserved param bit
+        bad[0] |= numpy.uint32(1 << int(rng.integers(7, 32)))
+    elif how == 2:  # k
+        bad[0] = (bad[0] & ~numpy.uint32(63)) | numpy.uint32(
+            rng.integers(0, 64))
+    elif how == 3:  # G off by one, the body length kept or not
+        bad[1] = numpy.uint32((int(bad[1]) + int(rng.choice([-1, 1])))
+                              % 2 ** 32)
+        if rng.random() < 0.5:
+            bad = numpy.append(bad, numpy.uint32(0))
+    elif how == 4:  # a padding bit after the last code / value
+        pos = int(rng.integers(1, bad.size)) if bad.size > 2 else 0
+        bad[pos] |= numpy.uint32(0x80000000)
+    elif how == 5:  # the sign-only flag
+        bad[0] ^= numpy.uint32(codec.GAP_SIGN_ONLY)
+    elif how == 6:  # truncated or extended
+        bad = (bad[:int(rng.integers(0, bad.size))] if rng.random() < 0.5
+               else numpy.append(bad, rng.integers(0, 2 ** 32, 2,
+                                                   dtype=numpy.uint32)))
+    elif how == 7:  # stream words zeroed (escapes of >= 64 zeros)
+        g = int(body[1])
+        if g:
+            a = int(rng.integers(0, g))
+            bad[2 + a:2 + a + int(rng.integers(1, 4))] = 0
+    else:  # random words
+        pos = int(rng.integers(0, bad.size))
+        bad[pos] = rng.integers(0, 2 ** 32, dtype=numpy.uint32)
+    return bad, how
+
+
+def test_gap_decode_rejects_what_codec_rejects(isa):
+    """native.gap_decode accepts exactly the bodies codec.gap_decode_body
+    accepts (with the same result), over thousands of corruptions, among
+    them every decoder check of the format."""
+    rng = numpy.random.default_rng(41)
+    rejected = collections.Counter()
+    for trial in range(4000):
+        size = int(rng.choice([1, 5, 40, 300, 5000, 2 ** 33]))
+        count = int(rng.integers(1, min(size, 60) + 1))
+        index = list(_gap_patterns(rng, size, count))[trial % 2]
+        count = index.size
+        sign_only = bool(trial % 3 == 0)
+        nib = rng.integers(0, 16, count).astype(numpy.uint8)
+        if sign_only:
+            nib &= numpy.uint8(8)
+        k = (codec.rice_parameter(count, size) if trial % 4
+             else int(rng.integers(0, 64)))
+        body = codec.gap_body(index, nib, k, sign_only)
+        bad, how = _gap_body_corruptions(rng, body)
+        bad_count = count if trial % 5 else int(rng.integers(0, count + 2))
+        try:
+            want = codec.gap_decode_body(bad, bad_count, size)
+        except WireFormatError:
+            want = None
+        got = native.gap_decode(bad, bad_count, size)
+        if want is None:
+            rejected[how] += 1
+            assert got is None, (trial, how)
+        else:
+            assert got is not None, (trial, how)
+            assert numpy.array_equal(got[0], want[0])
+            assert numpy.array_equal(got[1], want[1])
+    assert all(rejected[how] >= 50 for how in range(9)), rejected
+
+
+def test_gap_decode_extreme_codes(isa):
+    """Hand-made streams: an Elias-gamma prefix of 63 zeros (largest
+    allowed) that overruns any tensor, one of 64 zeros, gaps that land on
+    the last element or one past it, k = 63."""
+    def body(bits, count, vbits=4, param=None, k=0):
+        stream = codec._bits_to_words(numpy.array(bits, numpy.uint8))
+        values = numpy.zeros(-(-count * vbits // 32), numpy.uint32)
+        p = k if param is None else param
+        return numpy.concatenate([numpy.array([p, stream.size],
+                                              numpy.uint32), stream, values])
+
+    def both(b, count, size):
+        try:
+            want = codec.gap_decode_body(b, count, size)
+        except WireFormatError:
+            want = None
+        got = native.gap_decode(b, count, size)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert numpy.array_equal(want[0], got[0])
+        return got
+
+    esc = [0] * codec.GAP_ESCAPE
+    # escape, n = 63: v = 2**63 | 1 -> q = v + 15: past any tensor
+    b = body(esc + [0] * 63 + [1] + [1] + [0] * 62, 1)
+    assert both(b, 1, 2 ** 62) is None
+    # n = 64 zeros: refused
+    assert both(body(esc + [0] * 64 + [1] + [0] * 64, 1), 1, 2 ** 62) is None
+    # gap q = 16 (escape, n = 0): index 16, fine in 17, not in 16
+    b = body(esc + [1], 1)
+    assert both(b, 1, 17)[0].tolist() == [16]
+    assert both(b, 1, 16) is None
+    # k = 63: gap 2**62 in a tensor of 2**62 + 1
+    b = body([1] + [0] * 62 + [1], 1, k=63)
+    assert both(b, 1, 2 ** 62 + 1)[0].tolist() == [2 ** 62]
+    assert both(b, 1, 2 ** 62) is None
+    # a code running past the stream; an empty stream
+    assert both(body([0] * 32, 1), 1, 100) is None
+    assert both(body([], 1), 1, 100) is None
+
+
+def _run_rule(rule, coding, g, s, state, kw, ws):
+    """One native compress of ``rule`` with ``coding`` on copies of the
+    state; returns (group words, elements, new state)."""
+    sdt = backend.state_dtype(g.dtype)
+    n = g.size
+    out = numpy.zeros(codec.pow2_max_words(n, coding), numpy.uint32)
+    new = {key: numpy.empty(n, sdt) for key in state}
+    old = {key: a.copy() for key, a in state.items()}
+    code = CODING_CODES[coding]
+    if rule.startswith('vgc'):
+        words, count, flags = native.compress_vgc(
+            ws, 3, g, s, old['r'], old['v'], new['r'], new['v'],
+            kw['alpha'], kw['zeta'], True, rule == 'vgc-keep', out,
+            coding=code)
+    elif rule == 'hybrid':
+        words, count, flags = native.compress_hybrid(
+            ws, 3, g, s, old['r'], old['v'], new['r'], new['v'],
+            kw['alpha'], kw['zeta'], kw['tau'], out, coding=code)
+    else:
+        words, count, flags = native.compress_strom(
+            ws, 3, g, old['r'], new['r'], kw['tau'], out, coding=code)
+    assert flags == 0
+    for key in state:  # the old state is never written
+        _assert_same(old[key], state[key], key)
+    return out[:words], count, new
+
+
+def _rule_inputs(rng, rule, n, dtype, density, clustered):
+    """Gradient, sum of squares, state and parameters selecting about
+    ``density`` of ``n`` elements (in runs, if ``clustered``)."""
+    sdt = backend.state_dtype(dtype)
+    g = _edge_values(rng, n, dtype)
+    with numpy.errstate(over='ignore'):
+        g64 = g.astype(numpy.float64)
+    # criterion r**2 > alpha * v with r = g, v = g**2 * u, alpha = 1
+    u = rng.uniform(0, 1 / density, n)
+    if clustered:
+        u = numpy.full(n, 2.0)
+        for start in rng.integers(0, n, max(1, int(n * density / 10))):
+            u[start:start + 10] = 0.5
+    with numpy.errstate(over='ignore'):
+        s = numpy.minimum(g64 ** 2 * u, numpy.finfo(sdt).max).astype(sdt)
+    state = {'r': numpy.zeros(n, sdt), 'v': numpy.zeros(n, sdt)}
+    kw = dict(alpha=1.0, zeta=0.999, tau=1e-30)
+    if rule == 'strom':
+        del state['v']
+        mag = numpy.abs(g64) if not clustered else numpy.where(
+            u < 1, numpy.abs(g64), 0.0)
+        kw['tau'] = float(numpy.quantile(mag, 1 - density)) if n > 1 else 0.0
+        state['r'] = (rng.normal(size=n) * 1e-3).astype(sdt)
+    return g, s, state, kw
+
+
+def _reference_group(fixed_words, coding, size, sign_only):
+    """What codec.pow2_best_group builds from the FMT_POW2 group the native
+    'fixed' coding wrote (equal to the NumPy rules': the tests above)."""
+    if fixed_words.size == 0:
+        return fixed_words
+    tid, fmt, count, a, b = (int(x) for x in fixed_words[:5])
+    assert fmt == codec.FMT_POW2 and count == fixed_words.size - 5
+    words = fixed_words[5:]
+    index = (words & numpy.uint32(codec.MAX_INDEX - 1)).astype(numpy.int64)
+    e_k = int(numpy.uint32(a).view(numpy.int32))
+    scale = float(numpy.uint32(b).view(numpy.float32))
+    group = codec.pow2_best_group(tid, words, index, e_k, scale, size,
+                                  coding=coding, sign_only=sign_only)
+    return codec.pack([group])[2:]
+
+
+@pytest.mark.parametrize('rule', GAP_RULES)
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_index_codings_match_the_reference(rule, dtype, isa, threads):
+    """For every coding, the native group equals codec.pow2_best_group of
+    the same elements (FMT_POW2 of 'fixed' checked against the NumPy rules
+    above); the new state does not depend on the coding.  Densities from
+    1 in 1000 to all, uniform and clustered, tensors split between
+    threads: 'auto' gives both formats."""
+    rng = numpy.random.default_rng(hash((rule, str(dtype))) % 2 ** 32)
+    ws = native.Workspace()
+    formats = collections.Counter()
+    for n in (1, 17, 1000, 70001, 200003):
+        for density in (0.001, 0.02, 0.2, 1.0):
+            for clustered in (False, True):
+                g, s, state, kw = _rule_inputs(rng, rule, n, dtype, density,
+                                               clustered)
+                runs = {c: _run_rule(rule, c, g, s, state, kw, ws)
+                        for c in codec.CODINGS}
+                fixed = runs['fixed'][0]
+                for c in codec.CODINGS:
+                    words, count, new = runs[c]
+                    want = _reference_group(fixed, c, n,
+                                            rule in ('hybrid', 'strom'))
+                    _assert_same(want, words, (rule, n, density, c))
+                    assert count == runs['fixed'][1]
+                    for key in new:
+                        _assert_same(new[key], runs['fixed'][2][key], key)
+                    if words.size:
+                        formats[c, int(words[1])] += 1
+    assert formats['auto', codec.FMT_GAP] and formats['auto', codec.FMT_POW2]
+    assert not formats['fixed', codec.FMT_GAP]
+    assert not formats['gap', codec.FMT_POW2]
+
+
+@pytest.mark.parametrize('state_dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('ranks', [1, 3])
+def test_decode_mean_of_gap_messages_matches_codec(state_dtype, ranks, isa,
+                                                   threads):
+    """Messages mixing FMT_GAP (4-bit and sign-only) and FMT_POW2 groups:
+    the native sums in rank order equal codec's decode, bit for bit."""
+    rng = numpy.random.default_rng(ranks)
+    sizes = [5, 1, 70001, 1000, 133333]
+    dtypes = [state_dtype] * len(sizes)
+    for trial in range(6):
+        blocks = []
+        for _ in range(ranks):
+            groups = []
+            for tid, size in enumerate(sizes):
+                if rng.random() < 0.2:
+                    continue
+                count = int(rng.integers(1, max(2, size // int(
+                    rng.choice([1, 10, 300]))) + 1))
+                count = min(count, size)
+                index = numpy.sort(rng.choice(size, count, replace=False))
+                sign_only = bool(rng.random() < 0.5)
+                if sign_only:
+                    vals = rng.choice([-1.0, 1.0], count).astype(state_dtype)
+                    e_k, scale = 0, 1e-3
+                else:
+                    vals = rng.normal(size=count).astype(state_dtype)
+                    e_k, scale = codec.floor_log2(numpy.abs(vals).max()), 1.0
+                words, ok = codec.pow2_encode(vals, index, e_k)
+                if not ok.any():
+                    continue
+                groups.append(codec.pow2_best_group(
+                    tid, words[ok], index[ok], e_k, scale, size,
+                    coding=str(rng.choice(codec.CODINGS)),
+                    sign_only=sign_only))
+            blocks.append(codec.pack(groups))
+        want = [numpy.zeros(n, state_dtype) for n in sizes]
+        for blk in blocks:
+            codec.decode_into(blk, want, sizes)
+        outs = [numpy.full(n, 7, state_dtype) for n in sizes]
+        touched, elements = native.decode_mean(
+            blocks, sizes, dtypes, outs, [False] * len(sizes), 1.0)
+        for o, w in zip(outs, want):
+            _assert_same(o, w, trial)
+        assert list(elements) == [codec.message_count(b) for b in blocks]
+
+
+@pytest.mark.parametrize('state_dtype', [numpy.float32, numpy.float64])
+def test_corrupt_gap_messages_are_rejected_as_the_reference_rejects(
+        state_dtype, isa):
+    """Corruptions of the FMT_GAP bodies and headers of messages: the
+    native decoder accepts exactly what codec.unpack accepts, with the
+    same sums, and writes nothing otherwise."""
+    rng = numpy.random.default_rng(5)
+    sizes = [7, 300, 1, 5000]
+    dtypes = [state_dtype] * len(sizes)
+    rejected = accepted = 0
+    for trial in range(1500):
+        groups = []
+        for tid, size in enumerate(sizes):
+            count = int(rng.integers(1, min(size, 40) + 1))
+            index = list(_gap_patterns(rng, size, count))[trial % 2]
+            nib = rng.integers(0, 16, index.size).astype(numpy.uint8)
+            sign_only = bool(rng.random() < 0.4)
+            if sign_only:
+                nib &= numpy.uint8(8)
+            words = (nib.astype(numpy.uint32) << numpy.uint32(28)) | \
+                index.astype(numpy.uint32)
+            groups.append(codec.pow2_best_group(
+                tid, words, index, int(rng.integers(-3, 3)), 1.0, size,
+                coding='gap', sign_only=sign_only))
+        good = codec.pack(groups)
+        bad = good.copy()
+        pos = 2
+        target = int(rng.integers(0, len(groups)))
+        for g in groups[:target]:
+            pos += codec.HEADER_WORDS + g.body.size
+        g = groups[target]
+        body, how = _gap_body_corruptions(rng, g.body)
+        if how == 6 or rng.random() < 0.1:  # or the header's count
+            head = good[pos:pos + codec.HEADER_WORDS].copy()
+            if how != 6:
+                head[2] = numpy.uint32(rng.integers(0, g.count + 3))
+            bad = numpy.concatenate([good[:pos], head, body,
+                                     good[pos + codec.HEADER_WORDS
+                                          + g.body.size:]])
+        else:
+            bad = numpy.concatenate([good[:pos + codec.HEADER_WORDS], body,
+                                     good[pos + codec.HEADER_WORDS
+                                          + g.body.size:]])
+        try:
+            codec.unpack(bad, sizes, dtypes)
+            error = None
+        except WireFormatError as e:
+            error = str(e)
+        outs = [numpy.full(n, 5, state_dtype) for n in sizes]
+        result = native.decode_mean([good, bad], sizes, dtypes, outs,
+                                    [False] * len(sizes), 1.0)
+        if error is not None:
+            rejected += 1
+            assert result is None, (trial, how, error)
+            assert all((o == 5).all() for o in outs)
+            continue
+        accepted += 1
+        assert result is not None, (trial, how)
+        want = [numpy.zeros(n, state_dtype) for n in sizes]
+        for blk in (good, bad):
+            codec.decode_into(blk, want, sizes)
+        for o, w in zip(outs, want):
+            _assert_same(o, w, trial)
+    assert rejected > 700 and accepted > 50, (rejected, accepted)
+
+
+@pytest.mark.skipif(not os.environ.get('CHAINER_VGC_LARGE_TESTS'),
+                    reason='needs ~4 GiB; set CHAINER_VGC_LARGE_TESTS=1')
+def test_tensor_over_2_28_elements_is_gap_coded():
+    """A tensor of 2**28 + 1000 elements (more than FMT_POW2 addresses):
+    Strom's signs are gap-coded in 'auto' and 'gap' with their full
+    indices, decoded back; 'fixed' refuses it with a clear error."""
+    n = (1 << 28) + 1000
+    g = numpy.zeros(n, numpy.float16)
+    index = numpy.array([0, 5, 1 << 27, (1 << 28) - 1, 1 << 28, n - 2,
+                         n - 1])
+    g[index] = numpy.array([1, -1, 1, 1, -1, -1, 1], numpy.float16)
+    r = numpy.zeros(n, numpy.float32)
+    r_out = numpy.empty(n, numpy.float32)
+    ws = native.Workspace()
+    before = native.num_threads()
+    for coding, threads in (('auto', 1), ('gap', 2)):
+        # one thread: two chunks (a chunk has at most 2**28 elements)
+        native.set_num_threads(threads)
+        out = numpy.zeros(codec.pow2_max_words(n, coding), numpy.uint32)
+        try:
+            words, count, flags = native.compress_strom(
+                ws, 0, g, r, r_out, 0.5, out, coding=CODING_CODES[coding])
+        finally:
+            native.set_num_threads(before)
+        assert (count, flags) == (index.size, 0)
+        assert out[1] == codec.FMT_GAP
+        want = codec.pow2_best_group(
+            0, numpy.zeros(count, numpy.uint32) | (
+                (g[index] < 0).astype(numpy.uint32) << numpy.uint32(31)),
+            index, 0, 0.5, n, coding=coding, sign_only=True)
+        _assert_same(codec.pack([want])[2:], out[:words], coding)
+        got = native.gap_decode(out[5:words], count, n)
+        assert got[0].tolist() == index.tolist()
+    with pytest.raises(ValueError, match='2\\*\\*28'):
+        native.compress_strom(ws, 0, g, r, r_out, 0.5, out,
+                              coding=CODING_CODES['fixed'])
+    msg = codec.pack([want])
+    dec = numpy.full(n, 3, numpy.float32)
+    touched, _ = native.decode_mean([msg], [n], [numpy.float32], [dec],
+                                    [False], 1.0)
+    assert touched.tolist() == [index.size]
+    expect = numpy.where(g[index] < 0, -0.5, 0.5).astype(numpy.float32)
+    assert numpy.array_equal(dec[index], expect)
+    dec[index] = 0
+    assert not dec.any()

@@ -392,13 +392,23 @@ def test_bad_sqsum_and_shapes():
         GradientCompressor('vgc', ['i'], [(3,)], [numpy.int32])
 
 
-def test_tensor_over_2_28_elements_is_refused_by_name():
-    with pytest.raises(ValueError, match="'huge'.*2\\*\\*28"):
-        GradientCompressor('vgc', ['huge'], [(2 ** 14, 2 ** 14 + 1)],
-                           [numpy.float32])
-    # formats with full index words accept it (no allocation happens here)
-    GradientCompressor('vgc', ['huge'], [(2 ** 14, 2 ** 14 + 1)],
-                       [numpy.float32], quantize=False)
+@pytest.mark.parametrize('method', ['vgc', 'hybrid', 'strom'])
+def test_tensor_over_2_28_elements_is_refused_only_with_fixed_words(method):
+    """The paper's word addresses 2**28 elements: forced, it refuses a
+    larger tensor by name; gap-coded indices (the default 'auto') and
+    formats with full index words accept it (nothing is allocated here)."""
+    huge = [(2 ** 14, 2 ** 14 + 1)]
+    with pytest.raises(ValueError, match="'huge'.*2\\*\\*28.*index_coding"):
+        GradientCompressor(method, ['huge'], huge, [numpy.float32],
+                           index_coding='fixed')
+    for coding in ('auto', 'gap'):
+        GradientCompressor(method, ['huge'], huge, [numpy.float32],
+                           index_coding=coding)
+    GradientCompressor('vgc', ['huge'], huge, [numpy.float32],
+                       quantize=False, index_coding='fixed')
+    with pytest.raises(ValueError, match="index_coding must be one of"):
+        GradientCompressor(method, ['w'], [(3,)], [numpy.float32],
+                           index_coding='rice')
 
 
 def test_public_names():

@@ -27,7 +27,8 @@ def test_kernel_source_matches_codec():
     assert found == {'VGC_INDEX_BITS': codec.INDEX_BITS,
                      'VGC_INDEX_MASK': codec.MAX_INDEX - 1,
                      'VGC_MAX_D': codec.MAX_D,
-                     'VGC_LOG2_ZERO': codec.LOG2_ZERO}
+                     'VGC_LOG2_ZERO': codec.LOG2_ZERO,
+                     'VGC_GAP_ESCAPE': codec.GAP_ESCAPE}
 
 
 def test_host_source_matches_codec():
@@ -84,3 +85,11 @@ def test_every_definition_is_checked():
 ])
 def test_c_integer_expressions(expr, value):
     assert codec._c_int(expr) == value
+
+
+def test_kernels_gap_constants_equal_codec():
+    """chainer_vgc.kernels cannot import codec (codec imports it): its copy
+    of the FMT_GAP constants must agree."""
+    assert (kernels.GAP_ESCAPE, kernels.GAP_SIGN_ONLY,
+            kernels.GAP_PARAM_WORDS) == (codec.GAP_ESCAPE, codec.GAP_SIGN_ONLY,
+                                         codec.GAP_PARAM_WORDS)

@@ -11,6 +11,7 @@ import math
 import numbers
 
 from chainer_vgc import backend
+from chainer_vgc import codec
 
 
 class CompressionRule(object):
@@ -20,8 +21,16 @@ class CompressionRule(object):
     name = None
     #: whether :meth:`compress` needs the per-sample sum of squares
     needs_sqsum = False
-    #: whether tensors are limited to 2**28 elements (one 32-bit word each)
+    #: whether the rule sends FMT_POW2 words (sign | d | 28-bit index)
     uses_index_words = True
+    #: how those words' indices go on the wire (:data:`chainer_vgc.codec.
+    #: CODINGS`): ``'fixed'`` limits tensors to 2**28 elements.  A rule that
+    #: builds its groups with :func:`chainer_vgc.codec.pow2_best_group`
+    #: sets ``_index_coding`` (vgc, hybrid, strom: their ``index_coding``
+    #: argument).  Lossless, so not a hyperparameter: ranks and resumed
+    #: runs may differ in it.
+    index_coding = property(lambda self: getattr(self, '_index_coding',
+                                                 'fixed'))
     #: how workers combine what they send: ``'allgatherv'`` (every worker's
     #: message to every worker, decoded and averaged, paper Sec. 4.3) or
     #: ``'allreduce'`` (the gradients are not compressed: a dense MPI
@@ -109,6 +118,16 @@ def check_real(name, value, low=None, high=None, low_open=True,
         raise ValueError('{} must be in {}, got {!r}{}'.format(
             name, interval, value, hint))
     return v
+
+
+def check_coding(coding):
+    """An ``index_coding`` argument: one of ``'auto'`` (the smaller of the
+    paper's 32-bit words and gap-coded indices, per tensor and step),
+    ``'fixed'`` (the paper's words only), ``'gap'`` (gap-coded only)."""
+    if coding not in codec.CODINGS:
+        raise ValueError('index_coding must be one of {}, got {!r}'.format(
+            ', '.join(repr(c) for c in codec.CODINGS), coding))
+    return coding
 
 
 def check_int(name, value, low, high):

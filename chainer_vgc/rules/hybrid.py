@@ -37,16 +37,17 @@ class Hybrid(base.CompressionRule):
     name = 'hybrid'
     needs_sqsum = True
 
-    def __init__(self, tau=0.01, alpha=2.0, zeta=0.999):
+    def __init__(self, tau=0.01, alpha=2.0, zeta=0.999, index_coding='auto'):
         self.tau = base.check_real('tau', tau, low=0)
         self.alpha = base.check_real('alpha', alpha, low=0)
         self.zeta = base.check_real('zeta', zeta, low=0, high=1)
+        self._index_coding = base.check_coding(index_coding)
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
 
     def max_words(self, size, dtype):
-        return codec.HEADER_WORDS + size
+        return codec.pow2_max_words(size, self._index_coding)
 
     def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
                         out):
@@ -54,7 +55,7 @@ class Hybrid(base.CompressionRule):
         return native.compress_hybrid(
             ws, tensor_id, grad, sqsum, state['r'], state['v'],
             new_state['r'], new_state['v'], self.alpha, self.zeta, self.tau,
-            out)
+            out, coding=self._index_coding)
 
     def step(self, grad, sqsum, state):
         """One step of Fig. "Hybrid"; returns int8 signs (+1, -1, 0)."""
@@ -87,4 +88,5 @@ class Hybrid(base.CompressionRule):
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, sqsum, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
-                                     state['r'].dtype)
+                                     state['r'].dtype,
+                                     coding=self._index_coding)

@@ -22,20 +22,22 @@ class Strom(base.CompressionRule):
 
     name = 'strom'
 
-    def __init__(self, tau=0.01):
+    def __init__(self, tau=0.01, index_coding='auto'):
         self.tau = base.check_real('tau', tau, low=0)
+        self._index_coding = base.check_coding(index_coding)
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r',))
 
     def max_words(self, size, dtype):
-        return codec.HEADER_WORDS + size
+        return codec.pow2_max_words(size, self._index_coding)
 
     def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
                         out):
         """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
         return native.compress_strom(ws, tensor_id, grad, state['r'],
-                                     new_state['r'], self.tau, out)
+                                     new_state['r'], self.tau, out,
+                                     coding=self._index_coding)
 
     def step(self, grad, state):
         """Accumulate and threshold; returns int8 signs (+1, -1, 0)."""
@@ -57,4 +59,5 @@ class Strom(base.CompressionRule):
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
-                                     state['r'].dtype)
+                                     state['r'].dtype,
+                                     coding=self._index_coding)

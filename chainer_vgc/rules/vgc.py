@@ -38,12 +38,13 @@ class VGC(base.CompressionRule):
     needs_sqsum = True
 
     def __init__(self, alpha=1.5, zeta=0.999, quantize=True,
-                 keep_unrepresentable=False):
+                 keep_unrepresentable=False, index_coding='auto'):
         self.alpha = base.check_real('alpha', alpha, low=0)
         self.zeta = base.check_real('zeta', zeta, low=0, high=1)
         self.quantize = bool(quantize)
         self.keep_unrepresentable = bool(keep_unrepresentable)
         self.uses_index_words = self.quantize
+        self._index_coding = base.check_coding(index_coding)
         #: dtype -> the two work arrays of :meth:`select` (NumPy path),
         #: grown to the largest parameter (private: not a hyperparameter)
         self._buffers = {}
@@ -53,7 +54,7 @@ class VGC(base.CompressionRule):
 
     def max_words(self, size, dtype):
         if self.quantize:
-            return codec.HEADER_WORDS + size
+            return codec.pow2_max_words(size, self._index_coding)
         value_words = backend.state_dtype(dtype).itemsize // 4
         return codec.HEADER_WORDS + size + size * value_words
 
@@ -63,7 +64,8 @@ class VGC(base.CompressionRule):
         return native.compress_vgc(
             ws, tensor_id, grad, sqsum, state['r'], state['v'],
             new_state['r'], new_state['v'], self.alpha, self.zeta,
-            self.quantize, self.keep_unrepresentable, out)
+            self.quantize, self.keep_unrepresentable, out,
+            coding=self._index_coding)
 
     def _scratch(self, like):
         """Two work arrays shaped like ``like``: views of buffers kept for
@@ -120,4 +122,5 @@ class VGC(base.CompressionRule):
         v[reset] = 0
         if sent.size == 0:
             return None
-        return codec.pow2_group(tensor_id, words[ok], e_k)
+        return codec.pow2_best_group(tensor_id, words[ok], sent, e_k, 1.0,
+                                     r.size, coding=self._index_coding)

@@ -136,12 +136,7 @@ def split_messages(words):
         for _ in range(n_groups):
             fmt, count, a = words[pos + 1:pos + 4]
             pos += 5
-            if fmt == reference.FMT_POW2:
-                pos += count
-            elif fmt == reference.FMT_RAW:
-                pos += (0 if a & 1 else count) + count * (2 if a & 2 else 1)
-            else:
-                pos += 4 * a + count
+            pos += reference.body_length(fmt, count, a, words[pos:pos + 2])
         out.append(words[start:pos])
     assert pos == len(words)
     return out

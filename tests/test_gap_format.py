@@ -1,0 +1,1060 @@
+"""FMT_GAP (issue 14): gap-coded indices, Golomb-Rice with an Elias-gamma
+escape, 4-bit or 1-bit values, against an independent oracle.
+
+The oracle below is written from the format description alone (not from
+``chainer_vgc.codec``): one bit at a time, Python integers, one loop per
+code.  It is slow and meant to be obviously right.  The codec (NumPy
+reference) and, where present, the native backend must produce the same
+words and decode every message the oracle accepts to the same elements, and
+reject (with :class:`codec.WireFormatError`, nothing else) every message the
+oracle rejects.
+
+Format, as the oracle reads it.  A FMT_GAP group is the 5-word header
+``tensor_id, 4, count, e_k (int32 bits), float32 bits of scale`` and the body
+
+    word 0   param: bits 0..5 = k, bit 6 = SIGN_ONLY, bits 7..31 zero
+    word 1   G: words of the gap stream
+    G words  gap stream (LSB-first bit string)
+    V words  values, V = ceil(count * vbits / 32), vbits = 1 if SIGN_ONLY
+             else 4; the field of element j is at bit j * vbits: the nibble
+             ``sign << 3 | d`` (4 bits) or the sign (1 bit, d = 0)
+
+Gaps: gap_0 = i_0, gap_j = i_j - i_{j-1} - 1.  Code of a gap:
+q = gap >> k; q < 16: q zeros and a one; else 16 zeros and the Elias-gamma
+code of v = q - 15 (n = floor(log2 v) zeros, a one, the low n bits of v
+LSB-first); then the low k bits of the gap (LSB-first).  Bits after the last
+code and after the last value must be zero; G = ceil(code bits / 32).
+"""
+
+import contextlib
+import random
+import signal
+
+import hypothesis
+import numpy
+import pytest
+from hypothesis import assume
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chainer_vgc import codec
+
+from reference import ESC  # NOQA: F401 (the oracle, tests/reference.py)
+from reference import SIGN_ONLY
+from reference import Reject
+from reference import body_words_needed
+from reference import code_bits
+from reference import gap_code
+from reference import gaps_of
+from reference import oracle_decode_body
+from reference import oracle_encode
+from reference import rice_k
+from reference import to_words  # NOQA: F401
+
+FMT_POW2 = 1
+FMT_GAP = 4
+MAGIC = 0x31434756
+INDEX_MASK = (1 << 28) - 1
+MAX_POW2_SIZE = 1 << 28
+
+#: the fuzz tests are cheap: several times the profile's examples
+# (tests/conftest.py; VGC_EXAMPLES scales them all)
+FUZZ = hypothesis.settings(
+    max_examples=8 * hypothesis.settings.default.max_examples)
+
+HAS_GAP = hasattr(codec, 'gap_body')
+needs_codec = pytest.mark.skipif(
+    not HAS_GAP, reason='chainer_vgc.codec has no FMT_GAP yet')
+
+
+class Unsupported(Exception):
+    """A format the oracle does not model (FMT_RAW, FMT_QSGD)."""
+
+
+def oracle_values(nibbles, e_k, scale_bits, dtype):
+    """The values sign * scale * 2**(e_k - d) in ``dtype``, with the header
+    checks of FMT_POW2 (scale finite and > 0, e_k in the dtype's exponent
+    range, all 16 values finite and nonzero)."""
+    dtype = numpy.dtype(dtype)
+    scale = numpy.uint32(scale_bits).view(numpy.float32)
+    fi = numpy.finfo(dtype)
+    if not (numpy.isfinite(scale) and scale > 0
+            and fi.minexp <= e_k <= fi.maxexp - 1):
+        raise Reject('e_k or scale out of range')
+    s = dtype.type(scale)
+    with numpy.errstate(over='ignore', under='ignore'):
+        table = {}
+        for d in range(8):
+            mag = s * numpy.ldexp(dtype.type(1), e_k - d)
+            table[d], table[8 | d] = mag, -mag
+    for x in table.values():
+        if not numpy.isfinite(x) or x == 0:
+            raise Reject('value out of range')
+    return [table[n] for n in nibbles]
+
+
+def oracle_unpack(message, sizes, dtypes):
+    """[(tensor_id, indices, values)] of a message of FMT_GAP and FMT_POW2
+    groups, or raises :class:`Reject` / :class:`Unsupported`."""
+    m = [int(w) for w in message]
+    if len(m) < 2 or m[0] != MAGIC:
+        raise Reject('header')
+    pos, last, out = 2, -1, []
+    for _ in range(m[1]):
+        if pos + 5 > len(m):
+            raise Reject('truncated header')
+        tid, fmt, count, a, b = m[pos:pos + 5]
+        pos += 5
+        if fmt not in (FMT_POW2, FMT_GAP):
+            raise Unsupported(fmt)
+        if tid <= last or tid >= len(sizes):
+            raise Reject('tensor id')
+        last = tid
+        size = sizes[tid]
+        if count == 0 or count > size:
+            raise Reject('count')
+        if fmt == FMT_GAP:
+            if pos + 2 > len(m):
+                raise Reject('truncated param words')
+            n = body_words_needed(m[pos], m[pos + 1], count)
+        else:
+            n = count
+        if pos + n > len(m):
+            raise Reject('truncated body')
+        body = m[pos:pos + n]
+        pos += n
+        if fmt == FMT_GAP:
+            index, nibbles = oracle_decode_body(body, count, size)
+        else:
+            index = [w & INDEX_MASK for w in body]
+            nibbles = [w >> 28 for w in body]
+            if any(j <= i for i, j in zip(index, index[1:])):
+                raise Reject('indices not increasing')
+            if index[-1] >= size:
+                raise Reject('index out of range')
+        e_k = a - (1 << 32) if a >> 31 else a
+        values = oracle_values(nibbles, e_k, b,
+                               numpy.float64 if numpy.dtype(dtypes[tid])
+                               == numpy.float64 else numpy.float32)
+        out.append((tid, index, values))
+    if pos != len(m):
+        raise Reject('trailing words')
+    return out
+
+
+def gap_message(groups):
+    """A message from ``(tensor_id, count, e_k, scale, body)`` tuples, or
+    ``(tensor_id, fmt, count, a, b, body)``, laid out by hand."""
+    m = [MAGIC, len(groups)]
+    for g in groups:
+        if len(g) == 5:
+            tid, count, e_k, scale, body = g
+            g = (tid, FMT_GAP, count, e_k & 0xFFFFFFFF, f32_bits(scale), body)
+        m += list(g[:5]) + [int(w) for w in g[5]]
+    return numpy.array(m, dtype=numpy.uint32)
+
+
+def f32_bits(x):
+    return int(numpy.array(x, dtype=numpy.float32).view(numpy.uint32))
+
+
+# ---- the oracle checks itself -----------------------------------------------
+
+WORKED_BODY = [4, 1, 0x7027, 0x281]
+WORKED_INDEX = [3, 4, 40]
+WORKED_NIBBLES = [0b0001, 0b1000, 0b0010]
+
+
+def test_oracle_worked_example():
+    assert rice_k(3, 100) == 4
+    assert [gap_code(g, 4) for g in gaps_of(WORKED_INDEX)] == [
+        [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0]]
+    assert oracle_encode(WORKED_INDEX, WORKED_NIBBLES, 4, False) == \
+        WORKED_BODY
+    assert oracle_decode_body(WORKED_BODY, 3, 100) == (WORKED_INDEX,
+                                                      WORKED_NIBBLES)
+    ((tid, index, values),) = oracle_unpack(
+        gap_message([(0, 3, 0, 1.0, WORKED_BODY)]), [100], [numpy.float32])
+    assert (tid, index) == (0, WORKED_INDEX)
+    assert values == [0.5, -1.0, 0.25]
+    with pytest.raises(Reject):  # 40 does not fit in 40 elements
+        oracle_decode_body(WORKED_BODY, 3, 40)
+    oracle_decode_body(WORKED_BODY, 3, 41)
+
+
+def test_oracle_escape_codes_by_hand():
+    # k = 0, gap 16: q = 16 -> 16 zeros, v = 1 (n = 0): one bit '1'
+    assert gap_code(16, 0) == [0] * 16 + [1]
+    # gap 17: v = 2, n = 1: '0', '1', then bit 0 of v = 0
+    assert gap_code(17, 0) == [0] * 16 + [0, 1, 0]
+    # gap 18: v = 3 -> '0', '1', '1'
+    assert gap_code(18, 0) == [0] * 16 + [0, 1, 1]
+    # gap 15: still unary
+    assert gap_code(15, 0) == [0] * 15 + [1]
+    # k = 2, gap 0b1000110: q = 17 (v = 2), low = 0b10 -> LSB first 0, 1
+    assert gap_code(0b1000110, 2) == [0] * 16 + [0, 1, 0] + [0, 1]
+    for gap in list(range(200)) + [2 ** 40, 2 ** 63 - 1]:
+        for k in (0, 1, 3, 7, 62):
+            assert len(gap_code(gap, k)) == code_bits(gap, k)
+
+
+def test_oracle_rice_parameter_by_hand():
+    assert rice_k(1, 1) == 0
+    assert rice_k(5, 10) == 0            # t = 55 // 80 = 0
+    assert rice_k(1, 3) == 0             # t = 22 // 16 = 1 -> k = 0
+    assert rice_k(1, 4) == 1             # t = 33 // 16 = 2
+    assert rice_k(1, 2 ** 70) == 62      # capped
+
+
+@given(st.data())
+def test_oracle_round_trip(data):
+    size = data.draw(st.integers(1, 2 ** 40))
+    index = sorted(data.draw(st.sets(st.integers(0, size - 1), min_size=1,
+                                     max_size=20)))
+    sign_only = data.draw(st.booleans())
+    k = data.draw(st.integers(0, 63))
+    nibbles = [n << 3 if sign_only else n for n in data.draw(
+        st.lists(st.integers(0, 1 if sign_only else 15),
+                 min_size=len(index), max_size=len(index)))]
+    body = oracle_encode(index, nibbles, k, sign_only)
+    bits = sum(code_bits(g, k) for g in gaps_of(index))
+    assert body[1] == (bits + 31) // 32
+    assert oracle_decode_body(body, len(index), size) == (index, nibbles)
+    with pytest.raises(Reject):
+        oracle_decode_body(body, len(index), index[-1])
+
+
+# ---- strategies -------------------------------------------------------------
+
+@st.composite
+def selections(draw, kind='small'):
+    """(size, sorted unique indices), first and last element at will:
+    'small': any density of a tensor of up to 300 elements;
+    'medium': up to 200 elements of a tensor of up to 2**28;
+    'huge': a few elements of a tensor of up to 2**40 (escapes, gaps over
+    2**32)."""
+    rnd = random.Random(draw(st.integers(0, 2 ** 32)))
+    if kind == 'huge':
+        size = draw(st.integers(1, 2 ** 40))
+        idx = set(draw(st.lists(st.integers(0, size - 1), min_size=1,
+                                max_size=6)))
+    else:
+        size = draw(st.integers(1, 300 if kind == 'small' else MAX_POW2_SIZE))
+        count = draw(st.integers(1, min(size, 300 if kind == 'small'
+                                        else 200)))
+        idx = set(rnd.sample(range(size), count))
+    if draw(st.booleans()):
+        idx.add(0)
+    if draw(st.booleans()):
+        idx.add(size - 1)
+    return size, sorted(idx)
+
+
+@st.composite
+def gap_cases(draw, kind=None, forced_k=None):
+    """(size, index, nibbles, k, sign_only): ``kind`` of selection (one or
+    several, see :func:`selections`); k the format's or, when ``forced_k``,
+    any of 0..62 (at random when None)."""
+    if kind is None:
+        kind = ('small', 'medium', 'huge')
+    if not isinstance(kind, str):  # one of several
+        kind = draw(st.sampled_from(kind))
+    size, index = draw(selections(kind))
+    sign_only = draw(st.booleans())
+    if forced_k is None:
+        forced_k = draw(st.booleans())
+    k = draw(st.integers(0, 62)) if forced_k else rice_k(len(index), size)
+    if sign_only:
+        nibbles = [s << 3 for s in draw(st.lists(
+            st.integers(0, 1), min_size=len(index), max_size=len(index)))]
+    else:
+        nibbles = draw(st.lists(st.integers(0, 15), min_size=len(index),
+                                max_size=len(index)))
+    return size, index, nibbles, k, sign_only
+
+
+def pow2_words(index, nibbles):
+    """FMT_POW2 words (index field truncated to 28 bits for big tensors)."""
+    return numpy.array([(n << 28) | (i & INDEX_MASK)
+                        for i, n in zip(index, nibbles)], dtype=numpy.uint32)
+
+
+# ---- worked example against the codec ---------------------------------------
+
+@needs_codec
+def test_codec_constants():
+    assert codec.FMT_GAP == FMT_GAP
+    assert codec.GAP_ESCAPE == ESC
+    assert codec.GAP_SIGN_ONLY == SIGN_ONLY
+    assert codec.GAP_PARAM_WORDS == 2
+    assert codec.CODINGS == ('auto', 'fixed', 'gap')
+
+
+@needs_codec
+def test_codec_worked_example():
+    assert codec.rice_parameter(3, 100) == 4
+    body = codec.gap_body(numpy.array(WORKED_INDEX, dtype=numpy.int64),
+                          numpy.array(WORKED_NIBBLES, dtype=numpy.uint8),
+                          4, False)
+    assert body.dtype == numpy.uint32
+    assert body.tolist() == WORKED_BODY
+    index, nibbles = codec.gap_decode_body(
+        numpy.array(WORKED_BODY, dtype=numpy.uint32), 3, 100)
+    assert index.tolist() == WORKED_INDEX
+    assert nibbles.tolist() == WORKED_NIBBLES
+    msg = gap_message([(0, 3, 0, 1.0, WORKED_BODY)])
+    (dec,) = codec.unpack(msg, [100], [numpy.float32])
+    assert dec.tensor_id == 0
+    assert dec.index.tolist() == WORKED_INDEX
+    assert dec.value.dtype == numpy.float32
+    assert dec.value.tolist() == [0.5, -1.0, 0.25]
+    out = numpy.zeros(100, dtype=numpy.float32)
+    assert codec.decode_into(msg, [out]) == 3
+    assert out[WORKED_INDEX].tolist() == [0.5, -1.0, 0.25]
+    assert numpy.count_nonzero(out) == 3
+    # built by the encoder: auto sends FMT_POW2 (3 words < the 4-word gap
+    # body), forced 'gap' the worked example's body
+    g = codec.pow2_best_group(
+        0, pow2_words(WORKED_INDEX, WORKED_NIBBLES),
+        numpy.array(WORKED_INDEX, dtype=numpy.int64), 0, 1.0, 100)
+    assert g.fmt == codec.FMT_POW2
+    g = codec.pow2_best_group(
+        0, pow2_words(WORKED_INDEX, WORKED_NIBBLES),
+        numpy.array(WORKED_INDEX, dtype=numpy.int64), 0, 1.0, 100,
+        coding='gap')
+    assert (g.fmt, g.count, g.a, g.b) == (FMT_GAP, 3, 0, f32_bits(1.0))
+    assert numpy.asarray(g.body).tolist() == WORKED_BODY
+    assert codec.pack([g]).tolist() == msg.tolist()
+
+
+# ---- round trips ------------------------------------------------------------
+
+def _check_body_round_trip(size, index, nibbles, k, sign_only):
+    want = oracle_encode(index, nibbles, k, sign_only)
+    body = codec.gap_body(numpy.array(index, dtype=numpy.int64),
+                          numpy.array(nibbles, dtype=numpy.uint8), k,
+                          sign_only)
+    assert body.dtype == numpy.uint32
+    assert body.tolist() == want
+    assert oracle_decode_body(want, len(index), size) == (index, nibbles)
+    got_index, got_nibbles = codec.gap_decode_body(body, len(index), size)
+    assert got_index.tolist() == index
+    assert got_nibbles.tolist() == nibbles
+    lengths = codec.gap_code_lengths(
+        numpy.array(gaps_of(index), dtype=numpy.int64), k)
+    assert lengths.tolist() == [code_bits(g, k) for g in gaps_of(index)]
+    return want
+
+
+@needs_codec
+@given(gap_cases('small'))
+def test_body_round_trip_small_tensors(case):
+    _check_body_round_trip(*case)
+
+
+@needs_codec
+@given(gap_cases('huge'))
+def test_body_round_trip_huge_gaps(case):
+    _check_body_round_trip(*case)
+
+
+@needs_codec
+@pytest.mark.parametrize('k', list(range(63)))
+def test_body_round_trip_every_k(k):
+    rnd = random.Random(k)
+    size = 2 ** 40
+    index = sorted(set([0, 1, 2, 17, 2 ** 32 + 5, 2 ** 39, size - 1]
+                       + [rnd.randrange(size) for _ in range(5)]))
+    for sign_only in (False, True):
+        nibbles = [rnd.randrange(2) << 3 if sign_only else rnd.randrange(16)
+                   for _ in index]
+        _check_body_round_trip(size, index, nibbles, k, sign_only)
+
+
+@needs_codec
+def test_gap_code_lengths_escapes():
+    gaps = [0, 15, 16, 17, 31, 32, 2 ** 32, 2 ** 40, 2 ** 62, 2 ** 63 - 1]
+    for k in (0, 1, 5, 31, 62):
+        got = codec.gap_code_lengths(numpy.array(gaps, dtype=numpy.int64), k)
+        assert got.tolist() == [code_bits(g, k) for g in gaps], k
+
+
+@needs_codec
+@given(st.integers(1, 2 ** 48), st.data())
+def test_rice_parameter(size, data):
+    count = data.draw(st.integers(1, min(size, 2 ** 32 - 1)))
+    assert codec.rice_parameter(count, size) == rice_k(count, size)
+
+
+@needs_codec
+@pytest.mark.parametrize('count,size', [
+    (1, 1), (1, 2), (1, 3), (1, 4), (3, 100), (2 ** 32 - 1, 2 ** 32 - 1),
+    (1, 2 ** 62), (1, 2 ** 63 - 1), (7, 2 ** 40), (2 ** 20, 2 ** 28 + 5)])
+def test_rice_parameter_edges(count, size):
+    assert codec.rice_parameter(count, size) == rice_k(count, size)
+
+
+@needs_codec
+@given(gap_cases(), st.sampled_from([numpy.float32, numpy.float64]),
+       st.data())
+def test_message_round_trip(case, dtype, data):
+    """pack([pow2_best_group(...)]) decodes to what the oracle decodes."""
+    size, index, nibbles, k, sign_only = case
+    e_k = data.draw(st.integers(-20, 20))
+    scale = data.draw(st.sampled_from([1.0, 1e-3, 0.75, 3.0e5]))
+    if sign_only:
+        e_k = 0
+    coding = data.draw(st.sampled_from(['auto', 'gap']
+                                       + (['fixed'] if size <= MAX_POW2_SIZE
+                                          else [])))
+    g = codec.pow2_best_group(
+        3, pow2_words(index, nibbles), numpy.array(index, dtype=numpy.int64),
+        e_k, scale, size, coding=coding, sign_only=sign_only)
+    if g.fmt == FMT_GAP:
+        assert numpy.asarray(g.body).tolist() == oracle_encode(
+            index, nibbles, rice_k(len(index), size), sign_only)
+    msg = codec.pack([g])
+    sizes, dtypes = [5, 7, 1, size], [dtype] * 4
+    ((tid, o_index, o_values),) = oracle_unpack(msg, sizes, dtypes)
+    assert (tid, o_index) == (3, index)
+    (dec,) = codec.unpack(msg, sizes, dtypes)
+    assert dec.tensor_id == 3
+    assert dec.index.tolist() == index
+    assert dec.value.dtype == dtype
+    assert dec.value.tolist() == [float(v) for v in o_values]
+    # the values are sign * scale * 2**(e_k - d), exactly
+    for nib, v in zip(nibbles, dec.value.tolist()):
+        mag = float(dtype(numpy.float32(scale))) * 2.0 ** (e_k - (nib & 7))
+        assert v == (-mag if nib >> 3 else mag)
+    # a forced k (any 0..62) decodes the same way
+    body = oracle_encode(index, nibbles, k, sign_only)
+    msg = gap_message([(3, len(index), e_k, scale, body)])
+    (dec2,) = codec.unpack(msg, sizes, dtypes)
+    assert dec2.index.tolist() == index
+    assert dec2.value.tolist() == dec.value.tolist()
+
+
+# ---- corrupt and truncated messages -----------------------------------------
+
+class Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds=10):
+    def fire(signum, frame):
+        raise Hang('codec.unpack ran for more than {} s'.format(seconds))
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def agree(message, sizes, dtypes):
+    """codec.unpack and the oracle accept and reject the same messages and
+    decode the same elements.  Returns True when accepted."""
+    message = numpy.asarray(message, dtype=numpy.uint32)
+    try:
+        want = oracle_unpack(message, sizes, dtypes)
+    except Unsupported:
+        return None  # a mutation into FMT_RAW/FMT_QSGD: not this format
+    except Reject as e:
+        want = e
+    try:
+        with deadline():
+            got = codec.unpack(message, sizes, dtypes)
+    except codec.WireFormatError as e:
+        assert isinstance(want, Reject), (
+            'codec rejects ({}) a message the oracle accepts: {}'.format(
+                e, message.tolist()))
+        return False
+    assert not isinstance(want, Reject), (
+        'codec accepts a message the oracle rejects ({}): {}'.format(
+            want, message.tolist()))
+    assert len(got) == len(want)
+    for dec, (tid, index, values) in zip(got, want):
+        assert dec.tensor_id == tid
+        assert dec.index.tolist() == index
+        assert dec.value.tolist() == [float(v) for v in values]
+    return True
+
+
+@st.composite
+def messages(draw):
+    """(message, sizes, dtypes): 1 to 3 groups, FMT_GAP (any k, 1 or 4
+    value bits) or FMT_POW2, some on huge tensors."""
+    n = draw(st.integers(1, 3))
+    groups, sizes = [], []
+    for tid in range(n):
+        size, index, nibbles, k, sign_only = draw(gap_cases(
+            draw(st.sampled_from(['small', 'small', 'medium', 'huge']))))
+        size = max(size, index[-1] + 1)
+        sizes.append(size)
+        e_k = draw(st.integers(-3, 3))
+        if size <= MAX_POW2_SIZE and draw(st.integers(0, 3)) == 0:
+            groups.append((tid, FMT_POW2, len(index), e_k & 0xFFFFFFFF,
+                           f32_bits(1.0), pow2_words(index, nibbles)))
+        else:
+            groups.append((tid, len(index), e_k, 0.5,
+                           oracle_encode(index, nibbles, k, sign_only)))
+    dtypes = [draw(st.sampled_from([numpy.float32, numpy.float64]))
+              for _ in sizes]
+    return gap_message(groups), sizes, dtypes
+
+
+def _mutate(m, data):
+    m = m.copy()
+    kind = data.draw(st.sampled_from(['bits', 'word', 'insert', 'delete']))
+    if kind == 'bits':
+        for _ in range(data.draw(st.integers(1, 3))):
+            p = data.draw(st.integers(0, 32 * m.size - 1))
+            m[p >> 5] ^= numpy.uint32(1 << (p & 31))
+    elif kind == 'word':
+        p = data.draw(st.integers(0, m.size - 1))
+        m[p] = data.draw(st.sampled_from(
+            [0, 1, 0xFFFFFFFF, 0x80000000, int(m[p]) + 1, int(m[p]) - 1,
+             data.draw(st.integers(0, 2 ** 32 - 1))])) & 0xFFFFFFFF
+    elif kind == 'insert':
+        p = data.draw(st.integers(0, m.size))
+        m = numpy.insert(m, p, numpy.uint32(
+            data.draw(st.integers(0, 2 ** 32 - 1))))
+    else:
+        p = data.draw(st.integers(0, m.size - 1))
+        m = numpy.delete(m, p)
+    return m
+
+
+@needs_codec
+@given(messages(), st.data())
+def test_valid_messages_agree(msg, data):
+    message, sizes, dtypes = msg
+    assert agree(message, sizes, dtypes)
+
+
+@needs_codec
+@FUZZ
+@given(messages(), st.data())
+def test_mutated_messages_agree(msg, data):
+    message, sizes, dtypes = msg
+    for _ in range(data.draw(st.integers(1, 3))):
+        message = _mutate(message, data)
+    agree(message, sizes, dtypes)
+
+
+@needs_codec
+@given(messages())
+def test_truncated_messages_rejected(msg):
+    message, sizes, dtypes = msg
+    assert agree(message, sizes, dtypes)
+    for n in range(message.size):
+        assert agree(message[:n], sizes, dtypes) is False, n
+
+
+def body_agree(body, count, size):
+    """codec.gap_decode_body and the oracle agree on one body."""
+    try:
+        want = oracle_decode_body(body, count, size)
+    except Reject as e:
+        want = e
+    try:
+        with deadline():
+            got = codec.gap_decode_body(
+                numpy.array(body, dtype=numpy.uint32), count, size)
+    except codec.WireFormatError as e:
+        assert isinstance(want, Reject), (
+            'codec rejects ({}) a body the oracle accepts: count {} size {} '
+            'body {}'.format(e, count, size, body))
+        return False
+    assert not isinstance(want, Reject), (
+        'codec accepts a body the oracle rejects ({}): count {} size {} '
+        'body {}'.format(want, count, size, body))
+    assert got[0].tolist() == want[0]
+    assert got[1].tolist() == want[1]
+    return True
+
+
+@needs_codec
+@FUZZ
+@given(gap_cases(), st.data())
+def test_mutated_bodies_agree(case, data):
+    """codec.gap_decode_body on bodies with flipped bits, changed or
+    missing words, another count or another tensor size."""
+    size, index, nibbles, k, sign_only = case
+    body = oracle_encode(index, nibbles, k, sign_only)
+    count = len(index)
+    for _ in range(data.draw(st.integers(1, 3))):
+        kind = data.draw(st.sampled_from(
+            ['bits', 'bits', 'stream', 'word', 'insert', 'delete', 'count',
+             'size']))
+        if kind in ('bits', 'stream'):
+            lo = 64 if kind == 'stream' and len(body) > 2 else 0
+            p = data.draw(st.integers(lo, 32 * len(body) - 1))
+            body[p >> 5] ^= 1 << (p & 31)
+        elif kind == 'word':
+            p = data.draw(st.integers(0, len(body) - 1))
+            body[p] = data.draw(st.sampled_from(
+                [0, 1, 2 ** 32 - 1, body[p] ^ 0xFFFFFFFF,
+                 data.draw(st.integers(0, 2 ** 32 - 1))]))
+        elif kind == 'insert':
+            body.insert(data.draw(st.integers(0, len(body))),
+                        data.draw(st.sampled_from([0, 1, 2 ** 32 - 1])))
+        elif kind == 'delete' and len(body) > 1:
+            del body[data.draw(st.integers(0, len(body) - 1))]
+        elif kind == 'count':
+            count = max(1, count + data.draw(st.sampled_from([-2, -1, 1, 2])))
+        elif kind == 'size':
+            size = max(count, data.draw(st.integers(1, max(1, index[-1] + 1))))
+    body_agree(body, count, size)
+
+
+@needs_codec
+def test_mutation_coverage():
+    """The mutations above produce both kinds of outcome (a fuzzer that
+    only ever makes garbage checks nothing about accepted messages)."""
+    rnd = random.Random(7)
+    seen = {True: 0, False: 0}
+    for trial in range(400):
+        size = rnd.choice([50, 1000, 2 ** 20, 2 ** 40])
+        index = sorted(rnd.sample(range(size), rnd.randrange(1, 30)))
+        sign_only = rnd.random() < 0.5
+        nibbles = [rnd.randrange(2) << 3 if sign_only else rnd.randrange(16)
+                   for _ in index]
+        k = rnd.choice([rice_k(len(index), size), rnd.randrange(63)])
+        body = oracle_encode(index, nibbles, k, sign_only)
+        p = rnd.randrange(32 * len(body))
+        body[p >> 5] ^= 1 << (p & 31)
+        seen[body_agree(body, len(index), size)] += 1
+    assert seen[True] > 20 and seen[False] > 20, seen
+
+
+def _msg(body, count, e_k=0, scale=1.0):
+    return gap_message([(0, count, e_k, scale, body)])
+
+
+@needs_codec
+def test_every_single_bit_flip():
+    """Every bit of a two-group message flipped, one at a time."""
+    sizes = [1000, 2 ** 33]
+    g0 = oracle_encode([0, 1, 2, 40, 41, 700, 999], [1, 8, 0, 15, 7, 2, 9],
+                       6, False)
+    idx1 = [5, 2 ** 20, 2 ** 32 + 1, 2 ** 33 - 1]
+    g1 = oracle_encode(idx1, [8, 0, 0, 8], 2, True)
+    message = gap_message([(0, 7, 1, 1.0, g0), (1, 4, 0, 0.25, g1)])
+    dtypes = [numpy.float32, numpy.float64]
+    assert agree(message, sizes, dtypes)
+    accepted = 0
+    for p in range(32 * message.size):
+        m = message.copy()
+        m[p >> 5] ^= numpy.uint32(1 << (p & 31))
+        accepted += bool(agree(m, sizes, dtypes))
+    assert accepted > 0  # some flips (values, e_k) stay valid
+
+
+@needs_codec
+def test_reserved_param_bits_rejected():
+    body = list(WORKED_BODY)
+    for bit in range(7, 32):
+        b = list(body)
+        b[0] |= 1 << bit
+        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, bit
+        with pytest.raises(codec.WireFormatError):
+            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
+
+
+@needs_codec
+def test_changed_G_rejected():
+    index = [0, 5, 900, 4000, 4001, 70000]
+    nib = [1, 2, 3, 4, 5, 6]
+    body = oracle_encode(index, nib, 0, False)  # k = 0: long codes
+    G = body[1]
+    assert G >= 2
+    for newG in [0, 1, G - 1, G + 1, G + 2, 2 ** 31, 2 ** 32 - 1]:
+        b = list(body)
+        b[1] = newG
+        if newG < G:  # a shorter stream, the values kept
+            b = b[:2 + newG] + b[2 + G:]
+        elif newG - G < 10:  # zero words added to the stream
+            b = b[:2 + G] + [0] * (newG - G) + b[2 + G:]
+        # else: the body runs past the end of the message
+        assert agree(_msg(b, 6), [70001], [numpy.float32]) is False, newG
+
+
+@needs_codec
+def test_nonzero_padding_rejected():
+    # worked example: 17 code bits: bits 17..31 of the gap word are padding;
+    # 12 value bits: bits 12..31 of the value word are padding
+    for p in range(17, 32):
+        b = list(WORKED_BODY)
+        b[2] |= 1 << p
+        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
+        with pytest.raises(codec.WireFormatError):
+            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
+    for p in range(12, 32):
+        b = list(WORKED_BODY)
+        b[3] |= 1 << p
+        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
+        with pytest.raises(codec.WireFormatError):
+            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
+    # sign-only: 3 value bits
+    body = oracle_encode([3, 4, 40], [0, 8, 0], 4, True)
+    assert body[3] == 0b010
+    assert agree(_msg(body, 3), [100], [numpy.float32])
+    for p in range(3, 32):
+        b = list(body)
+        b[3] |= 1 << p
+        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
+    # a whole extra zero (or nonzero) gap word
+    for extra in (0, 1, 0x80000000):
+        b = WORKED_BODY[:1] + [2, WORKED_BODY[2], extra, WORKED_BODY[3]]
+        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, extra
+
+
+@needs_codec
+def test_gap_overrun_rejected():
+    for size in (41, 100, 2 ** 40):
+        for k in (0, 4, 30, 62):
+            body = oracle_encode([3, 4, size], [1, 2, 3], k, False)
+            assert agree(_msg(body, 3), [size], [numpy.float32]) is False
+            assert agree(_msg(body, 3), [size + 1], [numpy.float32])
+            with pytest.raises(codec.WireFormatError):
+                codec.gap_decode_body(numpy.array(body, dtype=numpy.uint32),
+                                      3, size)
+    # first gap alone overruns; the largest gaps (q near 2**63 and beyond)
+    for gap in (2 ** 40, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1,
+                2 ** 64, 2 ** 70):
+        for k in (0, 1, 62, 63):
+            body = oracle_encode([gap], [1], k, False)
+            assert agree(_msg(body, 1), [2 ** 40], [numpy.float32]) is False
+
+
+def _eg_body(n_zeros, tail_bits=80, k=0):
+    """One code: ESC zeros, then ``n_zeros`` zeros, a one and ``tail_bits``
+    ones (more than enough for the field and the low bits)."""
+    bits = [0] * ESC + [0] * n_zeros + [1] + [1] * tail_bits
+    gw = to_words(bits)
+    return [k, len(gw)] + gw + [1]
+
+
+@needs_codec
+def test_elias_gamma_prefix_of_64_zeros_rejected():
+    for n in (62, 63, 64, 65, 100, 300):
+        for k in (0, 1, 63):
+            body = _eg_body(n, tail_bits=n + k, k=k)
+            assert agree(_msg(body, 1), [2 ** 62], [numpy.float32]) is False
+            with pytest.raises(codec.WireFormatError):
+                codec.gap_decode_body(numpy.array(body, dtype=numpy.uint32),
+                                      1, 2 ** 62)
+    # all zeros: the prefix runs to the end of the stream
+    for G in (1, 2, 3, 5):
+        body = [0, G] + [0] * G + [0]
+        assert agree(_msg(body, 1), [2 ** 62], [numpy.float32]) is False
+
+
+@needs_codec
+def test_count_larger_than_codes_rejected():
+    index = [0, 1, 2, 3, 9, 33]
+    for k in (0, 2, 5):
+        for sign_only in (False, True):
+            nib = [8 * (i % 2) for i in range(6)]
+            body = oracle_encode(index, nib, k, sign_only)
+            assert agree(_msg(body, 6), [34], [numpy.float32])
+            for count in (7, 8, 9, 33, 34, 35, 2 ** 32 - 1):
+                assert agree(_msg(body, count), [34], [numpy.float32]) is False
+                # values padded to the new count: only the codes are missing
+                vb = 1 if sign_only else 4
+                need = (count * vb + 31) // 32
+                if need < 10:
+                    b = body[:2 + body[1]] + (
+                        body[2 + body[1]:] + [0] * need)[:need]
+                    assert agree(_msg(b, count), [40], [numpy.float32]) \
+                        is False, count
+
+
+@needs_codec
+@pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning')
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('sign_only', [False, True])
+def test_exponent_and_scale_checks(dtype, sign_only):
+    """e_k and scale are checked as for FMT_POW2: scale finite and > 0,
+    e_k in the state dtype's exponent range, all 16 values finite and
+    nonzero in the state dtype."""
+    fi = numpy.finfo(dtype)
+    nibbles = [8, 0, 8] if sign_only else [1, 8, 15]
+    body = oracle_encode([3, 4, 40], nibbles, 4, sign_only)
+    accepted = 0
+    for e_k in (fi.minexp - 1, fi.minexp, fi.minexp + 1, -1, 0, 1,
+                fi.maxexp - 2, fi.maxexp - 1, fi.maxexp, -2 ** 31,
+                2 ** 31 - 1):
+        for scale in (1.0, 0.5, 1.5, 0.0, -0.0, -1.0, float('inf'),
+                      float('nan'), 1e-45, 1e-40, 1.17e-38, 3.4e38):
+            ok = agree(_msg(body, 3, e_k, scale), [41], [dtype])
+            accepted += ok
+            if scale == 1.0 and e_k in (fi.minexp, 0, fi.maxexp - 1):
+                assert ok, (e_k, scale)
+            if e_k in (fi.minexp - 1, fi.maxexp) or not scale > 0:
+                assert not ok, (e_k, scale)
+    assert accepted > 10
+
+
+@needs_codec
+def test_decoder_accepts_k_63():
+    """k is a 6-bit field: 63 is a valid parameter (gaps < 2**63)."""
+    for index in ([0], [5], [2 ** 62, 2 ** 62 + 1]):
+        body = oracle_encode(index, [2] * len(index), 63, False)
+        size = index[-1] + 1
+        assert agree(_msg(body, len(index)), [size], [numpy.float32])
+        got_index, _ = codec.gap_decode_body(
+            numpy.array(body, dtype=numpy.uint32), len(index), size)
+        assert got_index.tolist() == index
+
+
+# ---- tensors beyond FMT_POW2's 2**28 elements -------------------------------
+
+def _large_case(size, index, coding='auto'):
+    index = numpy.asarray(index, dtype=numpy.int64)
+    rnd = numpy.random.default_rng(int(size) % 1000)
+    nibbles = rnd.integers(0, 16, size=index.size).astype(numpy.uint32)
+    words = (nibbles << numpy.uint32(28)) | (
+        index & INDEX_MASK).astype(numpy.uint32)
+    g = codec.pow2_best_group(0, words, index, 1, 1.0, size, coding=coding)
+    assert g.fmt == FMT_GAP
+    msg = codec.pack([g])
+    walked = list(codec._walk(msg, [size]))
+    assert len(walked) == 1 and walked[0].fmt == FMT_GAP
+    assert walked[0].count == index.size
+    (dec,) = codec.unpack(msg, [size], [numpy.float32])
+    assert numpy.array_equal(dec.index, index)
+    want = numpy.ldexp(numpy.float32(1), 1 - (nibbles & 7).astype(numpy.int32))
+    want = numpy.where(nibbles >> 3 != 0, -want, want).astype(numpy.float32)
+    assert numpy.array_equal(dec.value, want)
+    with pytest.raises(codec.WireFormatError):  # the last index is too big
+        codec.unpack(msg, [int(index[-1])], [numpy.float32])
+    return g, nibbles, msg
+
+
+@needs_codec
+@pytest.mark.parametrize('size', [2 ** 28 + 5, 2 ** 32 + 3, 2 ** 40])
+def test_large_tensor_few_elements(size):
+    """Few elements: the gap body is longer than FMT_POW2's count words,
+    but FMT_POW2 cannot address the tensor: FMT_GAP anyway."""
+    index = [0, 2 ** 28 - 1, 2 ** 28, 2 ** 28 + 1, size - 1]
+    for idx in ([size - 1], index):
+        g, nibbles, msg = _large_case(size, idx)
+        body = oracle_encode(idx, nibbles.tolist(), rice_k(len(idx), size),
+                             False)
+        assert numpy.asarray(g.body).tolist() == body
+        assert oracle_unpack(msg, [size], [numpy.float32])[0][1] == idx
+        assert agree(msg, [size], [numpy.float32])
+
+
+@needs_codec
+@pytest.mark.parametrize('size', [2 ** 28 + 5, 2 ** 32 + 7])
+def test_large_tensor_dense_selection(size):
+    """A dense-ish selection (runs of consecutive elements around 2**28 and
+    at the end) still gives FMT_GAP for a tensor FMT_POW2 cannot address."""
+    index = numpy.unique(numpy.concatenate([
+        numpy.arange(0, 20000, 2), numpy.arange(2 ** 28 - 3000, 2 ** 28 + 3),
+        numpy.arange(size - 4000, size)]))
+    g, nibbles, msg = _large_case(size, index)
+    body = oracle_encode(index.tolist(), nibbles.tolist(),
+                         rice_k(index.size, size), False)
+    assert numpy.asarray(g.body).tolist() == body
+    assert g.body.size < index.size  # shorter than FMT_POW2 would be, too
+    # ~100000 elements spread over the whole tensor
+    _large_case(size, numpy.arange(0, size, size // 100000,
+                                   dtype=numpy.int64))
+
+
+@needs_codec
+@pytest.mark.parametrize('size', [2 ** 28 + 1, 2 ** 32 + 3])
+def test_large_tensor_fixed_coding_refused(size):
+    index = numpy.array([0, 5, size - 1], dtype=numpy.int64)
+    words = (index & INDEX_MASK).astype(numpy.uint32)
+    with pytest.raises(ValueError) as e:
+        codec.pow2_best_group(0, words, index, 0, 1.0, size, coding='fixed')
+    assert not isinstance(e.value, codec.WireFormatError)
+    text = str(e.value)
+    assert str(size) in text or '2**28' in text or str(2 ** 28) in text, text
+    # 2**28 itself is addressable
+    index = numpy.array([0, 2 ** 28 - 1], dtype=numpy.int64)
+    g = codec.pow2_best_group(0, (index & INDEX_MASK).astype(numpy.uint32),
+                              index, 0, 1.0, 2 ** 28, coding='fixed')
+    assert g.fmt == codec.FMT_POW2
+
+
+# ---- the encoder's choice ---------------------------------------------------
+
+def _choose(size, index, nibbles, sign_only, coding):
+    index = numpy.asarray(index, dtype=numpy.int64)
+    return codec.pow2_best_group(
+        0, pow2_words(index.tolist(), nibbles), index, 0,
+        1.0, size, coding=coding, sign_only=sign_only)
+
+
+def gap_body_len(size, index, sign_only):
+    k = rice_k(len(index), size)
+    bits = sum(code_bits(g, k) for g in gaps_of(index))
+    return 2 + (bits + 31) // 32 + (len(index) * (1 if sign_only else 4)
+                                    + 31) // 32
+
+
+@needs_codec
+@given(gap_cases(('small', 'medium'), forced_k=False))
+def test_auto_never_longer_than_pow2(case):
+    size, index, nibbles, _, sign_only = case
+    g = _choose(size, index, nibbles, sign_only, 'auto')
+    n_gap = gap_body_len(size, index, sign_only)
+    assert g.body.size <= len(index)
+    if n_gap < len(index):
+        assert g.fmt == FMT_GAP
+        assert g.body.size == n_gap
+    else:
+        assert g.fmt == FMT_POW2
+        assert g.body.tolist() == pow2_words(index, nibbles).tolist()
+    assert _choose(size, index, nibbles, sign_only, 'gap').fmt == FMT_GAP
+    assert _choose(size, index, nibbles, sign_only, 'fixed').fmt == FMT_POW2
+
+
+def _tie(count, sign_only, seed):
+    """A selection whose gap body is exactly ``count`` words."""
+    rnd = random.Random(seed)
+    for _ in range(20000):
+        size = rnd.randrange(count, min(count * 2 ** rnd.randrange(1, 40),
+                                        MAX_POW2_SIZE + 1))
+        index = sorted(rnd.sample(range(size), count))
+        if gap_body_len(size, index, sign_only) == count:
+            return size, index
+    raise AssertionError('no tie found')
+
+
+@needs_codec
+@pytest.mark.parametrize('count', [4, 5, 8, 12, 16])
+@pytest.mark.parametrize('sign_only', [False, True])
+def test_ties_go_to_pow2(count, sign_only):
+    size, index = _tie(count, sign_only, count)
+    nibbles = [8 * (i % 2) for i in range(count)]
+    assert _choose(size, index, nibbles, sign_only, 'auto').fmt == FMT_POW2
+    g = _choose(size, index, nibbles, sign_only, 'gap')
+    assert g.fmt == FMT_GAP and g.body.size == count
+
+
+@needs_codec
+def test_coding_argument():
+    index, nibbles = [2, 3, 4, 5], [0, 1, 2, 3]
+    for size in (6, 100, 2 ** 28):
+        assert _choose(size, index, nibbles, False, 'fixed').fmt == FMT_POW2
+        assert _choose(size, index, nibbles, False, 'gap').fmt == FMT_GAP
+
+
+# ---- the native backend -----------------------------------------------------
+
+def _native_has_gap():
+    from chainer_vgc import native
+    return hasattr(native, 'gap_decode') and hasattr(native, 'gap_encode')
+
+
+needs_native_gap = pytest.mark.skipif(
+    not _native_has_gap(),
+    reason='chainer_vgc.native has no gap_decode/gap_encode yet')
+
+
+def native_agree(body, count, size):
+    """native.gap_decode (None: invalid) and the oracle agree on one body.
+    Returns True when accepted."""
+    from chainer_vgc import native
+    try:
+        want = oracle_decode_body(body, count, size)
+    except Reject as e:
+        want = e
+    with deadline():
+        got = native.gap_decode(numpy.array(body, dtype=numpy.uint32), count,
+                                size)
+    if got is None:
+        assert isinstance(want, Reject), (
+            'native rejects a body the oracle accepts: count {} size {} '
+            'body {}'.format(count, size, body))
+        return False
+    assert not isinstance(want, Reject), (
+        'native accepts a body the oracle rejects ({}): count {} size {} '
+        'body {}'.format(want, count, size, body))
+    assert numpy.asarray(got[0]).tolist() == want[0]
+    assert numpy.asarray(got[1]).tolist() == want[1]
+    return True
+
+
+@needs_native_gap
+@given(gap_cases())
+def test_native_gap_codec_matches_oracle(case):
+    from chainer_vgc import native
+    size, index, nibbles, k, sign_only = case
+    want = oracle_encode(index, nibbles, k, sign_only)
+    body = native.gap_encode(numpy.array(index, dtype=numpy.int64),
+                             numpy.array(nibbles, dtype=numpy.uint8), k,
+                             sign_only)
+    assert body.dtype == numpy.uint32
+    assert body.tolist() == want
+    assert native_agree(want, len(index), size)
+
+
+@needs_native_gap
+def test_native_worked_example_and_k_63():
+    from chainer_vgc import native
+    body = native.gap_encode(numpy.array(WORKED_INDEX), numpy.array(
+        WORKED_NIBBLES, dtype=numpy.uint8), 4, False)
+    assert body.tolist() == WORKED_BODY
+    assert native_agree(WORKED_BODY, 3, 100)
+    for index in ([0], [5], [2 ** 62, 2 ** 62 + 1]):
+        body = oracle_encode(index, [2] * len(index), 63, False)
+        assert native.gap_encode(numpy.array(index), numpy.array(
+            [2] * len(index), dtype=numpy.uint8), 63, False).tolist() == body
+        assert native_agree(body, len(index), index[-1] + 1)
+
+
+@needs_native_gap
+@FUZZ
+@given(gap_cases(), st.data())
+def test_native_gap_decode_agrees_on_mutated_bodies(case, data):
+    size, index, nibbles, k, sign_only = case
+    body = oracle_encode(index, nibbles, k, sign_only)
+    for _ in range(data.draw(st.integers(1, 3))):
+        p = data.draw(st.integers(0, 32 * len(body) - 1))
+        body[p >> 5] ^= 1 << (p & 31)
+    count = len(index) + data.draw(st.sampled_from([0, 0, 0, 1, -1]))
+    assume(count >= 1)
+    size = data.draw(st.sampled_from([size, size, index[-1], size + 1]))
+    native_agree(body, count, size)
+
+
+@needs_native_gap
+def test_native_gap_decode_rejects_crafted_bodies():
+    """The hand-made faults of the codec tests above, on the native
+    decoder."""
+    bad = []
+    for bit in range(7, 32):  # reserved param bits
+        bad.append(([WORKED_BODY[0] | 1 << bit] + WORKED_BODY[1:], 3, 100))
+    for p in range(17, 32):  # gap stream padding
+        bad.append((WORKED_BODY[:2] + [WORKED_BODY[2] | 1 << p]
+                    + WORKED_BODY[3:], 3, 100))
+    for p in range(12, 32):  # value padding
+        bad.append((WORKED_BODY[:3] + [WORKED_BODY[3] | 1 << p], 3, 100))
+    bad.append((WORKED_BODY[:1] + [2, WORKED_BODY[2], 0, WORKED_BODY[3]],
+                3, 100))  # an extra zero gap word
+    bad.append((WORKED_BODY, 3, 40))  # overrun
+    bad.append((WORKED_BODY, 4, 100))  # a code missing
+    for G in (0, 2, 2 ** 32 - 1):
+        bad.append((WORKED_BODY[:1] + [G] + WORKED_BODY[2:], 3, 100))
+    for n in (62, 63, 64, 65, 300):  # Elias-gamma prefixes
+        for k in (0, 63):
+            bad.append((_eg_body(n, tail_bits=n + k, k=k), 1, 2 ** 62))
+    for gap in (2 ** 40, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 70):
+        for k in (0, 1, 62, 63):
+            bad.append((oracle_encode([gap], [1], k, False), 1, 2 ** 40))
+    for G in (1, 2, 5):
+        bad.append(([0, G] + [0] * G + [0], 1, 2 ** 62))
+    for n in range(len(WORKED_BODY)):  # truncated
+        bad.append((WORKED_BODY[:n], 3, 100))
+    for body, count, size in bad:
+        assert native_agree(body, count, size) is False, (body, count, size)
