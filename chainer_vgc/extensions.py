@@ -17,6 +17,10 @@ aggregated over all ranks:
 ``vgc/density``      its inverse
 ``vgc/bytes``        bytes each rank sends on the wire (ring allgatherv:
                      (p - 1) / p of all messages)
+``vgc/bits_per_element``  bits of the messages per element they carry,
+                     headers included (the paper's word: 32 and a little
+                     more; gap-coded indices, FMT_GAP: fewer); absent in a
+                     step that sent nothing
 
 so ``LogReport``, ``PrintReport(['epoch', 'main/loss', 'vgc/compression',
 ...])`` and ``PlotReport(['vgc/compression'])`` show them directly.
@@ -29,7 +33,8 @@ from chainer.training import extension
 from chainer_vgc import codec
 
 #: the per-step keys, for PrintReport / PlotReport
-REPORT_KEYS = ['vgc/compression', 'vgc/density', 'vgc/bytes']
+REPORT_KEYS = ['vgc/compression', 'vgc/density', 'vgc/bytes',
+               'vgc/bits_per_element']
 
 
 # -- one step ---------------------------------------------------------------
@@ -43,7 +48,9 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None,
     count as sent); ``vgc/density``: its inverse; ``vgc/bytes``: bytes each
     rank sends on the wire, on average: (p - 1) / p of all messages with the
     ring, plus ``dense_wire`` for the dense group's allreduce;
-    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1).
+    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1);
+    ``vgc/bits_per_element``: 32 x the messages' words / the elements they
+    carry (when they carry any).
     With a dense group (``n_compressed`` < ``n_params``), also
     ``vgc/dense_fraction`` (of the parameters) and, when some parameters
     are compressed, ``vgc/compression_compressed`` (that group alone).
@@ -71,7 +78,11 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None,
         '_elements': sent + dense_elements,
         '_bytes': wire,
         '_dense_bytes': 2 * (p - 1) * param_bytes / p,
+        '_message_bits': 8.0 * total_bytes,
+        '_message_elements': float(sent),
     }
+    if sent:
+        figures['vgc/bits_per_element'] = 8.0 * total_bytes / sent
     if n_compressed is not None and n_compressed < n_params:
         figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
         if n_compressed:  # (none during a warm-up)
@@ -82,9 +93,12 @@ def step_figures(blocks, n_params, elements=None, param_bytes=None,
 
 def new_totals():
     """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
-    rank), skipped exchanges, param_elements (parameters x steps)."""
+    rank), skipped exchanges, param_elements (parameters x steps),
+    message_bits and message_elements (all ranks' messages, and the
+    elements they carried)."""
     return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
-            'skipped': 0.0, 'param_elements': 0.0}
+            'skipped': 0.0, 'param_elements': 0.0, 'message_bits': 0.0,
+            'message_elements': 0.0}
 
 
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
@@ -95,8 +109,8 @@ def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
     :func:`step_figures`)."""
     figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
     for key, value in figures.items():
-        if key.startswith('_'):
-            totals[key[1:]] += value
+        if key.startswith('_'):  # (totals of older snapshots lack some)
+            totals[key[1:]] = totals.get(key[1:], 0.0) + value
     totals['steps'] += 1
     totals['param_elements'] += n_params
     chainer.reporter.report({k: v for k, v in figures.items()
@@ -124,19 +138,25 @@ def run_summary(totals, compressor, size):
     elements sent per rank), ``vgc/total_bytes`` (bytes each rank sent),
     ``vgc/dense_bytes`` (what a dense ring allreduce of the same steps
     would have sent per rank, 2 (p - 1) / p * N * bytes per element of
-    each gradient's dtype a step)."""
+    each gradient's dtype a step), ``vgc/total_bits_per_element`` (the
+    messages' bits per element carried, since the run or the snapshot
+    format that first counted them began)."""
     # parameters x steps, dense group included (runs from before this
     # total existed: the compressor's parameters x steps)
     n_steps = totals.get('param_elements') or (
         (compressor.n_params if compressor is not None else 0)
         * totals['steps'])
     per_rank = totals['elements'] / size
-    return {
+    out = {
         'vgc/total_compression': (n_steps / per_rank
                                   if per_rank else float('inf')),
         'vgc/total_bytes': totals['bytes'],
         'vgc/dense_bytes': totals['dense_bytes'],
     }
+    if totals.get('message_elements'):
+        out['vgc/total_bits_per_element'] = (totals['message_bits']
+                                             / totals['message_elements'])
+    return out
 
 
 class CompressionReport(extension.Extension):

@@ -55,6 +55,9 @@ HELP = {
     'quantize': 'send exact values instead of 4-bit ones',
     'keep_unrepresentable': 'keep a selected value that 4 bits cannot '
     'represent in the residual instead of dropping it',
+    'index_coding': "indices on the wire: 'fixed' (the paper's 32-bit "
+    "words), 'gap' (gap-coded, FMT_GAP) or 'auto' (the smaller, per tensor "
+    'and step)',
 }
 OPTIMIZERS = ('adam', 'momentum')
 
@@ -354,7 +357,7 @@ def add_extensions(trainer, comm, model, test_iter, device, every, stop,
         trainer.extend(extensions.PrintReport(
             ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
              'vgc/interval_compression', 'vgc/total_compression',
-             'elapsed_time']))
+             'vgc/total_bits_per_element', 'elapsed_time']))
         for keys, name in ((['main/loss', 'validation/main/loss'], 'loss'),
                            (['main/accuracy', 'validation/main/accuracy'],
                             'accuracy'),
@@ -469,6 +472,7 @@ def final_report(evaluator, trainer, comm, args):
         'compression': summary['vgc/total_compression'],
         'bytes_sent_per_rank': summary['vgc/total_bytes'],
         'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes'],
+        'bits_per_element': summary.get('vgc/total_bits_per_element'),
         'parameters': n_params,
         'exchanges': int(comm.totals['steps']),
         'controls': controls(comm),
@@ -501,6 +505,9 @@ def print_summary(r):
                 r['compressed_exchanges'], r['exchanges'])
         print('| compressed group: compression ({}) | {} |'.format(
             scope, 'n/a' if value is None else '{:,.1f}'.format(value)))
+    if r.get('bits_per_element'):
+        print('| message bits per element sent (headers included) | {:.1f} '
+              '|'.format(r['bits_per_element']))
     print('| bytes sent per rank | {:,.0f} |'.format(sent))
     print('| dense ring allreduce would send | {:,.0f} |'.format(dense))
     print('| traffic saved | {} |'.format(

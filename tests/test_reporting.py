@@ -5,6 +5,7 @@ import pytest
 
 from chainer_vgc import codec
 from chainer_vgc import communicator
+from chainer_vgc import extensions
 from chainer_vgc import GradientCompressor
 
 
@@ -26,6 +27,32 @@ def test_step_figures_by_hand():
     assert fig['_elements'] == 30
     # dense float32 ring allreduce: 2 (p - 1) / p * 4 N
     assert fig['_dense_bytes'] == pytest.approx(2 * 2 / 3 * 4 * 600)
+    # all 46 words of the messages for their 30 elements
+    assert fig['vgc/bits_per_element'] == pytest.approx(32 * 46 / 30)
+
+
+def test_bits_per_element_of_gap_coded_messages_and_over_the_run():
+    """The worked example of FMT_GAP: 3 elements in a 4-word body; a step
+    that sends nothing reports no ratio; the run total is bits over
+    elements, not a mean of ratios; an older snapshot's totals (without
+    the message counts) are extended, not broken."""
+    gap = codec.pack([codec.pow2_best_group(
+        0, numpy.array([1 << 28, 8 << 28, 2 << 28], numpy.uint32),
+        numpy.array([3, 4, 40]), 0, 1.0, 100, coding='gap')])
+    assert gap.size == 2 + 5 + 4
+    fig = communicator.step_figures([gap], n_params=100)
+    assert fig['vgc/bits_per_element'] == pytest.approx(32 * 11 / 3)
+    assert 'vgc/bits_per_element' not in communicator.step_figures(
+        [codec.pack([])], n_params=100)
+    totals = communicator.new_totals()
+    del totals['message_bits'], totals['message_elements']  # format 2
+    for blocks in ([gap], [_message(10)], [codec.pack([])]):
+        communicator.report_step(blocks, 100, totals)
+    assert totals['message_bits'] == 32 * (11 + 17 + 2)
+    assert totals['message_elements'] == 13
+    summary = extensions.run_summary(totals, None, 1)
+    assert summary['vgc/total_bits_per_element'] == pytest.approx(
+        32 * 30 / 13)
 
 
 def test_dense_bytes_follow_the_gradient_dtypes():
