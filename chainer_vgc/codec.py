@@ -884,7 +884,11 @@ def decode_into(message, outs, sizes=None):
                              'C-contiguous; pass contiguous arrays'.format(i))
     for dec in unpack(message, sizes, [o.dtype for o in outs]):
         flat = outs[dec.tensor_id].reshape(-1)
-        flat[dec.index] += dec.value.astype(flat.dtype, copy=False)
+        # indices are unique: gather, add, scatter back, by the subnormal
+        # rule on a GPU (CuPy's own += and astype flush subnormals)
+        part = flat[dec.index]
+        kernels.add_into(part, kernels.cast(dec.value, flat.dtype))
+        flat[dec.index] = part
         n += int(dec.index.size)
     return n
 

@@ -132,6 +132,24 @@ class FakeDevice(object):
         return '<CUDA Device {}>'.format(self.id)
 
 
+#: the ufuncs CuPy compiles with -ftz=true that chainer_vgc might call
+_FLUSHING = (numpy.add, numpy.subtract, numpy.multiply, numpy.true_divide,
+             numpy.negative)
+
+
+def _flush(x):
+    """float32 subnormals of ``x`` as signed zeros (a copy); anything else
+    as it is."""
+    if not (isinstance(x, (numpy.ndarray, numpy.generic))
+            and x.dtype == numpy.float32):
+        return x
+    x = numpy.array(x)
+    tiny = numpy.finfo(numpy.float32).tiny
+    sub = (x != 0) & (numpy.abs(x) < tiny)
+    x[sub] = numpy.copysign(numpy.float32(0), x[sub])
+    return x
+
+
 class DeviceArray(NDArrayOperatorsMixin):
     """A "device" array: NumPy data ``_a`` on device ``_dev`` of ``_fake``.
     Results of operations stay on the device (reductions as 0-d arrays);
@@ -185,7 +203,10 @@ class DeviceArray(NDArrayOperatorsMixin):
     def astype(self, dtype, copy=True, **kwargs):
         if not copy and self.dtype == numpy.dtype(dtype):
             return self
-        return self._fake._wrap(self._a.astype(dtype, **kwargs))
+        out = self._a.astype(dtype, **kwargs)
+        if self._fake.ftz:
+            out = _flush(out)
+        return self._fake._wrap(out)
 
     def fill(self, value):
         self._a.fill(_unwrap(value))
@@ -203,7 +224,15 @@ class DeviceArray(NDArrayOperatorsMixin):
             if not all(isinstance(o, DeviceArray) for o in outs):
                 raise TypeError('out must be a device array')
             kwargs['out'] = _unwrap(outs, fake._check_device)
+        flushing = fake.ftz and ufunc in _FLUSHING
+        if flushing:
+            args = tuple(_flush(a) for a in args)
         result = getattr(ufunc, method)(*args, **kwargs)
+        if flushing:
+            for o in kwargs.get('out') or ():
+                o[...] = _flush(o)
+            if method != 'at' and isinstance(result, numpy.ndarray):
+                result = _flush(result)
         if method == 'at':
             return None
         if outs is not None:
@@ -336,6 +365,10 @@ class FakeCupy(object):
 
     def __init__(self, n_devices=4, strict_devices=False):
         self.__name__ = 'cupy'
+        #: True: CuPy's own arithmetic (ufuncs, astype) flushes float32
+        #: subnormal operands and results to zero, as CuPy's kernels do
+        #: (compiled with -ftz=true); chainer_vgc's kernels never flush
+        self.ftz = False
         self.log = []
         self.n_devices = n_devices
         self.strict_devices = strict_devices

@@ -249,3 +249,49 @@ def test_statistics_square_sum_on_device_is_the_reduction_kernel(device):
     assert isinstance(got, fake.ndarray) and fake.log == []
     assert_bitwise(fake.asnumpy(got).ravel(),
                    numpy.einsum('i...,i...->...', g, g).ravel())
+
+
+def test_device_decoders_keep_subnormals_where_cupy_flushes(device):
+    """CuPy's own arithmetic flushes float32 subnormals (its kernels are
+    compiled with -ftz=true; the fake does the same with ``ftz``): the
+    production decoder (mean_gradients) and the public codec.decode_into
+    on a device message must still give the CPU's sums bit for bit.  On an
+    H100, decode_into's former ``flat[index] += value`` lost them."""
+    fake = device
+    fake.ftz = True
+    tiny = numpy.finfo(F32).tiny
+    sub = numpy.array([tiny / 2, -tiny / 8, tiny * 0.75, 3 * tiny],
+                      dtype=F32)
+    sizes, dtypes = [8, 6], [F32, F32]
+    blocks = [codec.pack([
+        codec.raw_group(0, numpy.array([0, 2, 5, 7]), sub * (r + 1), 8),
+        # e_k = -126, d = 1: values 2**-127, subnormal in float32
+        codec.pow2_best_group(1, numpy.array([1 << 28 | 1, 9 << 28 | 3],
+                                             numpy.uint32) + r,
+                              numpy.array([1, 3]) + r, -126, 1.0, 6,
+                              coding='gap' if r else 'fixed')])
+        for r in range(2)]
+    comp = GradientCompressor('vgc', ['a', 'b'], [(8,), (6,)], dtypes)
+    host = [numpy.zeros(n, dt) for n, dt in zip(sizes, dtypes)]
+    codec.decode_into(blocks[0], host)
+    codec.decode_into(blocks[1], host)
+    assert all(((h != 0) & (numpy.abs(h) < tiny)).any() for h in host)
+    outs = [fake.zeros(n, dt) for n, dt in zip(sizes, dtypes)]
+    for b in blocks:
+        codec.decode_into(fake.asarray(b), outs)
+    for h, o in zip(host, outs):
+        assert_bitwise(h, fake.asnumpy(o))
+    # the production path: validate, expand, one upload, add, mean
+    want = [param(numpy, numpy.zeros(n, dt), numpy.zeros(n, dt))
+            for n, dt in zip(sizes, dtypes)]
+    got = [param(fake, fake.zeros(n, dt), fake.zeros(n, dt))
+           for n, dt in zip(sizes, dtypes)]
+    for ps in (want, got):
+        communicator.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
+                                    2, True, False)
+    for w, g in zip(want, got):
+        assert_bitwise(w.grad, fake.asnumpy(g.grad))
+    # the fake does flush CuPy's own arithmetic: this test can fail
+    x = fake.asarray(sub)
+    x += fake.asarray(numpy.zeros(4, F32))
+    assert fake.asnumpy(x).tolist() == [0, 0, 0, 3 * tiny]
