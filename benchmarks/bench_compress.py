@@ -48,7 +48,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--params', type=int, default=25_000_000)
     p.add_argument('--repeat', type=int, default=5)
-    p.add_argument('--methods', default='vgc,hybrid,strom')
+    p.add_argument('--methods', default='vgc:fixed,vgc,hybrid:fixed,hybrid,'
+                   'strom', help="comma separated; METHOD:CODING sets the "
+                   "index_coding ('vgc:fixed': the paper's 32-bit words; "
+                   "plain 'vgc': the default, 'auto')")
     p.add_argument('--draws', type=int, default=4)
     p.add_argument('--warmup', type=int, default=20)
     args = p.parse_args()
@@ -78,28 +81,34 @@ def main():
     names = [str(i) for i in range(len(shapes))]
     methods = args.methods.split(',')
 
-    def compressor(method, backend):
+    def compressor(spec, backend):
+        method, _, coding = spec.partition(':')
+        kw = hyperparameters(method)
+        if coding:
+            kw['index_coding'] = coding
         return GradientCompressor(method, names, shapes,
                                   [numpy.float32] * len(shapes),
-                                  backend=backend,
-                                  **hyperparameters(method))
+                                  backend=backend, **kw)
 
     def time_compress(method, backend):
-        """(median s, CPU s / wall s, density, 4 messages)."""
+        """(median s, CPU s / wall s, density, message bytes, 4
+        messages)."""
         comp = compressor(method, backend)
         for k in range(args.warmup):  # allocate state, steady state
             comp.compress(draws[k % len(draws)], sqs, copy=False)
-        times, cpu, sent, msgs = [], [], [], []
+        times, cpu, sent, msgs, nbytes = [], [], [], [], []
         for k in range(args.repeat):
             g = draws[k % len(draws)]
             m, wall, busy = timed(comp.compress, g, sqs, copy=False)
             times.append(wall)
             cpu.append(busy)
             sent.append(comp.last_sent)
+            nbytes.append(comp.last_bytes)
             msgs.append(m.copy())
         return (float(numpy.median(times)),
                 float(numpy.median(cpu) / numpy.median(times)),
-                numpy.mean(sent) / args.params, (msgs * 4)[:4])
+                numpy.mean(sent) / args.params, numpy.mean(nbytes),
+                (msgs * 4)[:4])
 
     # the local gradients, as backward left them (written in place)
     params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
@@ -121,23 +130,25 @@ def main():
     res = {}
     for backend in ('native', 'numpy'):
         for method in methods:
-            t, busy, density, messages = time_compress(method, backend)
+            t, busy, density, nbytes, messages = time_compress(method,
+                                                               backend)
             res[method, backend] = dict(
-                compress=t, busy=busy, density=density,
+                compress=t, busy=busy, density=density, nbytes=nbytes,
                 decode=time_decode(method, backend, messages))
     print('| method | step | native ms | x copyto | numpy ms | x copyto | '
-          'density sent | body bytes | native CPU/wall |')
-    print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
+          'density sent | message bytes | bits/element | native CPU/wall |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
     for method in methods:
         nat, ref = res[method, 'native'], res[method, 'numpy']
         print('| {} | compress+encode | {:.1f} | {:.2f} | {:.1f} | {:.1f} | '
-              '{:.2%} | {:,.0f} | {:.2f} |'.format(
+              '{:.2%} | {:,.0f} | {:.1f} | {:.2f} |'.format(
                   method, nat['compress'] * 1e3, nat['compress'] / copy_t,
                   ref['compress'] * 1e3, ref['compress'] / copy_t,
-                  nat['density'], 4 * nat['density'] * args.params,
+                  nat['density'], nat['nbytes'],
+                  8 * nat['nbytes'] / (nat['density'] * args.params),
                   nat['busy']))
         print('| {} | decode+mean of 4 | {:.1f} | {:.2f} | {:.1f} | {:.1f} '
-              '| | | |'.format(method, nat['decode'] * 1e3,
+              '| | | | |'.format(method, nat['decode'] * 1e3,
                                nat['decode'] / copy_t, ref['decode'] * 1e3,
                                ref['decode'] / copy_t))
 

@@ -181,7 +181,9 @@ def main():
     ap.add_argument('--workers', type=int, default=4)
     ap.add_argument('--rates', default='1gbit,10gbit',
                     help='tc rates, comma separated')
-    ap.add_argument('--methods', default='naive,vgc,hybrid')
+    ap.add_argument('--methods', default='naive,vgc,hybrid',
+                    help="comma separated; METHOD:CODING sets the "
+                    "index_coding ('vgc:fixed': the paper's 32-bit words)")
     ap.add_argument('--model', choices=('mlp', 'vgg'), default='mlp')
     ap.add_argument('--units', type=int, default=2500,
                     help='MLP width: 784-u-u-u-10 on MNIST (2500: 14.5M '
@@ -226,7 +228,9 @@ def main():
             for cmd in plan.shape(rate):
                 run(cmd)
             for method in args.methods.split(','):
-                script = ['--method', method, '--model', args.model,
+                method, _, coding = method.partition(':')
+                script = (['--index-coding', coding] if coding else []) + [
+                          '--method', method, '--model', args.model,
                           '--data', args.data,
                           '--units', str(args.units), '--steps',
                           str(args.steps), '--warmup', str(args.warmup),

@@ -53,6 +53,9 @@ def main():
                    help='MLP inputs: MNIST (each rank its own shard) or '
                    'random inputs labelled by a random linear teacher')
     p.add_argument('--steps', type=int, default=8)
+    p.add_argument('--index-coding', default=None,
+                   help="vgc/hybrid/strom: 'auto' (default), 'fixed' or "
+                   "'gap'")
     p.add_argument('--iface', default=os.environ.get('FI_TCP_IFACE', ''))
     args = p.parse_args()
 
@@ -62,6 +65,8 @@ def main():
         make_opt = chainermn.create_multi_node_optimizer
     else:
         kw = hyperparameters(args.method, alpha=args.alpha, tau=args.tau)
+        if args.index_coding is not None:
+            kw['index_coding'] = args.index_coding
         comm = chainer_vgc.create_communicator(args.method, world, **kw)
         make_opt = chainer_vgc.create_multi_node_optimizer
     numpy.random.seed(0)
@@ -128,7 +133,9 @@ def main():
     everyone = world.gather(info)
     if world.rank == 0:
         pmax = max(everyone, key=lambda r: r['step'])
-        out = dict(method=args.method, workers=world.size, params=n_params,
+        method = args.method + ('' if args.index_coding is None
+                                else ':' + args.index_coding)
+        out = dict(method=method, workers=world.size, params=n_params,
                    model=args.model, batchsize=args.batchsize,
                    data=args.data if args.model == 'mlp' else 'synthetic',
                    warmup=args.warmup, steps=args.steps, step_s=pmax['step'],
