@@ -29,7 +29,10 @@ header checks, checked decoder, unchecked device decoder):
     paper)
     ``a``, ``b`` as ``FMT_POW2``; body: a param word (bits 0-5: the Rice
     parameter k; bit 6, :data:`GAP_SIGN_ONLY`: one value bit, the sign,
-    and d = 0; other bits 0), ``G``, then ``G`` words of gap codes, then
+    and d = 0; bit 7: 0; bits 8-31: the span, the number of tensors after
+    ``tensor_id`` the group also covers, in one index space, their
+    concatenation, see :func:`merge_spans`), ``G``, then ``G`` words of
+    gap codes, then
     the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
     ``sign << 3 | d`` (the top 4 bits of the ``FMT_POW2`` word) or 1-bit
     signs.  Bit strings are LSB-first: bit p is ``(w[p >> 5] >> (p & 31))
@@ -81,6 +84,9 @@ FMT_GAP = 4
 GAP_PARAM_WORDS = 2  # param word (k, flags), gap-stream length
 GAP_K_MASK = 0x3F
 GAP_SIGN_ONLY = 1 << 6  # param flag: one value bit (the sign), d = 0
+GAP_RESERVED = 1 << 7  # param bit that must be 0
+GAP_SPAN_SHIFT = 8  # param bits 8-31: further tensors the group covers
+MAX_GAP_SPAN = (1 << 24) - 1
 GAP_ESCAPE = 16  # unary zeros before the Elias-gamma escape
 GAP_MAX_K = 62
 MAX_COUNT = (1 << 32) - 1  # the header's count is one word
@@ -109,6 +115,8 @@ C_CONSTANTS = collections.OrderedDict([
     ('VGC_GAP_ESCAPE', GAP_ESCAPE),
     ('VGC_GAP_SIGN_ONLY', GAP_SIGN_ONLY),
     ('VGC_GAP_PARAM_WORDS', GAP_PARAM_WORDS),
+    ('VGC_GAP_RESERVED', GAP_RESERVED),
+    ('VGC_GAP_SPAN_SHIFT', GAP_SPAN_SHIFT),
 ])
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
@@ -126,11 +134,13 @@ class WireFormatError(ValueError):
 
 
 Group = collections.namedtuple(
-    'Group', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body'])
+    'Group', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body', 'span'],
+    defaults=(0,))
 Group.__doc__ = (
     'One tensor\'s part of a message: the header fields and the body words '
     '(built by the ``*_group`` functions for :func:`pack`; a view of the '
-    'received message when read back).')
+    'received message when read back; ``span``: the further tensors a '
+    'FMT_GAP group covers, as read back).')
 
 Decoded = collections.namedtuple('Decoded', ['tensor_id', 'index', 'value'])
 
@@ -374,13 +384,17 @@ def _words_to_bits(words):
         bitorder='little')
 
 
-def gap_body(index, nibbles, k, sign_only):
+def gap_body(index, nibbles, k, sign_only, span=0):
     """The FMT_GAP body of sorted unique ``index`` with value fields
     ``nibbles`` (``sign << 3 | d``; ``sign_only``: d must be 0 and only the
-    sign is sent), Rice parameter ``k``.  CuPy input runs the kernels
+    sign is sent), Rice parameter ``k``; ``span``: further tensors the
+    indices run over (param bits 8-31).  CuPy input runs the kernels
     (:func:`chainer_vgc.kernels.gap_body`)."""
     if backend.is_cupy(backend.get_array_module(index)):
-        return kernels.gap_body(index, nibbles, k, sign_only)
+        body = kernels.gap_body(index, nibbles, k, sign_only)
+        if span:
+            body[:1] |= numpy.uint32(int(span) << GAP_SPAN_SHIFT)
+        return body
     k = int(k)
     if not 0 <= k <= GAP_K_MASK:
         raise ValueError('gap_body: k must be in 0..63, got {}'.format(k))
@@ -415,7 +429,10 @@ def gap_body(index, nibbles, k, sign_only):
         vbits = ((nib[:, None] >> numpy.arange(4, dtype=numpy.uint8))
                  & 1).reshape(-1)
     values = _bits_to_words(vbits.astype(numpy.uint8))
-    param = k | (GAP_SIGN_ONLY if sign_only else 0)
+    if not 0 <= int(span) <= MAX_GAP_SPAN:
+        raise ValueError('gap_body: span must be in 0..2**24 - 1')
+    param = (k | (GAP_SIGN_ONLY if sign_only else 0)
+             | int(span) << GAP_SPAN_SHIFT)
     return numpy.concatenate([
         numpy.array([param, stream.size], dtype=numpy.uint32), stream,
         values])
@@ -431,14 +448,16 @@ def gap_decode_body(body, count, size):
     of a tensor of ``size``: ``(index int64, nibbles uint8)``.  Raises
     :class:`WireFormatError` on reserved bits, a code running past the
     stream, an Elias-gamma prefix of 64 zeros or more, a gap past the end
-    of the tensor, a stream longer than its codes or nonzero padding."""
+    of the tensor, a stream longer than its codes or nonzero padding.
+    ``size``: of the group's index space (its span's total; the span bits
+    of the param word are the caller's)."""
     body = numpy.asarray(body, dtype=numpy.uint32).reshape(-1)
     where = 'chainer_vgc wire message, FMT_GAP body: '
     if body.size < GAP_PARAM_WORDS:
         raise WireFormatError(where + 'truncated')
     param, n_stream = int(body[0]), int(body[1])
-    if param & ~(GAP_K_MASK | GAP_SIGN_ONLY):
-        raise WireFormatError(where + 'reserved bits set in the param word')
+    if param & GAP_RESERVED:
+        raise WireFormatError(where + 'reserved bit set in the param word')
     k = param & GAP_K_MASK
     n_values = _gap_value_words(count, param)
     if body.size != GAP_PARAM_WORDS + n_stream + n_values:
@@ -730,7 +749,11 @@ def _gap_body_words(g, head):
 
 def _gap_decode(g, size, dtype, xp):
     """Decoded on the host (the codes are sequential; a device body is
-    downloaded), checked like FMT_POW2, the values from the same table."""
+    downloaded), checked like FMT_POW2, the values from the same table.
+    One tensor (span 0); :func:`unpack` splits a span over its tensors."""
+    if g.span:
+        raise ValueError('a FMT_GAP group spanning tensors is decoded by '
+                         'codec.unpack')
     e_k, scale = _pow2_header(g)
     table = _checked_pow2_table(g, e_k, scale, dtype)
     index, nibbles = gap_decode_body(backend.to_numpy(g.body), g.count, size)
@@ -864,6 +887,14 @@ def unpack(message, sizes, dtypes):
     xp = backend.get_array_module(message)
     out = []
     for g in _walk(backend.to_numpy(message), sizes, message):
+        if g.fmt == FMT_GAP:  # decoded on the host, split over its span
+            e_k, scale = _pow2_header(g)
+            for t, index, nibbles in _span_parts(g, sizes):
+                table = _checked_pow2_table(
+                    g, e_k, scale, backend.state_dtype(dtypes[t]))
+                out.append(Decoded(t, xp.asarray(index),
+                                   xp.asarray(table[nibbles])))
+            continue
         index, value = FORMATS[g.fmt].decode(
             g, sizes[g.tensor_id], backend.state_dtype(dtypes[g.tensor_id]),
             xp)
@@ -921,25 +952,109 @@ def add_validated(host, device, outs, sizes):
     return n
 
 
+def _span_parts(g, sizes, decoder=None):
+    """``[(tensor_id, index, nibbles)]`` of a FMT_GAP group read by
+    :func:`_walk`, its indices (in the concatenation of the tensors of its
+    span) split over those tensors, local to each; tensors without
+    elements are left out.  ``decoder``: see :func:`expand_gap`."""
+    body = numpy.array(backend.to_numpy(g.body), dtype=numpy.uint32)
+    body[0] &= numpy.uint32((1 << GAP_SPAN_SHIFT) - 1)  # the span is ours
+    tids = range(g.tensor_id, g.tensor_id + g.span + 1)
+    bounds = numpy.cumsum([0] + [sizes[t] for t in tids])
+    got = (decoder or gap_decode_body)(body, g.count, int(bounds[-1]))
+    if got is None:  # a fast decoder refused it: the reference says why
+        got = gap_decode_body(body, g.count, int(bounds[-1]))
+    index, nibbles = got
+    cuts = numpy.searchsorted(index, bounds)
+    return [(t, index[lo:hi] - base, nibbles[lo:hi])
+            for t, lo, hi, base in zip(tids, cuts[:-1], cuts[1:], bounds)
+            if hi > lo]
+
+
+def merge_spans(message, sizes, decoder=None, encoder=None):
+    """The message with each maximal run of consecutive FMT_POW2/FMT_GAP
+    groups that share ``a`` and ``b`` (e_k and scale: one value table)
+    re-encoded as one FMT_GAP group over the tensors from the run's first
+    to its last (its span), when that is strictly shorter; ``message``
+    itself when nothing got shorter.  The group's header costs 7 words or
+    more: at hybrid's and Strom's late-run densities (a few dozen elements
+    a tensor) that is several bits per element, which one group per
+    message saves.  SIGN_ONLY when every element has d = 0.
+    ``decoder``/``encoder``: fast equivalents of :func:`gap_decode_body`
+    and :func:`gap_body` (the native backend's)."""
+    groups = list(_walk(message, sizes))
+    runs, changed = [], False
+    for g in groups:
+        if (runs and g.fmt in (FMT_POW2, FMT_GAP)
+                and runs[-1][-1].fmt in (FMT_POW2, FMT_GAP)
+                and (g.a, g.b) == (runs[-1][-1].a, runs[-1][-1].b)):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    out = []
+    for run in runs:
+        merged = _merged(run, sizes, decoder, encoder) if len(run) > 1 \
+            else None
+        if merged is None:
+            out.extend(run)
+        else:
+            out.append(merged)
+            changed = True
+    return pack(out) if changed else message
+
+
+def _merged(run, sizes, decoder, encoder):
+    """One FMT_GAP group for ``run`` (see :func:`merge_spans`), or None when
+    it would not be shorter."""
+    first, last = run[0].tensor_id, run[-1].tensor_id + run[-1].span
+    offsets = numpy.cumsum([0] + list(sizes[first:last + 1]))
+    index, nibbles = [], []
+    for g in run:
+        if g.fmt == FMT_POW2:
+            parts = [(g.tensor_id,
+                      (g.body & numpy.uint32(MAX_INDEX - 1)).astype(
+                          numpy.int64),
+                      (g.body >> numpy.uint32(INDEX_BITS)).astype(
+                          numpy.uint8))]
+        else:
+            parts = _span_parts(g, sizes, decoder)
+        for t, i, n in parts:
+            index.append(i + offsets[t - first])
+            nibbles.append(n)
+    index, nibbles = numpy.concatenate(index), numpy.concatenate(nibbles)
+    count = int(index.size)
+    if count > MAX_COUNT or last - first > MAX_GAP_SPAN:
+        return None
+    sign_only = not (nibbles & 7).any()
+    k = rice_parameter(count, int(offsets[-1]))
+    body = (encoder or gap_body)(index, nibbles, k, sign_only)
+    body[0] |= numpy.uint32((last - first) << GAP_SPAN_SHIFT)
+    if HEADER_WORDS + body.size >= sum(HEADER_WORDS + g.body.size
+                                       for g in run):
+        return None
+    return Group(first, FMT_GAP, count, run[0].a, run[0].b, body,
+                 last - first)
+
+
 def expand_gap(message, sizes, decoder=None):
     """A validated host ``message`` with every FMT_GAP group rewritten as
     FMT_INDEXED (pow2 words and int64 indices: what the device adds from,
     see :func:`add_validated`); ``message`` itself when it has none.
     ``decoder(body, count, size) -> (index, nibbles)``: default
     :func:`gap_decode_body` (the native backend passes its own)."""
-    decoder = decoder or gap_decode_body
     groups = list(_walk(message, sizes))
     if not any(g.fmt == FMT_GAP for g in groups):
         return message
     out = []
     for g in groups:
-        if g.fmt == FMT_GAP:
-            index, nibbles = decoder(g.body, g.count, sizes[g.tensor_id])
+        if g.fmt != FMT_GAP:
+            out.append(g)
+            continue
+        for t, index, nibbles in _span_parts(g, sizes, decoder):
             words = nibbles.astype(numpy.uint32) << numpy.uint32(INDEX_BITS)
-            g = g._replace(fmt=FMT_INDEXED, body=numpy.concatenate([
-                words, numpy.ascontiguousarray(index, dtype='<i8').view(
-                    numpy.uint32)]))
-        out.append(g)
+            out.append(Group(t, FMT_INDEXED, int(index.size), g.a, g.b,
+                             numpy.concatenate([words, numpy.ascontiguousarray(
+                                 index, dtype='<i8').view(numpy.uint32)])))
     return pack(out)
 
 
@@ -967,12 +1082,19 @@ def _walk(m, sizes, words=None, internal=False):
         pos += HEADER_WORDS
         if g.tensor_id <= last:
             raise WireFormatError(_where(g) + 'tensor ids not increasing')
-        last = g.tensor_id
-        if sizes is not None and g.tensor_id >= len(sizes):
+        span = 0
+        if g.fmt == FMT_GAP:  # the param word says how many tensors
+            if pos >= m.size:
+                raise WireFormatError(_where(g) + 'truncated in the FMT_GAP '
+                                      'param words')
+            span = int(m[pos]) >> GAP_SPAN_SHIFT
+        last = g.tensor_id + span
+        if sizes is not None and last >= len(sizes):
             raise WireFormatError(
                 _where(g) + 'the model has only {} tensors; sender and '
                 'receiver must use the same model'.format(len(sizes)))
-        size = sizes[g.tensor_id] if sizes is not None else None
+        size = (sum(sizes[g.tensor_id:last + 1]) if sizes is not None
+                else None)
         if g.count == 0 or (size is not None and g.count > size):
             raise WireFormatError(_where(g) + 'count {} invalid for a tensor '
                                   'of {} elements'.format(g.count, size))
@@ -988,7 +1110,7 @@ def _walk(m, sizes, words=None, internal=False):
             raise WireFormatError(_where(g) + 'body of {} words runs past the '
                                   'end of the message ({} words); truncated'
                                   .format(length, m.size))
-        yield g._replace(body=words[pos:pos + length])
+        yield g._replace(body=words[pos:pos + length], span=span)
         pos += length
     if pos != m.size:
         raise WireFormatError('chainer_vgc wire message: {} trailing words '

@@ -169,8 +169,10 @@ class GradientCompressor(object):
         them with every state untouched.
         """
         if self.uses_native(grads):
-            message = self._compress_native(grads, sqsums, agree)
-            return message.copy() if copy else message
+            message = self._merge_spans(
+                self._compress_native(grads, sqsums, agree))
+            return message.copy() if copy and message.base is not None \
+                else message
         sqsums = self._validate(grads, sqsums, True, agree)
         self.rule.begin_step()
         groups = []
@@ -199,8 +201,20 @@ class GradientCompressor(object):
                 groups.append(group)
         if agree is not None:
             _settle(agree(OK), None)
-        message = codec.pack(groups, xp)
+        message = self._merge_spans(codec.pack(groups, xp))
         self.last_sent = sum(grp.count for grp in groups)
+        return message
+
+    def _merge_spans(self, message):
+        """:func:`chainer_vgc.codec.merge_spans` where the rule gap-codes
+        its indices (``index_coding`` other than ``'fixed'``), with the
+        native backend's gap codec when it is the CPU backend; sets
+        :attr:`last_bytes`."""
+        rule = self.rule
+        if rule.uses_index_words and rule.index_coding != 'fixed':
+            fast = (native.gap_decode, native.gap_encode) \
+                if self.backend == 'native' else (None, None)
+            message = codec.merge_spans(message, self.sizes, *fast)
         self.last_bytes = int(message.nbytes)
         return message
 

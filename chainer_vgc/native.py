@@ -392,11 +392,14 @@ def gap_encode(index, nibbles, k, sign_only):
 
 def gap_decode(body, count, size):
     """``(index int64, nibbles uint8)`` of the FMT_GAP body ``body`` (exactly
-    the body's words) of a group of ``count`` elements of a tensor of
-    ``size``, every decoder check of the format applied; None if it is
-    invalid (the fast path of ``codec.gap_decode_body``, which names the
-    fault).  ``nibbles`` are the value-table entries sign << 3 | d (d = 0
-    for SIGN_ONLY)."""
+    the body's words) of a group of ``count`` elements over one index space
+    of ``size`` elements (a group spanning tensors: its span_size, the
+    indices in their concatenation), every decoder check of the format
+    applied; None if it is invalid (the fast path of
+    ``codec.gap_decode_body``, which names the fault).  The span (param
+    word bits 8..31) is the caller's and ignored here, as by codec; bit 7
+    is reserved.  ``nibbles`` are the value-table entries sign << 3 | d
+    (d = 0 for SIGN_ONLY)."""
     lib = load()
     body = numpy.ascontiguousarray(body, dtype=numpy.uint32).reshape(-1)
     count, size = int(count), int(size)

@@ -27,7 +27,10 @@
  * Decode: validate every message completely (the checks of codec.unpack,
  *   down to every value being finite in the state dtype it is written in;
  *   FMT_GAP bodies are decoded into per-call index / value-entry arrays
- *   then), then per tensor zero the output and merge the p messages'
+ *   then, a group spanning several tensors once over their concatenated
+ *   index space, each tensor of the span getting its segment, local
+ *   indices and a value table in its own state dtype), then per tensor
+ *   zero the output and merge the p messages'
  *   sorted index lists, adding the contributions in rank order and
  *   applying the 1/p mean once; never a read or write out of bounds.
  */
@@ -63,6 +66,10 @@
 #define VGC_GAP_ESCAPE 16
 #define VGC_GAP_SIGN_ONLY 64u
 #define VGC_GAP_PARAM_WORDS 2
+/* FMT_GAP param word: bit 7 reserved, bits 8..31 the span (the tensors
+ * after the group's first that the group also covers; docs: addendum v2) */
+#define VGC_GAP_RESERVED 0x80u
+#define VGC_GAP_SPAN_SHIFT 8
 
 /* dtype codes shared with native.py */
 enum { VGC_F16 = 0, VGC_F32 = 1, VGC_F64 = 2 };
@@ -368,13 +375,15 @@ static inline uint64_t vgc_read_bits(const uint32_t *s, int64_t G,
 }
 
 /* Decodes and checks a FMT_GAP body of exactly len words (the decoder
- * checks of the spec): index[count] (strictly increasing, < size) and
- * nib[count] (sign << 3 | d; d = 0 for SIGN_ONLY).  false: invalid. */
+ * checks of the spec) over one index space of size elements (a group's
+ * span_size): index[count] (strictly increasing, < size) and nib[count]
+ * (sign << 3 | d; d = 0 for SIGN_ONLY).  The span (param bits 8..31) is
+ * the caller's; only bit 7 is reserved here.  false: invalid. */
 static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
                            int64_t size, int64_t *index, uint8_t *nib) {
     if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
     const uint32_t param = body[0];
-    if (param >> 7) return false; /* reserved bits */
+    if (param & VGC_GAP_RESERVED) return false; /* reserved bit */
     const int k = (int)(param & 63);
     const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
     const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
@@ -1185,8 +1194,14 @@ struct vgc_group {
     int64_t index; /* current index */
     int64_t rec, rec_left, word_at;
     double table[16]; /* FMT_POW2 and FMT_GAP values, in the state dtype */
-    /* FMT_GAP, decoded by vgc_check_group: the indices and the table
-     * entries (sign << 3 | d) */
+    /* FMT_GAP: this tensor's elements of the group, decoded by vgc_walk:
+     * indices (in this tensor) and table entries (sign << 3 | d), count of
+     * each; a segment of the scratch arrays of the group's first tensor
+     * (gap_index, gap_nib below) when the group spans several tensors */
+    const int64_t *gix;
+    const uint8_t *gnb;
+    /* FMT_GAP scratch, owned by the group's first tensor t0 (used even
+     * when t0 itself receives nothing: then body is NULL) */
     std::vector<int64_t> gap_index;
     std::vector<uint8_t> gap_nib;
 };
@@ -1209,7 +1224,7 @@ static int64_t vgc_group_index(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
     case VGC_FMT_GAP:
-        return g.gap_index[g.pos];
+        return g.gix[g.pos];
     case VGC_FMT_RAW:
         return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
     default: { /* QSGD: record rec, word at word_at */
@@ -1226,7 +1241,7 @@ template <typename S> static S vgc_group_value(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (S)g.table[g.body[g.pos] >> VGC_INDEX_BITS];
     case VGC_FMT_GAP:
-        return (S)g.table[g.gap_nib[g.pos]];
+        return (S)g.table[g.gnb[g.pos]];
     case VGC_FMT_RAW: {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : g.count);
         if (g.a & VGC_RAW_FLOAT64) return (S)vgc_word_double(v + 2 * g.pos);
@@ -1285,34 +1300,35 @@ static bool vgc_value_finite(const vgc_group &g, bool f64) {
                : vgc_finite(vgc_group_value<float>(g));
 }
 
-/* Validates one group's contents as codec.unpack does (body_words: its
- * body's length); decodes a FMT_GAP body into g.gap_index, g.gap_nib. */
-static bool vgc_check_group(vgc_group &g, int64_t size, int scode,
-                            int64_t body_words) {
+/* The 16-value table of FMT_POW2 / FMT_GAP (header a = e_k, b = scale
+ * bits) in the state dtype (float64 if f64) into g.table, with the checks
+ * of codec (e_k and scale in range, every value finite and nonzero). */
+static bool vgc_pow2_table(vgc_group &g, bool f64) {
+    int e_k = (int)(int32_t)g.a;
+    float scale = vgc_word_float(&g.b);
+    int minexp = f64 ? -1022 : -126, maxexp = f64 ? 1024 : 128;
+    if (!(vgc_finite(scale) && scale > 0.0f && minexp <= e_k &&
+          e_k <= maxexp - 1))
+        return false;
+    for (uint32_t k = 0; k < 16; ++k) {
+        long long ix;
+        double v = f64 ? vgc_pow2_decode<double>(k << VGC_INDEX_BITS, e_k,
+                                                 (double)scale, ix)
+                       : (double)vgc_pow2_decode<float>(k << VGC_INDEX_BITS,
+                                                        e_k, scale, ix);
+        if (!vgc_finite(v) || v == 0.0) return false;
+        g.table[k] = v;
+    }
+    return true;
+}
+
+/* Validates one group's contents as codec.unpack does (FMT_GAP groups:
+ * vgc_check_gap, which decodes them). */
+static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
     const bool f64 = scode == VGC_F64;
     const int64_t count = g.count;
-    if (g.fmt == VGC_FMT_POW2 || g.fmt == VGC_FMT_GAP) {
-        int e_k = (int)(int32_t)g.a;
-        float scale = vgc_word_float(&g.b);
-        int minexp = f64 ? -1022 : -126, maxexp = f64 ? 1024 : 128;
-        if (!(vgc_finite(scale) && scale > 0.0f && minexp <= e_k &&
-              e_k <= maxexp - 1))
-            return false;
-        for (uint32_t k = 0; k < 16; ++k) {
-            long long ix;
-            double v = f64 ? vgc_pow2_decode<double>(k << VGC_INDEX_BITS, e_k,
-                                                     (double)scale, ix)
-                           : (double)vgc_pow2_decode<float>(
-                                 k << VGC_INDEX_BITS, e_k, scale, ix);
-            if (!vgc_finite(v) || v == 0.0) return false;
-            g.table[k] = v;
-        }
-        if (g.fmt == VGC_FMT_GAP) {
-            g.gap_index.resize(count);
-            g.gap_nib.resize(count);
-            return vgc_gap_decode(g.body, body_words, count, size,
-                                  g.gap_index.data(), g.gap_nib.data());
-        }
+    if (g.fmt == VGC_FMT_POW2) {
+        if (!vgc_pow2_table(g, f64)) return false;
     } else if (g.fmt == VGC_FMT_RAW) {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : count);
         const bool wire64 = g.a & VGC_RAW_FLOAT64;
@@ -1367,6 +1383,51 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode,
     return true;
 }
 
+/* Decodes and validates a FMT_GAP group (header fields count, a, b; body
+ * of body_words words at body) that covers tensors t0..t0 + span
+ * (checked to exist by the caller): its indices over their concatenated
+ * index space (span_size elements, count <= span_size checked by the
+ * caller) go to groups[t0]'s scratch, then every tensor of the span that
+ * receives elements gets groups[t] = its segment (indices minus the
+ * tensor's offset in the span) with the value table in its own state
+ * dtype (checked for each of them).  Tensors receiving nothing keep
+ * body NULL. */
+static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
+                          const int64_t *sizes, const int *scodes,
+                          const uint32_t *body, int64_t body_words,
+                          int64_t span_size, uint32_t count, uint32_t a,
+                          uint32_t b) {
+    vgc_group &owner = groups[t0];
+    owner.gap_index.resize(count);
+    owner.gap_nib.resize(count);
+    int64_t *index = owner.gap_index.data();
+    uint8_t *nib = owner.gap_nib.data();
+    if (!vgc_gap_decode(body, body_words, count, span_size, index, nib))
+        return false;
+    int64_t j = 0, offset = 0;
+    for (int64_t t = t0; t <= t0 + span && j < (int64_t)count; ++t) {
+        const int64_t end = offset + sizes[t];
+        int64_t e = j;
+        while (e < (int64_t)count && index[e] < end) index[e++] -= offset;
+        if (e > j) {
+            vgc_group &g = groups[t];
+            g.body = body;
+            g.fmt = VGC_FMT_GAP;
+            g.count = (uint32_t)(e - j);
+            g.a = a;
+            g.b = b;
+            g.gix = index + j;
+            g.gnb = nib + j;
+            /* the table in this tensor's state dtype; every entry finite
+             * and nonzero, so every value of the segment is */
+            if (!vgc_pow2_table(g, scodes[t] == VGC_F64)) return false;
+        }
+        j = e;
+        offset = end;
+    }
+    return j == (int64_t)count; /* always: every index < span_size */
+}
+
 /* Walks and validates one message (as codec._walk + codec.unpack); fills
  * groups[tid] for the tensors it carries and adds its element count. */
 static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
@@ -1383,8 +1444,9 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
         pos += VGC_HEADER_WORDS;
         if (tid <= last || tid >= n_tensors) return false;
         last = tid;
-        int64_t size = sizes[tid], length;
-        if (count == 0 || (int64_t)count > size) return false;
+        int64_t size = sizes[tid], length, span = 0;
+        if (count == 0) return false;
+        if (fmt != VGC_FMT_GAP && (int64_t)count > size) return false;
         if (fmt == VGC_FMT_POW2) {
             length = count;
         } else if (fmt == VGC_FMT_RAW) {
@@ -1402,17 +1464,33 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
             const bool sign_only = (m[pos] & VGC_GAP_SIGN_ONLY) != 0;
             length = VGC_GAP_PARAM_WORDS + (int64_t)m[pos + 1] +
                      vgc_gap_value_words(count, sign_only);
+            /* the span: tensors tid..tid + span, all in the model; the
+             * next group's id must be above the last of them */
+            span = m[pos] >> VGC_GAP_SPAN_SHIFT;
+            if (span >= n_tensors - tid) return false;
+            last = tid + span;
+            size = 0; /* span_size (saturating: never past int64) */
+            for (int64_t t = tid; t <= last; ++t)
+                size = sizes[t] > INT64_MAX - size ? INT64_MAX
+                                                   : size + sizes[t];
+            if ((int64_t)count > size) return false;
         } else {
             return false;
         }
         if (pos + length > len) return false;
-        vgc_group &g = groups[tid];
-        g.body = m + pos;
-        g.fmt = fmt;
-        g.count = count;
-        g.a = a;
-        g.b = b;
-        if (!vgc_check_group(g, size, scodes[tid], length)) return false;
+        if (fmt == VGC_FMT_GAP) {
+            if (!vgc_check_gap(groups, tid, span, sizes, scodes, m + pos,
+                               length, size, count, a, b))
+                return false;
+        } else {
+            vgc_group &g = groups[tid];
+            g.body = m + pos;
+            g.fmt = fmt;
+            g.count = count;
+            g.a = a;
+            g.b = b;
+            if (!vgc_check_group(g, size, scodes[tid])) return false;
+        }
         *elements += count;
         pos += length;
     }
@@ -1424,8 +1502,7 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
 static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
     if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
     if (g.fmt == VGC_FMT_GAP)
-        return std::lower_bound(g.gap_index.begin(), g.gap_index.end(), lo) -
-               g.gap_index.begin();
+        return std::lower_bound(g.gix, g.gix + g.count, lo) - g.gix;
     int64_t a = 0, b = g.count;
     const uint32_t mask = g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
     while (a < b) {
@@ -1452,8 +1529,8 @@ static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
             out[ix] += table[w >> VGC_INDEX_BITS];
         }
     } else if (g.fmt == VGC_FMT_GAP) {
-        const int64_t *index = g.gap_index.data();
-        const uint8_t *nib = g.gap_nib.data();
+        const int64_t *index = g.gix;
+        const uint8_t *nib = g.gnb;
         for (; j < count; ++j) {
             const int64_t ix = index[j];
             if (ix >= hi) break;
@@ -1697,7 +1774,8 @@ int64_t vgc_native_gap_encode(const int64_t *index, const uint8_t *nib,
 }
 
 /* codec.gap_decode_body: decodes and checks the FMT_GAP body of len words
- * (exactly the body) of a group of count elements of a tensor of size;
+ * (exactly the body) of a group of count elements over one index space of
+ * size elements (the span bits 8..31 of the param word are ignored);
  * writes index[count], nib[count] (sign << 3 | d).  Returns VGC_OK or
  * VGC_BAD_MESSAGE. */
 int vgc_native_gap_decode(const uint32_t *body, int64_t len, int64_t count,

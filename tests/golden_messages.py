@@ -27,8 +27,10 @@ CASES = [
     ('strom', dict(tau=0.05, index_coding='fixed')),
     ('qsgd', dict(bits=3, bucket=16, seed=1)),
     ('none', {}),
-    # FMT_GAP (issue 14), recorded when it was introduced; its correctness
-    # is checked against an independent decoder in tests/test_gap_format.py
+    # FMT_GAP (issue 14), recorded when it was introduced (and again when
+    # groups spanning tensors were added, codec.merge_spans); its
+    # correctness is checked against an independent decoder in
+    # tests/test_gap_format.py
     ('vgc', dict(alpha=1.0, index_coding='gap')),
     ('vgc', dict(alpha=1.5, zeta=0.99)),  # 'auto': per tensor and step
     ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='gap')),

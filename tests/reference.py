@@ -152,15 +152,26 @@ def _f64(lo, hi):
     return struct.unpack('<d', struct.pack('<II', int(lo), int(hi)))[0]
 
 
-def decode_group(tensor_id, fmt, count, a, b, body, size):
+def decode_group(tensor_id, fmt, count, a, b, body, size, sizes=None):
     """(indices, values) of one group, word by word, from the format in
-    ``codec.py``'s docstring (values as Python floats, before any cast)."""
+    ``codec.py``'s docstring (values as Python floats, before any cast).
+
+    A FMT_GAP group spanning several tensors (param word bits 8..31, see
+    :func:`gap_span`) needs ``sizes`` (the model's tensor sizes; ``size``
+    is then unused): its indices are in the concatenated index space of
+    tensors ``tensor_id .. tensor_id + span`` (:func:`split_group` maps
+    them back to tensors)."""
     body = [int(w) for w in body]
     index, value = [], []
     if fmt in (FMT_POW2, FMT_GAP):
         e_k = struct.unpack('<i', struct.pack('<I', a))[0]
         scale = _f32(b)
         if fmt == FMT_GAP:  # the same elements as FMT_POW2, gap-coded
+            span = gap_span(body[0])
+            if span:
+                assert sizes is not None, 'a span group needs the sizes'
+                assert tensor_id + span < len(sizes), 'span past the model'
+                size = sum(sizes[tensor_id:tensor_id + span + 1])
             index, nibbles = oracle_decode_body(body, count, size)
         else:
             assert len(body) == count
@@ -236,13 +247,48 @@ def message_elements(words):
     return sum(g[2] for g in parse_message(words))
 
 
+def covered(tensor_id, fmt, body):
+    """The tensor ids a group covers (one, or a FMT_GAP span's run)."""
+    span = gap_span(body[0]) if fmt == FMT_GAP and len(body) else 0
+    return list(range(tensor_id, tensor_id + span + 1))
+
+
+def split_index(tensor_id, index, sizes, span):
+    """[(tensor id, [(position in the group, local index)])] of indices in
+    the concatenated index space of tensors tensor_id .. tensor_id + span,
+    one entry per covered tensor (empty lists included)."""
+    out, base, j = [], 0, 0
+    for t in range(tensor_id, tensor_id + span + 1):
+        part = []
+        while j < len(index) and index[j] < base + sizes[t]:
+            part.append((j, index[j] - base))
+            j += 1
+        out.append((t, part))
+        base += sizes[t]
+    assert j == len(index), 'index past the span'
+    return out
+
+
+def split_group(tensor_id, fmt, count, a, b, body, sizes):
+    """[(tensor id, indices, values)] of one group, one entry per tensor
+    that receives an element (a span group may leave some out)."""
+    span = gap_span(int(body[0])) if fmt == FMT_GAP else 0
+    index, value = decode_group(tensor_id, fmt, count, a, b, body,
+                                sizes[tensor_id], sizes)
+    out = []
+    for t, part in split_index(tensor_id, index, sizes, span):
+        if part:
+            out.append((t, [i for _, i in part], [value[j] for j, _ in part]))
+    return out
+
+
 def decode_message(words, sizes):
     """Dense float64 arrays, one per tensor, of what a message carries."""
     outs = [numpy.zeros(n) for n in sizes]
-    for tid, fmt, count, a, b, body in parse_message(words):
-        index, value = decode_group(tid, fmt, count, a, b, body, sizes[tid])
-        for i, x in zip(index, value):
-            outs[tid][i] += x
+    for group in parse_message(words):
+        for tid, index, value in split_group(*group, sizes=sizes):
+            for i, x in zip(index, value):
+                outs[tid][i] += x
     return outs
 
 
@@ -382,6 +428,8 @@ def assert_bitwise(a, b):
 
 ESC = 16
 SIGN_ONLY = 64
+SPAN_SHIFT = 8  # param bits 8..31: further tensors the group covers
+MAX_SPAN = (1 << 24) - 1
 
 
 class Reject(Exception):
@@ -442,9 +490,16 @@ def to_words(bits):
     return words
 
 
-def oracle_encode(index, nibbles, k, sign_only):
+def gap_span(param):
+    """The span field of a FMT_GAP param word (ADDENDUM v2)."""
+    return int(param) >> SPAN_SHIFT
+
+
+def oracle_encode(index, nibbles, k, sign_only, span=0):
     """Body words (Python ints) of the elements ``index`` (strictly
-    increasing) with the 4-bit ``nibbles`` (sign << 3 | d)."""
+    increasing) with the 4-bit ``nibbles`` (sign << 3 | d); ``span``: the
+    param word's span field (indices then in the span's index space)."""
+    assert 0 <= span <= MAX_SPAN
     stream = []
     for gap in gaps_of(index):
         stream += gap_code(gap, k)
@@ -457,8 +512,8 @@ def oracle_encode(index, nibbles, k, sign_only):
         else:
             put_field(values, nib, 4)
     gap_words = to_words(stream)
-    return ([k | (SIGN_ONLY if sign_only else 0), len(gap_words)] + gap_words
-            + to_words(values))
+    return ([k | (SIGN_ONLY if sign_only else 0) | span << SPAN_SHIFT,
+             len(gap_words)] + gap_words + to_words(values))
 
 
 class BitReader(object):
@@ -488,13 +543,15 @@ def body_words_needed(param, G, count):
 def oracle_decode_body(body, count, size):
     """(indices, nibbles) as lists of ints, or raises :class:`Reject`.
     ``body`` must be exactly the group's body.  Sign-only nibbles are
-    ``sign << 3`` (d = 0)."""
+    ``sign << 3`` (d = 0).  ``size``: of the group's index space (a span
+    group's: the sum of its tensors' sizes); the span field (param bits
+    8..31) is the caller's to check, bit 7 is reserved."""
     body = [int(w) for w in body]
     if len(body) < 2:
         raise Reject('no param/G words')
     param, G = body[0], body[1]
-    if param >> 7:
-        raise Reject('reserved param bits')
+    if param & 0x80:
+        raise Reject('reserved param bit 7')
     k, sign_only = param & 63, bool(param & SIGN_ONLY)
     if len(body) != body_words_needed(param, G, count):
         raise Reject('body length')
@@ -535,3 +592,76 @@ def oracle_decode_body(body, count, size):
         if v.bit():
             raise Reject('nonzero padding after the last value')
     return index, nibbles
+
+
+# ---- FMT_GAP spans (ADDENDUM v2): the encoder's merge rule ------------------
+
+def group_elements(tensor_id, fmt, count, a, b, body, sizes):
+    """(first tensor, last tensor, [(tensor id, local index, nibble)]) of a
+    FMT_POW2 or FMT_GAP group (any span), from the words."""
+    body = [int(w) for w in body]
+    if fmt == FMT_POW2:
+        return tensor_id, tensor_id, [
+            (tensor_id, w & ((1 << 28) - 1), w >> 28) for w in body]
+    assert fmt == FMT_GAP
+    span = gap_span(body[0])
+    size = sum(sizes[tensor_id:tensor_id + span + 1])
+    index, nibbles = oracle_decode_body(body, count, size)
+    out = []
+    for t, part in split_index(tensor_id, index, sizes, span):
+        out += [(t, i, nibbles[j]) for j, i in part]
+    return tensor_id, tensor_id + span, out
+
+
+def span_group(first, last, elements, a, b, sizes):
+    """(tensor_id, FMT_GAP, count, a, b, body) of one group over tensors
+    first..last carrying ``elements`` [(tensor id, local index, nibble)]
+    (in tensor, index order): Rice k of the span, SIGN_ONLY iff every d is
+    0."""
+    offset, base = {}, 0
+    for t in range(first, last + 1):
+        offset[t] = base
+        base += sizes[t]
+    index = [offset[t] + i for t, i, _ in elements]
+    nibbles = [n for _, _, n in elements]
+    sign_only = all(n & 7 == 0 for n in nibbles)
+    body = oracle_encode(index, nibbles, rice_k(len(index), base), sign_only,
+                         span=last - first)
+    return (first, FMT_GAP, len(index), a, b, body)
+
+
+def oracle_merge_spans(words, sizes):
+    """The message (list of ints) the ADDENDUM's encoder rule makes of
+    ``words``: each maximal run of consecutive FMT_POW2/FMT_GAP groups
+    (message order) with equal ``a`` and ``b`` becomes one FMT_GAP group
+    over the run's first to last tensor when that group has strictly fewer
+    words (header included) than the run; runs of one group, and runs that
+    would not shrink, stay as they are."""
+    groups = parse_message(words)
+    runs = []
+    for g in groups:
+        tid, fmt, count, a, b, body = g
+        if (runs and fmt in (FMT_POW2, FMT_GAP)
+                and runs[-1][0][1] in (FMT_POW2, FMT_GAP)
+                and (runs[-1][0][3], runs[-1][0][4]) == (a, b)):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    out = []
+    for run in runs:
+        if len(run) > 1:
+            elements, first, last = [], None, None
+            for g in run:
+                lo, hi, el = group_elements(*g, sizes=sizes)
+                first = lo if first is None else first
+                last = hi
+                elements += el
+            merged = span_group(first, last, elements, run[0][3], run[0][4],
+                                sizes)
+            if 5 + len(merged[5]) < sum(5 + len(g[5]) for g in run):
+                run = [merged]
+        out += run
+    m = [MAGIC, len(out)]
+    for g in out:
+        m += [int(w) for w in g[:5]] + [int(w) for w in g[5]]
+    return m

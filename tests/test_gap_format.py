@@ -26,6 +26,7 @@ LSB-first); then the low k bits of the gap (LSB-first).  Bits after the last
 code and after the last value must be zero; G = ceil(code bits / 32).
 """
 
+import collections
 import contextlib
 import random
 import signal
@@ -44,11 +45,13 @@ from reference import SIGN_ONLY
 from reference import Reject
 from reference import body_words_needed
 from reference import code_bits
+from reference import gap_span
 from reference import gap_code
 from reference import gaps_of
 from reference import oracle_decode_body
 from reference import oracle_encode
 from reference import rice_k
+from reference import split_index
 from reference import to_words  # NOQA: F401
 
 FMT_POW2 = 1
@@ -95,7 +98,9 @@ def oracle_values(nibbles, e_k, scale_bits, dtype):
 
 def oracle_unpack(message, sizes, dtypes):
     """[(tensor_id, indices, values)] of a message of FMT_GAP and FMT_POW2
-    groups, or raises :class:`Reject` / :class:`Unsupported`."""
+    groups, one entry per tensor that receives an element (a FMT_GAP span
+    group gives one per such tensor of its span), or raises
+    :class:`Reject` / :class:`Unsupported`."""
     m = [int(w) for w in message]
     if len(m) < 2 or m[0] != MAGIC:
         raise Reject('header')
@@ -109,13 +114,18 @@ def oracle_unpack(message, sizes, dtypes):
             raise Unsupported(fmt)
         if tid <= last or tid >= len(sizes):
             raise Reject('tensor id')
-        last = tid
-        size = sizes[tid]
-        if count == 0 or count > size:
-            raise Reject('count')
+        span = 0
         if fmt == FMT_GAP:
             if pos + 2 > len(m):
                 raise Reject('truncated param words')
+            span = gap_span(m[pos])
+            if tid + span >= len(sizes):
+                raise Reject('span past the model')
+        last = tid + span  # the next group's id must be > t0 + span
+        size = sum(sizes[tid:tid + span + 1])
+        if count == 0 or count > size:
+            raise Reject('count')
+        if fmt == FMT_GAP:
             n = body_words_needed(m[pos], m[pos + 1], count)
         else:
             n = count
@@ -133,10 +143,14 @@ def oracle_unpack(message, sizes, dtypes):
             if index[-1] >= size:
                 raise Reject('index out of range')
         e_k = a - (1 << 32) if a >> 31 else a
-        values = oracle_values(nibbles, e_k, b,
-                               numpy.float64 if numpy.dtype(dtypes[tid])
-                               == numpy.float64 else numpy.float32)
-        out.append((tid, index, values))
+        for t, part in split_index(tid, index, sizes, span):
+            if not part:  # no element: no value table for its dtype
+                continue
+            values = oracle_values(
+                [nibbles[j] for j, _ in part], e_k, b,
+                numpy.float64 if numpy.dtype(dtypes[t]) == numpy.float64
+                else numpy.float32)
+            out.append((t, [i for _, i in part], values))
     if pos != len(m):
         raise Reject('trailing words')
     return out
@@ -474,7 +488,14 @@ def agree(message, sizes, dtypes):
     assert not isinstance(want, Reject), (
         'codec accepts a message the oracle rejects ({}): {}'.format(
             want, message.tolist()))
-    assert len(got) == len(want)
+    for dec in got:
+        want_dtype = (numpy.float64 if numpy.dtype(dtypes[dec.tensor_id])
+                      == numpy.float64 else numpy.float32)
+        assert dec.value.dtype == want_dtype
+    # a span group may or may not give an empty entry for a tensor of its
+    # span that receives nothing
+    got = [d for d in got if d.index.size]
+    assert [d.tensor_id for d in got] == [w[0] for w in want]
     for dec, (tid, index, values) in zip(got, want):
         assert dec.tensor_id == tid
         assert dec.index.tolist() == index
@@ -655,13 +676,22 @@ def test_every_single_bit_flip():
 
 @needs_codec
 def test_reserved_param_bits_rejected():
+    """Bit 7 is reserved; bits 8..31 are the span (ADDENDUM v2): in a
+    one-tensor model any span runs past the model.  gap_decode_body leaves
+    the span field to its caller and rejects bit 7 alone."""
     body = list(WORKED_BODY)
     for bit in range(7, 32):
         b = list(body)
         b[0] |= 1 << bit
         assert agree(_msg(b, 3), [100], [numpy.float32]) is False, bit
-        with pytest.raises(codec.WireFormatError):
-            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
+        if bit == 7:
+            with pytest.raises(codec.WireFormatError):
+                codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3,
+                                      100)
+        else:
+            got = codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32),
+                                        3, 100)
+            assert got[0].tolist() == WORKED_INDEX
 
 
 @needs_codec
@@ -1033,7 +1063,7 @@ def test_native_gap_decode_rejects_crafted_bodies():
     """The hand-made faults of the codec tests above, on the native
     decoder."""
     bad = []
-    for bit in range(7, 32):  # reserved param bits
+    for bit in (7,):  # the reserved param bit (8..31: the caller's span)
         bad.append(([WORKED_BODY[0] | 1 << bit] + WORKED_BODY[1:], 3, 100))
     for p in range(17, 32):  # gap stream padding
         bad.append((WORKED_BODY[:2] + [WORKED_BODY[2] | 1 << p]
@@ -1058,3 +1088,613 @@ def test_native_gap_decode_rejects_crafted_bodies():
         bad.append((WORKED_BODY[:n], 3, 100))
     for body, count, size in bad:
         assert native_agree(body, count, size) is False, (body, count, size)
+
+
+# ---- ADDENDUM v2: FMT_GAP groups spanning several tensors -------------------
+#
+# Param word bits 8..31 = span: the group covers tensors t0 .. t0 + span
+# (all in the model), their index spaces concatenated in id order; count
+# <= span_size (the sum of their sizes), k = rice_k(count, span_size); the
+# values are made in each tensor's state dtype; the next group's id must be
+# > t0 + span; bit 7 stays reserved.  codec.merge_spans re-encodes maximal
+# runs of consecutive FMT_POW2/FMT_GAP groups with equal a and b as one
+# span group when that is strictly shorter (reference.oracle_merge_spans).
+
+import reference  # NOQA: E402 (the oracle module, for the merge rule)
+
+HAS_SPANS = hasattr(codec, 'merge_spans')
+needs_spans = pytest.mark.skipif(
+    not HAS_SPANS, reason='chainer_vgc.codec has no merge_spans yet')
+SPAN_DTYPES = [numpy.float16, numpy.float32, numpy.float64]
+
+#: the worked span example: sizes [3, 0, 5], tensor 0 gets element 2,
+#: tensor 1 (empty) nothing, tensor 2 elements 0 and 4: indices 2, 3, 7 of
+#: the 8-element span, count 3, k = rice_k(3, 8) = 0 ((11 * 5) // 48 = 1);
+#: gaps 2, 0, 3: codes 001 | 1 | 0001 -> bits 2, 3, 7 set = 0x8C; nibbles
+#: 1, 8, 2 -> 0x281; param = span 2 << 8
+SPAN_SIZES = [3, 0, 5]
+SPAN_BODY = [0x200, 1, 0x8C, 0x281]
+
+
+def span_message(groups):
+    """A message from ``(t0, count, e_k, scale, body)`` or full
+    ``(tensor_id, fmt, count, a, b, body)`` groups (as :func:`gap_message`;
+    the span is in the body's param word)."""
+    return gap_message(groups)
+
+
+def test_oracle_span_worked_example():
+    assert rice_k(3, 8) == 0
+    assert oracle_encode([2, 3, 7], [1, 8, 2], 0, False, span=2) == SPAN_BODY
+    assert gap_span(SPAN_BODY[0]) == 2
+    assert oracle_decode_body(SPAN_BODY, 3, 8) == ([2, 3, 7], [1, 8, 2])
+    msg = span_message([(0, 3, 0, 1.0, SPAN_BODY)])
+    got = oracle_unpack(msg, SPAN_SIZES, [numpy.float32] * 3)
+    assert got == [(0, [2], [0.5]), (2, [0, 4], [-1.0, 0.25])]
+    for sizes in ([3, 0], [3, 0, 4], [3, 0, 5, 1]):  # past / too small / ok
+        try:
+            oracle_unpack(msg, sizes, [numpy.float32] * len(sizes))
+            ok = True
+        except Reject:
+            ok = False
+        assert ok == (len(sizes) == 4)
+    # reference.py's whole-message decoders
+    assert reference.parse_message(msg) == [(0, FMT_GAP, 3, 0, f32_bits(1.0),
+                                             SPAN_BODY)]
+    dense = reference.decode_message(msg, SPAN_SIZES)
+    assert [d.tolist() for d in dense] == [[0, 0, 0.5], [],
+                                           [-1.0, 0, 0, 0, 0.25]]
+    assert reference.split_group(0, FMT_GAP, 3, 0, f32_bits(1.0), SPAN_BODY,
+                                 SPAN_SIZES) == [(0, [2], [0.5]),
+                                                 (2, [0, 4], [-1.0, 0.25])]
+    # values in each tensor's state dtype: float64 keeps 2**-1000
+    e_k = -1000
+    msg = span_message([(0, 3, e_k, 1.0, SPAN_BODY)])
+    with pytest.raises(Reject):
+        oracle_unpack(msg, SPAN_SIZES, [numpy.float64, numpy.float64,
+                                        numpy.float32])
+    with pytest.raises(Reject):
+        oracle_unpack(msg, SPAN_SIZES, [numpy.float32, numpy.float64,
+                                        numpy.float64])
+    got = oracle_unpack(msg, SPAN_SIZES, [numpy.float64, numpy.float32,
+                                          numpy.float64])  # tensor 1: empty
+    assert got[0] == (0, [2], [2.0 ** (e_k - 1)])
+
+
+def test_oracle_merge_rule_by_hand():
+    """Two FMT_POW2 groups with equal a and b (tensors 0 and 2; tensor 1
+    sends nothing): 8 + 7 = 15 words; one span group over 0..2: count 5,
+    span_size 100 + 7 + 50, k = rice_k(5, 157) = 4 ((11 * 152) // 80 =
+    20); gaps 3, 0, 35, 59 + 7 + 0 = 66, 9: 5 + 5 + 7 + 9 + 5 = 31 bits
+    (G = 1); 20 value bits: a 9-word group."""
+    sizes = [100, 7, 50]
+    g0 = (0, FMT_POW2, 3, 0, f32_bits(1.0), pow2_words([3, 4, 40],
+                                                       [1, 8, 2]))
+    g2 = (2, FMT_POW2, 2, 0, f32_bits(1.0), pow2_words([0, 10], [0, 9]))
+    msg = span_message([g0, g2])
+    assert rice_k(5, 157) == 4
+    idx = [3, 4, 40, 107, 117]
+    assert sum(code_bits(g, 4) for g in gaps_of(idx)) == 31
+    body = oracle_encode(idx, [1, 8, 2, 0, 9], 4, False, span=2)
+    want = [MAGIC, 1, 0, FMT_GAP, 5, 0, f32_bits(1.0)] + body
+    assert len(want) == 2 + 9 and body[0] == 4 | 2 << 8
+    assert reference.oracle_merge_spans(msg, sizes) == want
+    # another scale on tensor 2: two runs of one group, left alone
+    g2b = g2[:4] + (f32_bits(0.5),) + g2[5:]
+    msg2 = span_message([g0, g2b])
+    assert reference.oracle_merge_spans(msg2, sizes) == msg2.tolist()
+    # all d = 0 -> SIGN_ONLY
+    g0s = g0[:5] + (pow2_words([3, 4, 40], [0, 8, 0]),)
+    g2s = g2[:5] + (pow2_words([0, 10], [8, 8]),)
+    m = reference.oracle_merge_spans(span_message([g0s, g2s]), sizes)
+    assert m[7] == 4 | SIGN_ONLY | 2 << 8
+    assert len(m) == 2 + 5 + 4  # 1 value word (5 bits)
+    # a run that does not shrink: one element with d = 1 (6 words) before
+    # 1000 sign-only elements (5 + 2 + 32 + 32 words): one group needs
+    # 4-bit values for all 1001 (5 + 2 + 32 + 126 words)
+    big, m = _no_shrink_run()
+    assert reference.oracle_merge_spans(m, big) == m.tolist()
+    # two FMT_POW2 elements at the ends of 2**28-element tensors: 12 words,
+    # the span group 5 + 2 + 2 + 1
+    ga = (0, FMT_POW2, 1, 0, f32_bits(1.0), pow2_words([0], [1]))
+    gb = (1, FMT_POW2, 1, 0, f32_bits(1.0), pow2_words([2 ** 28 - 1], [1]))
+    m = reference.oracle_merge_spans(span_message([ga, gb]), [2 ** 28] * 2)
+    assert len(m) == 2 + 10 and m[2] == 0 and gap_span(m[7]) == 1
+
+
+def _no_shrink_run():
+    sizes = [1, 1000]
+    ga = (0, FMT_POW2, 1, 0, f32_bits(1.0), pow2_words([0], [1]))
+    gb = (1, 1000, 0, 1.0, oracle_encode(list(range(1000)), [8] * 1000,
+                                         rice_k(1000, 1000), True))
+    return sizes, span_message([ga, gb])
+
+
+@needs_spans
+def test_codec_span_worked_example():
+    assert codec.GAP_SPAN_SHIFT == 8
+    assert codec.MAX_GAP_SPAN == 2 ** 24 - 1
+    body = codec.gap_body(numpy.array([2, 3, 7], dtype=numpy.int64),
+                          numpy.array([1, 8, 2], dtype=numpy.uint8), 0,
+                          False, span=2)
+    assert body.tolist() == SPAN_BODY
+    dtypes = [numpy.float32, numpy.float16, numpy.float64]
+    msg = span_message([(0, 3, 0, 1.0, SPAN_BODY)])
+    assert agree(msg, SPAN_SIZES, dtypes)
+    outs = [numpy.zeros(n, dtype=d) for n, d in zip(SPAN_SIZES, dtypes)]
+    assert codec.decode_into(msg, outs) == 3
+    assert [o.tolist() for o in outs] == [[0, 0, 0.5], [],
+                                          [-1.0, 0, 0, 0, 0.25]]
+    assert outs[2].dtype == numpy.float64
+    for sizes in ([3, 0], [3, 0, 4], [2, 0, 5], [1, 1, 5]):
+        assert agree(msg, sizes, [numpy.float32] * len(sizes)) is False
+    # the same 8-element space cut elsewhere
+    assert [d.tensor_id for d in codec.unpack(msg, [3, 1, 4], [numpy.float32]
+                                              * 3) if d.index.size] == [0, 1,
+                                                                        2]
+    assert agree(msg, [3, 1, 4], [numpy.float32] * 3)
+    assert agree(msg, [3, 0, 5, 9], [numpy.float32] * 4)
+    assert agree(msg, [4, 0, 4], [numpy.float32] * 3)  # same space
+
+
+@needs_spans
+@given(st.data())
+def test_gap_body_with_span_matches_oracle(data):
+    size, index, nibbles, k, sign_only = data.draw(gap_cases())
+    span = data.draw(st.sampled_from([0, 1, 7, 255, 256, 2 ** 24 - 1]))
+    want = oracle_encode(index, nibbles, k, sign_only, span=span)
+    body = codec.gap_body(numpy.array(index, dtype=numpy.int64),
+                          numpy.array(nibbles, dtype=numpy.uint8), k,
+                          sign_only, span=span)
+    assert body.tolist() == want
+    got = codec.gap_decode_body(body, len(index), size)
+    assert got[0].tolist() == index and got[1].tolist() == nibbles
+
+
+# ---- strategies: models and span messages -----------------------------------
+
+@st.composite
+def span_models(draw, max_tensors=8):
+    """(sizes, dtypes, selections): 1 to ``max_tensors`` tensors of mixed
+    dtypes, sizes 1 .. 2**40 (mostly small), each with a sorted selection
+    (some empty) and its nibbles (some all with d = 0)."""
+    n = draw(st.integers(1, max_tensors))
+    rnd = random.Random(draw(st.integers(0, 2 ** 32)))
+    sizes, dtypes, sels = [], [], []
+    for _ in range(n):
+        kind = draw(st.sampled_from(['one', 'small', 'small', 'small',
+                                     'medium', 'huge', 'zero']))
+        size = {'one': 1, 'zero': 0, 'small': rnd.randrange(1, 200),
+                'medium': rnd.randrange(1, 2 ** 22),
+                'huge': rnd.randrange(2 ** 28 + 1, 2 ** 40)}[kind]
+        sizes.append(size)
+        dtypes.append(draw(st.sampled_from(SPAN_DTYPES)))
+        if size == 0 or draw(st.integers(0, 3)) == 0:
+            sels.append(([], []))
+            continue
+        count = rnd.randrange(1, min(size, 40) + 1)
+        if size <= 2 ** 22:
+            index = sorted(rnd.sample(range(size), count))
+        else:
+            index = sorted(set(rnd.randrange(size) for _ in range(count))
+                           | ({size - 1} if rnd.random() < 0.3 else set()))
+        sign_only = draw(st.integers(0, 2)) == 0
+        nibbles = [rnd.randrange(2) << 3 if sign_only else rnd.randrange(16)
+                   for _ in index]
+        sels.append((index, nibbles))
+    return sizes, dtypes, sels
+
+
+#: e_k, scale pairs: few, so that neighbours often share them
+TABLES = [(0, 1.0), (0, 0.5), (-3, 1.0), (2, 0.75)]
+
+
+@st.composite
+def span_messages(draw, max_tensors=8):
+    """(message, sizes, dtypes): a model and a message of FMT_POW2, FMT_GAP
+    and FMT_GAP span groups (spans over runs of tensors, some of them
+    empty, any k)."""
+    sizes, dtypes, sels = draw(span_models(max_tensors))
+    groups, t, n = [], 0, len(sizes)
+    while t < n:
+        span = draw(st.integers(0, n - 1 - t))
+        if draw(st.booleans()):
+            span = 0
+        cover = range(t, t + span + 1)
+        elements, base = [], 0
+        for u in cover:
+            elements += [(base + i, nib) for i, nib in zip(*sels[u])]
+            base += sizes[u]
+        t += span + 1
+        if not elements:
+            continue
+        index = [i for i, _ in elements]
+        nibbles = [nib for _, nib in elements]
+        e_k, scale = draw(st.sampled_from(TABLES))
+        if span == 0 and base <= MAX_POW2_SIZE and draw(st.booleans()):
+            groups.append((cover[0], FMT_POW2, len(index), e_k & 0xFFFFFFFF,
+                           f32_bits(scale), pow2_words(index, nibbles)))
+            continue
+        sign_only = all(nib & 7 == 0 for nib in nibbles) and draw(
+            st.booleans())
+        k = (draw(st.integers(0, 62)) if draw(st.integers(0, 3)) == 0
+             else rice_k(len(index), base))
+        groups.append((cover[0], len(index), e_k, scale, oracle_encode(
+            index, nibbles, k, sign_only, span=span)))
+    assume(groups)
+    return span_message(groups), sizes, dtypes
+
+
+def oracle_dense(message, sizes, dtypes):
+    """Dense arrays in the given dtypes of what the oracle decodes (each
+    value made in the state dtype, then cast to the tensor's)."""
+    outs = [numpy.zeros(n, dtype=d) for n, d in zip(sizes, dtypes)]
+    for tid, index, values in oracle_unpack(message, sizes, dtypes):
+        for i, v in zip(index, values):
+            outs[tid][i] = numpy.array(v).astype(dtypes[tid])
+    return outs
+
+
+def check_decoders(message, sizes, dtypes):
+    """codec.unpack, codec.decode_into and expand_gap + add_validated all
+    give the oracle's elements (models of up to 2**22-element tensors:
+    dense outputs)."""
+    assert agree(message, sizes, dtypes)
+    want = oracle_dense(message, sizes, dtypes)
+    outs = [numpy.zeros(n, dtype=d) for n, d in zip(sizes, dtypes)]
+    n = codec.decode_into(message, outs)
+    assert n == sum(len(x[1]) for x in oracle_unpack(message, sizes, dtypes))
+    for o, w in zip(outs, want):
+        assert o.dtype == w.dtype
+        reference.assert_bitwise(o, w)
+    # the device path's host side: expand_gap, then add_validated into
+    # accumulators of the state dtype
+    sdt = [numpy.float64 if numpy.dtype(d) == numpy.float64
+           else numpy.float32 for d in dtypes]
+    want = oracle_dense(message, sizes, sdt)
+    expanded = codec.expand_gap(message, sizes)
+    outs2 = [numpy.zeros(n, dtype=d) for n, d in zip(sizes, sdt)]
+    assert codec.add_validated(expanded, expanded, outs2, sizes) == n
+    for o, w in zip(outs2, want):
+        reference.assert_bitwise(o, w)
+
+
+def _small(sizes):
+    return max(sizes) <= 2 ** 22
+
+
+@needs_spans
+@given(span_messages())
+def test_span_messages_decode_like_the_oracle(msg):
+    message, sizes, dtypes = msg
+    if _small(sizes):
+        check_decoders(message, sizes, dtypes)
+    else:
+        assert agree(message, sizes, dtypes)
+    # reference.decode_message (used by other tests) agrees with unpack
+    if _small(sizes):
+        dense = reference.decode_message(message, sizes)
+        for tid, index, values in oracle_unpack(message, sizes, dtypes):
+            assert dense[tid][index].tolist() == [float(v) for v in values]
+
+
+def _merge_input(draw, sizes, sels):
+    """Single-tensor groups (FMT_POW2 or FMT_GAP, sometimes a FMT_RAW that
+    breaks runs) for the nonempty tensors, tables from :data:`TABLES` (the
+    first few only, so that runs form)."""
+    tables = TABLES[:draw(st.integers(1, 3))]
+    groups = []
+    for t, (index, nibbles) in enumerate(sels):
+        if not index:
+            continue
+        e_k, scale = draw(st.sampled_from(tables))
+        choice = draw(st.sampled_from(['pow2', 'gap', 'gap', 'raw']
+                                      if sizes[t] <= MAX_POW2_SIZE
+                                      else ['gap']))
+        if choice == 'raw' and draw(st.integers(0, 3)) == 0:
+            g = codec.raw_group(t, numpy.array(index, dtype=numpy.int64),
+                                numpy.ones(len(index), dtype=numpy.float32),
+                                sizes[t])
+            groups.append(tuple(g[:5]) + (numpy.asarray(g.body),))
+        elif choice == 'pow2' or choice == 'raw':
+            groups.append((t, FMT_POW2, len(index), e_k & 0xFFFFFFFF,
+                           f32_bits(scale), pow2_words(index, nibbles)))
+        else:
+            sign_only = all(n & 7 == 0 for n in nibbles) and draw(
+                st.booleans())
+            groups.append((t, len(index), e_k, scale, oracle_encode(
+                index, nibbles, rice_k(len(index), sizes[t]), sign_only)))
+    assume(groups)
+    return span_message(groups)
+
+
+def _dense_of(message, sizes):
+    return [d.tolist() for d in reference.decode_message(message, sizes)]
+
+
+@needs_spans
+@given(span_models(), st.data())
+def test_merge_spans_matches_the_oracle(model, data):
+    sizes, dtypes, sels = model
+    message = _merge_input(data.draw, sizes, sels)
+    want = reference.oracle_merge_spans(message, sizes)
+    got = codec.merge_spans(message, sizes)
+    assert got.dtype == numpy.uint32
+    assert got.tolist() == want
+    assert got.size <= message.size  # never longer
+    # merged groups only where a and b agree, spans only of FMT_GAP
+    before = reference.parse_message(message)
+    for tid, fmt, count, a, b, body in reference.parse_message(got):
+        if fmt == FMT_GAP and gap_span(body[0]):
+            inside = [g for g in before
+                      if tid <= g[0] <= tid + gap_span(body[0])]
+            assert len(inside) >= 2
+            assert all((g[3], g[4]) == (a, b) for g in inside)
+            assert all(g[1] in (FMT_POW2, FMT_GAP) for g in inside)
+    # the same elements, and idempotent
+    if _small(sizes) and all(g[1] != codec.FMT_RAW for g in before):
+        assert _dense_of(got, sizes) == _dense_of(message, sizes)
+        check_decoders(got, sizes, dtypes)
+    else:
+        assert agree(got, sizes, dtypes) is not False
+    assert codec.merge_spans(got, sizes).tolist() == want
+
+
+@needs_spans
+@given(span_messages())
+def test_merge_spans_of_span_messages(msg):
+    """Input groups that already span tensors: the rule still holds (a
+    group's last tensor is t0 + span)."""
+    message, sizes, dtypes = msg
+    want = reference.oracle_merge_spans(message, sizes)
+    got = codec.merge_spans(message, sizes)
+    assert got.tolist() == want
+    assert got.size <= message.size
+
+
+@needs_spans
+def test_merge_spans_leaves_short_messages_alone():
+    sizes = [100, 7, 50]
+    g0 = (0, FMT_POW2, 3, 0, f32_bits(1.0), pow2_words([3, 4, 40],
+                                                       [1, 8, 2]))
+    g2 = (2, FMT_POW2, 2, 0, f32_bits(0.5), pow2_words([0, 10], [0, 9]))
+    for groups in ([g0], [g0, g2], [g2]):
+        m = span_message(groups)
+        assert codec.merge_spans(m, sizes).tolist() == m.tolist()
+    big, m = _no_shrink_run()
+    assert codec.merge_spans(m, big).tolist() == m.tolist()
+    empty = numpy.array([MAGIC, 0], dtype=numpy.uint32)
+    assert codec.merge_spans(empty, sizes).tolist() == [MAGIC, 0]
+
+
+# ---- span messages: corrupt, truncated, crafted -----------------------------
+
+@needs_spans
+@FUZZ
+@given(span_messages(max_tensors=5), st.data())
+def test_mutated_span_messages_agree(msg, data):
+    message, sizes, dtypes = msg
+    if data.draw(st.integers(0, 2)) == 0:  # the span field / bit 7 first
+        pos = 2
+        for tid, fmt, count, a, b, body in reference.parse_message(message):
+            if fmt == FMT_GAP and data.draw(st.booleans()):
+                message = message.copy()
+                message[pos + 5] ^= numpy.uint32(1 << data.draw(
+                    st.integers(7, 31)))
+                break
+            pos += 5 + len(body)
+    for _ in range(data.draw(st.integers(0, 3))):
+        message = _mutate(message, data)
+    agree(message, sizes, dtypes)
+
+
+@needs_spans
+@given(span_messages(max_tensors=4))
+def test_truncated_span_messages_rejected(msg):
+    message, sizes, dtypes = msg
+    assert agree(message, sizes, dtypes)
+    for n in range(message.size):
+        assert agree(message[:n], sizes, dtypes) is False, n
+    # and with fewer tensors in the model
+    for m in range(len(sizes)):
+        agree(message, sizes[:m], dtypes[:m])
+
+
+def _span_group(t0, span, index, nibbles, sizes, k=None, e_k=0, scale=1.0,
+                count=None, sign_only=False):
+    size = sum(sizes[t0:t0 + span + 1])
+    k = rice_k(len(index), max(size, len(index))) if k is None else k
+    body = oracle_encode(index, nibbles, k, sign_only, span=span)
+    return (t0, len(index) if count is None else count, e_k, scale, body)
+
+
+@needs_spans
+def test_crafted_span_faults():
+    f32 = numpy.float32
+    sizes = [10, 0, 1, 20, 5]
+    dtypes = [f32, numpy.float16, numpy.float64, f32, numpy.float64]
+    good = _span_group(0, 3, [0, 9, 10, 11, 30], [1, 2, 3, 4, 5], sizes)
+    assert agree(span_message([good]), sizes, dtypes)
+    cases = []
+    # spans past the model
+    for span in (5, 6, 2 ** 24 - 1):
+        cases.append([_span_group(0, span, [0, 9], [1, 2], sizes)])
+    cases.append([_span_group(4, 1, [0], [1], sizes)])
+    cases.append([_span_group(3, 2, [0], [1], sizes)])
+    # overlapping ids: the next group starts at or before t0 + span
+    for t in (0, 1, 2, 3):
+        cases.append([good, _span_group(t, 0, [0], [1], sizes)
+                      if sizes[t] else (t, FMT_POW2, 1, 0, f32_bits(1.0),
+                                        [0])])
+    cases.append([good, (3, FMT_POW2, 1, 0, f32_bits(1.0), pow2_words([0],
+                                                                      [1]))])
+    cases.append([_span_group(0, 0, [0], [1], sizes),
+                  _span_group(0, 1, [0], [1], sizes)])
+    # count > span_size (11 elements in tensors 0..2)
+    for count in (12, 13, 31):
+        idx = list(range(11))
+        b = _span_group(0, 2, idx, [1] * 11, sizes)
+        # codes for 11, values padded for the count
+        body = list(b[4])
+        G = body[1]
+        need = (count * 4 + 31) // 32
+        body = body[:2 + G] + (body[2 + G:] + [0] * need)[:need]
+        cases.append([(0, count, 0, 1.0, body)])
+    # a gap past span_size (the last index = span_size)
+    for span in (0, 1, 2, 3, 4):
+        size = sum(sizes[:span + 1])
+        cases.append([_span_group(0, span, [0, size], [1, 2], sizes,
+                                  k=rice_k(2, size + 1))])
+    # bit 7 set in a span group
+    b = list(good[4])
+    b[0] |= 0x80
+    cases.append([good[:4] + (b,)])
+    # a span group whose count is 0
+    cases.append([(0, FMT_GAP, 0, 0, f32_bits(1.0), [3 << 8, 0])])
+    for groups in cases:
+        assert agree(span_message(groups), sizes, dtypes) is False, groups
+    # and a few that are fine: spans over the empty tensor 1, the next
+    # group right after a span, the whole model in one group
+    ok = [[_span_group(1, 1, [0], [1], sizes)],
+          [_span_group(0, 1, [9], [1], sizes)],
+          [_span_group(0, 1, [9], [1], sizes),
+           _span_group(2, 2, [0, 1, 25], [8, 8, 0], sizes, sign_only=True)],
+          [_span_group(0, 4, list(range(36)), [n % 16 for n in range(36)],
+                       sizes)]]
+    for groups in ok:
+        assert agree(span_message(groups), sizes, dtypes), groups
+
+
+@needs_spans
+@pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning')
+def test_span_value_table_per_dtype():
+    """e_k valid for float64 only: accepted iff every tensor that receives
+    an element is float64 (the addendum's "simplest" rule: tensors of the
+    span with no element do not need the table)."""
+    sizes = [4, 4, 4]
+    for e_k in (200, -1000):
+        for dtypes, elements, ok in [
+                ([numpy.float64] * 3, [0, 5, 9], True),
+                ([numpy.float64, numpy.float32, numpy.float64], [0, 9], True),
+                ([numpy.float64, numpy.float16, numpy.float64], [0, 9], True),
+                ([numpy.float64, numpy.float32, numpy.float64], [0, 5],
+                 False),
+                ([numpy.float32, numpy.float64, numpy.float64], [0, 5],
+                 False)]:
+            g = _span_group(0, 2, elements, [1] * len(elements), sizes,
+                            e_k=e_k)
+            assert agree(span_message([g]), sizes, dtypes) is ok, (
+                e_k, dtypes, elements)
+
+
+# ---- the compressor: 'fixed' never merges, 'auto'/'gap' merge -------------
+
+@needs_spans
+@pytest.mark.parametrize('rule,kw', [('vgc', {}), ('strom', {'tau': 0.25}),
+                                     ('hybrid', {'tau': 0.25})])
+def test_compressor_merges_per_the_rule(rule, kw):
+    """Same gradients through index_coding 'fixed', 'auto' and 'gap': the
+    same elements; 'fixed' sends FMT_POW2 groups only; 'auto' and 'gap'
+    send what the oracle's merge rule makes of their per-tensor choice
+    (the 'fixed' groups re-coded)."""
+    from chainer_vgc import GradientCompressor
+    shapes = [(30,), (1,), (3, 50), (7,), (400,), (2,)]
+    dtypes = [numpy.float32, numpy.float16, numpy.float64, numpy.float32,
+              numpy.float32, numpy.float64]
+    sizes = [int(numpy.prod(s)) for s in shapes]
+    comps = {c: GradientCompressor(rule, list('abcdef'), shapes, dtypes,
+                                   backend='numpy', index_coding=c, **kw)
+             for c in codec.CODINGS}
+    rng = numpy.random.default_rng(5)
+    merged = 0
+    for step in range(8):
+        grads = [(rng.standard_normal(s) * rng.choice([0.01, 1.0])
+                  ).astype(d) for s, d in zip(shapes, dtypes)]
+        sq = [(g.astype(numpy.float64) ** 2 * rng.uniform(0, 2, size=g.shape)
+               ).astype(d) for g, d in zip(grads, dtypes)]
+        if step % 3 == 1:
+            grads[2] = None
+            sq[2] = None
+        msgs = {c: comps[c].compress(grads, sq) for c in codec.CODINGS}
+        fixed = reference.parse_message(msgs['fixed'])
+        assert all(g[1] == FMT_POW2 for g in fixed)
+        for c in ('auto', 'gap'):
+            assert _dense_of(msgs[c], sizes) == _dense_of(msgs['fixed'],
+                                                          sizes), c
+            singles = []
+            sign_only = rule != 'vgc'
+            for tid, fmt, count, a, b, body in fixed:
+                index = [w & INDEX_MASK for w in body]
+                nib = [w >> 28 for w in body]
+                gap = oracle_encode(index, nib, rice_k(count, sizes[tid]),
+                                    sign_only)
+                if c == 'gap' or len(gap) < count:
+                    singles.append((tid, FMT_GAP, count, a, b, gap))
+                else:
+                    singles.append((tid, fmt, count, a, b, body))
+            want = reference.oracle_merge_spans(span_message(singles), sizes)
+            assert msgs[c].tolist() == want, (c, step)
+            merged += any(g[1] == FMT_GAP and gap_span(g[5][0])
+                          for g in reference.parse_message(msgs[c]))
+            assert msgs[c].size <= span_message(singles).size
+    assert merged > 0
+
+
+@needs_spans
+def test_every_single_bit_flip_of_a_span_message():
+    """Every bit of a message with two span groups (one over an empty
+    tensor, one sign-only over a float64 and a float16 tensor) and a
+    FMT_POW2 group, flipped one at a time."""
+    sizes = [40, 0, 9, 1, 300, 2, 77]
+    dtypes = [numpy.float32, numpy.float32, numpy.float64, numpy.float16,
+              numpy.float64, numpy.float16, numpy.float32]
+    g0 = _span_group(0, 2, [0, 1, 39, 40, 48], [1, 8, 15, 7, 2], sizes,
+                     e_k=1)
+    g1 = (3, FMT_POW2, 1, 0, f32_bits(0.5), pow2_words([0], [9]))
+    g2 = _span_group(4, 1, [5, 299, 300, 301], [8, 0, 0, 8], sizes,
+                     sign_only=True, scale=0.25)
+    g3 = _span_group(6, 0, [3, 76], [0, 11], sizes, k=5)
+    message = span_message([g0, g1, g2, g3])
+    assert agree(message, sizes, dtypes)
+    seen = collections.Counter()
+    for p in range(32 * message.size):
+        m = message.copy()
+        m[p >> 5] ^= numpy.uint32(1 << (p & 31))
+        seen[agree(m, sizes, dtypes)] += 1
+    assert seen[True] > 20 and seen[False] > 200, seen
+
+
+@needs_spans
+def test_merge_spans_with_the_native_gap_codec():
+    """merge_spans with the native backend's decoder and encoder (what the
+    compressor passes on the native backend) gives the oracle's words."""
+    if not _native_has_gap():
+        pytest.skip('no native gap codec')
+    from chainer_vgc import native
+    rnd = random.Random(3)
+    for trial in range(60):
+        n = rnd.randrange(2, 7)
+        sizes = [rnd.choice([1, 5, 60, 1000, 2 ** 30]) for _ in range(n)]
+        groups = []
+        for t, size in enumerate(sizes):
+            if rnd.random() < 0.25:
+                continue
+            index = sorted(set(rnd.randrange(size) for _ in range(
+                rnd.randrange(1, 30))))
+            sign_only = rnd.random() < 0.4
+            nib = [rnd.randrange(2) << 3 if sign_only else rnd.randrange(16)
+                   for _ in index]
+            e_k, scale = rnd.choice(TABLES[:2])
+            if size <= MAX_POW2_SIZE and rnd.random() < 0.5:
+                groups.append((t, FMT_POW2, len(index), e_k & 0xFFFFFFFF,
+                               f32_bits(scale), pow2_words(index, nib)))
+            else:
+                groups.append((t, len(index), e_k, scale, oracle_encode(
+                    index, nib, rice_k(len(index), size), sign_only)))
+        if not groups:
+            continue
+        message = span_message(groups)
+        want = reference.oracle_merge_spans(message, sizes)
+        got = codec.merge_spans(message, sizes, native.gap_decode,
+                                native.gap_encode)
+        assert got.tolist() == want, trial

@@ -60,8 +60,18 @@ SCALAR_READS_PER_TENSOR = 6
 
 
 @pytest.mark.parametrize('method,kw', METHODS)
-def test_one_step_costs_one_download_and_one_upload(device, method, kw):
+def test_one_step_costs_one_download_and_one_upload(device, method, kw,
+                                                    monkeypatch):
     fake = device
+    # the message as assembled from the device, before groups are merged
+    # into spans on the host (codec.merge_spans)
+    assembled = []
+    merge = codec.merge_spans
+
+    def recording(message, *args, **kwargs):
+        assembled.append(message)
+        return merge(message, *args, **kwargs)
+    monkeypatch.setattr(codec, 'merge_spans', recording)
     streams = [stream(10 + r, 3) for r in range(RANKS)]
     comps = compressors(method, kw)
     formats = set()
@@ -74,9 +84,12 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw):
             blocks.append(comp.compress(gs, ss))
             # compress: the message leaves the device once, as a whole
             assert isinstance(blocks[-1], numpy.ndarray)
+            whole = assembled.pop() if assembled else blocks[-1]
+            assert not assembled
             assert fake.count('download') == 1
-            assert fake.bytes('download') == 4 * blocks[-1].size - 4 * (
-                2 + codec.HEADER_WORDS * int(blocks[-1][1]))
+            assert fake.bytes('download') == 4 * whole.size - 4 * (
+                2 + codec.HEADER_WORDS * int(whole[1]))
+            assert blocks[-1].size <= whole.size
             assert fake.count('upload') == 0
             assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
                 SHAPES)

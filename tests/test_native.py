@@ -1027,3 +1027,251 @@ def test_tensor_over_2_28_elements_is_gap_coded():
     assert numpy.array_equal(dec[index], expect)
     dec[index] = 0
     assert not dec.any()
+
+
+# ---- FMT_GAP spans (addendum v2): one group over consecutive tensors -------
+
+SPAN_SIZES = [5, 1, 70001, 3, 1000, 1, 133333, 40, 7]
+#: parameter dtypes cycle float16, float32, float64: state float32 / float64
+SPAN_DTYPES = [(numpy.float32, numpy.float32, numpy.float64)[i % 3]
+               for i in range(len(SPAN_SIZES))]
+
+
+def _span_group(tid, parts, sizes, e_k, scale, sign_only=False, k=None):
+    """A FMT_GAP group over tensors tid..max(parts) built by hand (not by
+    codec.merge_spans): ``parts`` {tensor: (index, nibbles)}, tensors
+    missing from it receive nothing."""
+    last = max(parts)
+    offsets = numpy.cumsum([0] + list(sizes[tid:last + 1]))
+    index = numpy.concatenate([numpy.asarray(parts[t][0], numpy.int64)
+                               + offsets[t - tid] for t in sorted(parts)])
+    nib = numpy.concatenate([numpy.asarray(parts[t][1], numpy.uint8)
+                             for t in sorted(parts)])
+    k = codec.rice_parameter(index.size, int(offsets[-1])) if k is None \
+        else k
+    body = codec.gap_body(index, nib, k, sign_only, span=last - tid)
+    return codec.Group(tid, codec.FMT_GAP, int(index.size),
+                       int(numpy.int32(e_k).view(numpy.uint32)),
+                       codec._f32_bits(scale), body)
+
+
+def _random_parts(rng, sizes, tensors, sign_only, empty=0.3):
+    parts = {}
+    for t in tensors:
+        if rng.random() < empty and t != tensors[-1]:
+            continue
+        size = sizes[t]
+        count = int(rng.integers(1, min(size, int(rng.choice([3, 40, 400])))
+                                 + 1))
+        index = list(_gap_patterns(rng, size, count))[int(rng.integers(0, 2))]
+        nib = rng.integers(0, 16, index.size).astype(numpy.uint8)
+        if sign_only:
+            nib &= numpy.uint8(8)
+        parts[t] = (index, nib)
+    return parts
+
+
+def _span_message(rng, sizes, merge=True):
+    """A message of FMT_POW2 / FMT_GAP groups sharing a few (e_k, scale)
+    headers in runs, tensors skipped here and there, merged into spans by
+    codec.merge_spans; or (merge False) spans built by hand next to
+    ordinary groups."""
+    heads = [(0, 1.0), (-2, 0.5), (3, 1e-3)]
+    groups, t = [], 0
+    head = heads[0]
+    while t < len(sizes):
+        if rng.random() < 0.3:
+            head = heads[int(rng.integers(0, len(heads)))]
+        sign_only = bool(rng.random() < 0.4)
+        if not merge and rng.random() < 0.5:
+            last = min(len(sizes) - 1, t + int(rng.integers(0, 4)))
+            parts = _random_parts(rng, sizes, list(range(t, last + 1)),
+                                  sign_only)
+            groups.append(_span_group(t, parts, sizes, *head,
+                                      sign_only=sign_only))
+            t = last + 1 + int(rng.random() < 0.3)
+            continue
+        if rng.random() < 0.2:
+            t += 1
+            continue
+        index, nib = _random_parts(rng, sizes, [t], sign_only)[t]
+        words = (nib.astype(numpy.uint32) << numpy.uint32(28)) | \
+            index.astype(numpy.uint32)
+        groups.append(codec.pow2_best_group(
+            t, words, index, head[0], head[1], sizes[t],
+            coding=str(rng.choice(codec.CODINGS)), sign_only=sign_only))
+        t += 1
+    msg = codec.pack(groups)
+    return codec.merge_spans(msg, sizes) if merge else msg
+
+
+def _spans_of(msg, sizes):
+    return [g.span for g in codec._walk(msg, sizes) if g.fmt == codec.FMT_GAP]
+
+
+def _reference_sums(blocks, sizes, dtypes):
+    want = [numpy.zeros(n, dt) for n, dt in zip(sizes, dtypes)]
+    for blk in blocks:
+        codec.decode_into(blk, want, sizes)
+    return want
+
+
+@pytest.mark.parametrize('ranks', [1, 3])
+def test_decode_mean_of_span_messages_matches_codec(ranks, isa, threads):
+    """Messages whose FMT_GAP groups span several tensors (from
+    codec.merge_spans and by hand: float32 and float64 state dtypes in one
+    span, middle tensors without elements, spans next to ordinary groups):
+    the native sums equal codec's decode bit for bit, elements per
+    message and per tensor as codec counts them."""
+    rng = numpy.random.default_rng(20 + ranks)
+    sizes, dtypes = SPAN_SIZES, SPAN_DTYPES
+    spans = collections.Counter()
+    for trial in range(8):
+        blocks = [_span_message(rng, sizes, merge=trial % 2 == 0)
+                  for _ in range(ranks)]
+        for blk in blocks:
+            spans.update(s > 0 for s in _spans_of(blk, sizes))
+        want = _reference_sums(blocks, sizes, dtypes)
+        outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, dtypes)]
+        touched, elements = native.decode_mean(
+            blocks, sizes, dtypes, outs, [False] * len(sizes), 1.0)
+        for o, w in zip(outs, want):
+            _assert_same(o, w, trial)
+        assert list(elements) == [codec.message_count(b) for b in blocks]
+        per_tensor = numpy.zeros(len(sizes), numpy.int64)
+        for blk in blocks:
+            for dec in codec.unpack(blk, sizes, dtypes):
+                per_tensor[dec.tensor_id] += dec.index.size
+        assert touched.tolist() == per_tensor.tolist()
+    assert spans[True] >= 6, spans
+
+
+def test_span_value_table_is_checked_per_receiving_dtype(isa):
+    """e_k = 200 fits float64, not float32: a span over a float32 and a
+    float64 tensor decodes while only the float64 tensor receives
+    elements, and is refused as soon as the float32 one receives one (as
+    codec.unpack decides)."""
+    sizes = [10, 20, 30]
+    dtypes = [numpy.float64, numpy.float32, numpy.float64]
+    nib = numpy.array([1, 9], numpy.uint8)
+    for parts, ok in (({0: ([2, 7], nib), 2: ([0, 29], nib)}, True),
+                      ({0: ([2, 7], nib), 1: ([3], nib[:1]),
+                        2: ([0, 29], nib)}, False)):
+        msg = codec.pack([_span_group(0, parts, sizes, 200, 1.0)])
+        try:
+            want = _reference_sums([msg], sizes, dtypes)
+        except WireFormatError:
+            want = None
+        assert (want is not None) == ok
+        outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, dtypes)]
+        got = native.decode_mean([msg], sizes, dtypes, outs,
+                                 [False] * len(sizes), 1.0)
+        assert (got is not None) == ok
+        if ok:
+            for o, w in zip(outs, want):
+                _assert_same(o, w, parts)
+            assert o[0] == 2.0 ** 199 and o[29] == -2.0 ** 199
+
+
+def _span_corruptions(rng, msg, sizes):
+    """A span message with one fault in a FMT_GAP group (the span past the
+    model, over the next group's tensor, one shorter so that its last
+    indices overrun, count above span_size, a body fault) or anywhere."""
+    groups = list(codec._walk(msg, sizes))
+    pos, where = 2, []
+    for g in groups:
+        if g.fmt == codec.FMT_GAP:
+            where.append((pos, g))
+        pos += codec.HEADER_WORDS + g.body.size
+    how = int(rng.integers(0, 7))
+    if how == 6 or not where:
+        return _corrupt(rng, msg), 'message'
+    pos, g = where[int(rng.integers(0, len(where)))]
+    body_at = pos + codec.HEADER_WORDS
+    bad = msg.copy()
+    span_size = sum(sizes[g.tensor_id:g.tensor_id + g.span + 1])
+
+    def set_span(span):
+        bad[body_at] = (bad[body_at] & numpy.uint32(255)) | numpy.uint32(
+            span << codec.GAP_SPAN_SHIFT)
+    if how == 0:  # past the model
+        set_span(len(sizes) - g.tensor_id + int(rng.integers(0, 3)))
+        return bad, 'past the model'
+    if how == 1:  # one more: over the next group's tensor, if any
+        set_span(g.span + 1)
+        return bad, 'one more'
+    if how == 2:  # one less: the last tensor's indices overrun
+        if not g.span:
+            return bad, 'unchanged'
+        set_span(g.span - 1)
+        return bad, 'one less'
+    if how == 3:  # count above span_size (or just off)
+        bad[pos + 2] = numpy.uint32(min(2 ** 32 - 1, span_size + int(
+            rng.integers(0, 2)) if rng.random() < 0.7 else
+            int(rng.integers(0, g.count + 3))))
+        return bad, 'count'
+    body, kind = _gap_body_corruptions(rng, numpy.array(g.body))
+    return numpy.concatenate([bad[:body_at], body,
+                              bad[body_at + g.body.size:]]), 'body'
+
+
+def test_corrupt_span_messages_are_rejected_as_the_reference_rejects(isa):
+    """Faults in span messages: the native decoder accepts exactly what
+    codec.unpack accepts (WireFormatError otherwise), with the same sums,
+    and writes nothing when it refuses."""
+    rng = numpy.random.default_rng(77)
+    sizes, dtypes = SPAN_SIZES[:6] + [40, 7], SPAN_DTYPES[:8]
+    sizes[2] = 700
+    seen = collections.Counter()
+    for trial in range(1500):
+        good = _span_message(rng, sizes, merge=trial % 3 != 0)
+        bad, how = _span_corruptions(rng, good, sizes)
+        try:
+            codec.unpack(bad, sizes, dtypes)
+            error = None
+        except WireFormatError as e:
+            error = str(e)
+        seen[how, error is None] += 1
+        outs = [numpy.full(n, 5, dt) for n, dt in zip(sizes, dtypes)]
+        result = native.decode_mean([good, bad], sizes, dtypes, outs,
+                                    [False] * len(sizes), 1.0)
+        if error is not None:
+            assert result is None, (trial, how, error)
+            assert all((o == 5).all() for o in outs)
+            continue
+        assert result is not None, (trial, how)
+        want = _reference_sums([good, bad], sizes, dtypes)
+        for o, w in zip(outs, want):
+            _assert_same(o, w, (trial, how))
+    for how in ('past the model', 'one more', 'one less', 'count', 'body'):
+        assert seen[how, False] >= 20, seen
+    assert seen['one less', True] + seen['one more', True] >= 5, seen
+
+
+def test_span_fast_paths_equal_the_reference():
+    """native.gap_decode ignores the span bits (8..31) as
+    codec.gap_decode_body does (only bit 7 is reserved); codec.merge_spans
+    with native.gap_decode / gap_encode as its fast decoder and encoder
+    writes the reference's message."""
+    index, nib = numpy.array([3, 4, 40]), numpy.array([1, 8, 2], numpy.uint8)
+    for span in (0, 1, 2 ** 24 - 1):
+        body = codec.gap_body(index, nib, 4, False, span=span)
+        want = codec.gap_decode_body(body, 3, 100)
+        got = native.gap_decode(body, 3, 100)
+        assert numpy.array_equal(got[0], want[0])
+        assert numpy.array_equal(got[1], want[1])
+        body[0] |= numpy.uint32(codec.GAP_RESERVED)
+        with pytest.raises(WireFormatError):
+            codec.gap_decode_body(body, 3, 100)
+        assert native.gap_decode(body, 3, 100) is None
+    rng = numpy.random.default_rng(3)
+    for _ in range(20):
+        msg = codec.pack(list(codec._walk(_span_message(rng, SPAN_SIZES,
+                                                        merge=False),
+                                          SPAN_SIZES)))
+        raw = _span_message(rng, SPAN_SIZES, merge=True)
+        for m in (msg, raw):
+            want = codec.merge_spans(m, SPAN_SIZES)
+            got = codec.merge_spans(m, SPAN_SIZES, native.gap_decode,
+                                    native.gap_encode)
+            _assert_same(want, got, 'merge_spans')
