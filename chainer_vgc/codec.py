@@ -4,9 +4,11 @@ Wire message (a 1-D ``uint32`` array, little-endian words)::
 
     MAGIC, n_groups, group_0, group_1, ...
 
-Only tensors that send something have a group.  Each group is a 5-word header
-``tensor_id, format, count, a, b`` followed by a body whose length follows
-from the header.  The formats are the entries of :data:`FORMATS` (one
+Only tensors that send something are in a group (one group per tensor,
+except that a FMT_GAP group may span several consecutive tensors).  Each
+group is a 5-word header ``tensor_id, format, count, a, b`` followed by a
+body whose length follows from the header (FMT_GAP: and its first two body
+words).  The formats are the entries of :data:`FORMATS` (one
 :class:`WireFormat` each: code, meaning of ``a`` and ``b``, body length,
 header checks, checked decoder, unchecked device decoder):
 
@@ -32,8 +34,7 @@ header checks, checked decoder, unchecked device decoder):
     and d = 0; bit 7: 0; bits 8-31: the span, the number of tensors after
     ``tensor_id`` the group also covers, in one index space, their
     concatenation, see :func:`merge_spans`), ``G``, then ``G`` words of
-    gap codes, then
-    the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
+    gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
     ``sign << 3 | d`` (the top 4 bits of the ``FMT_POW2`` word) or 1-bit
     signs.  Bit strings are LSB-first: bit p is ``(w[p >> 5] >> (p & 31))
     & 1``.  Gap j is ``i_j - i_{j-1} - 1`` (``i_{-1} = -1``), coded with
@@ -41,8 +42,9 @@ header checks, checked decoder, unchecked device decoder):
     GAP_ESCAPE zeros then the Elias-gamma code of ``q - GAP_ESCAPE + 1``
     (n zeros, a one, the n bits below its top bit); then the k low bits of
     the gap.  ``G`` is exactly the words the codes fill, padding bits are
-    0: every message has one encoding (:func:`gap_body`).  No limit on the
-    tensor size; at most 2**32 - 1 elements sent per tensor and step.
+    0: for given k, value width and span, the elements have one encoding
+    (:func:`gap_body`).  No limit on the tensor size; at most 2**32 - 1
+    elements per group.
 
 :func:`unpack` checks every field against the receiving model (tensor ids,
 counts, body lengths, exponents and scales, indices in range and strictly
@@ -87,6 +89,10 @@ GAP_SIGN_ONLY = 1 << 6  # param flag: one value bit (the sign), d = 0
 GAP_RESERVED = 1 << 7  # param bit that must be 0
 GAP_SPAN_SHIFT = 8  # param bits 8-31: further tensors the group covers
 MAX_GAP_SPAN = (1 << 24) - 1
+#: groups of more elements are never merged into spans (their 7-word
+#: overhead is under 0.25 bit an element; re-encoding them would cost more
+#: time than it saves wire)
+MERGE_MAX_COUNT = 1024
 GAP_ESCAPE = 16  # unary zeros before the Elias-gamma escape
 GAP_MAX_K = 62
 MAX_COUNT = (1 << 32) - 1  # the header's count is one word
@@ -137,7 +143,8 @@ Group = collections.namedtuple(
     'Group', ['tensor_id', 'fmt', 'count', 'a', 'b', 'body', 'span'],
     defaults=(0,))
 Group.__doc__ = (
-    'One tensor\'s part of a message: the header fields and the body words '
+    'One tensor\'s part of a message (or, FMT_GAP, a span of tensors): the '
+    'header fields and the body words '
     '(built by the ``*_group`` functions for :func:`pack`; a view of the '
     'received message when read back; ``span``: the further tensors a '
     'FMT_GAP group covers, as read back).')
@@ -390,6 +397,8 @@ def gap_body(index, nibbles, k, sign_only, span=0):
     sign is sent), Rice parameter ``k``; ``span``: further tensors the
     indices run over (param bits 8-31).  CuPy input runs the kernels
     (:func:`chainer_vgc.kernels.gap_body`)."""
+    if not 0 <= int(span) <= MAX_GAP_SPAN:
+        raise ValueError('gap_body: span must be in 0..2**24 - 1')
     if backend.is_cupy(backend.get_array_module(index)):
         body = kernels.gap_body(index, nibbles, k, sign_only)
         if span:
@@ -429,8 +438,9 @@ def gap_body(index, nibbles, k, sign_only, span=0):
         vbits = ((nib[:, None] >> numpy.arange(4, dtype=numpy.uint8))
                  & 1).reshape(-1)
     values = _bits_to_words(vbits.astype(numpy.uint8))
-    if not 0 <= int(span) <= MAX_GAP_SPAN:
-        raise ValueError('gap_body: span must be in 0..2**24 - 1')
+    if stream.size > 0xFFFFFFFF:
+        raise ValueError('gap_body: {} words of gap codes; a group holds at '
+                         'most 2**32 - 1'.format(stream.size))
     param = (k | (GAP_SIGN_ONLY if sign_only else 0)
              | int(span) << GAP_SPAN_SHIFT)
     return numpy.concatenate([
@@ -576,12 +586,15 @@ def pow2_best_group(tensor_id, words, index, e_k, scale, size,
 #                              ``head``: the first body words present (at
 #                              most GAP_PARAM_WORDS; fewer if truncated)
 #   check(g, size)             header checks (``size``: the receiving tensor's
-#                              elements, None when unknown)
+#                              elements, a FMT_GAP span's total, None when
+#                              unknown)
 #   decode(g, size, dtype, xp) (index, value in ``dtype``), every word and
-#                              value checked (:func:`unpack`)
+#                              value checked (:func:`unpack`; None: FMT_GAP,
+#                              which unpack decodes and splits itself)
 #   values(g, size, dtype, xp) (index or None when the group is dense, value
 #                              in ``dtype`` or as sent), nothing checked and
-#                              nothing read back (:func:`add_validated`)
+#                              nothing read back (:func:`add_validated`;
+#                              None: FMT_GAP, expanded first by expand_gap)
 
 WireFormat = collections.namedtuple(
     'WireFormat', ['code', 'name', 'a', 'b', 'body', 'body_words', 'check',
@@ -747,27 +760,6 @@ def _gap_body_words(g, head):
             + _gap_value_words(g.count, int(head[0])))
 
 
-def _gap_decode(g, size, dtype, xp):
-    """Decoded on the host (the codes are sequential; a device body is
-    downloaded), checked like FMT_POW2, the values from the same table.
-    One tensor (span 0); :func:`unpack` splits a span over its tensors."""
-    if g.span:
-        raise ValueError('a FMT_GAP group spanning tensors is decoded by '
-                         'codec.unpack')
-    e_k, scale = _pow2_header(g)
-    table = _checked_pow2_table(g, e_k, scale, dtype)
-    index, nibbles = gap_decode_body(backend.to_numpy(g.body), g.count, size)
-    _check_nibbles(g, nibbles)
-    return xp.asarray(index), xp.asarray(table[nibbles])
-
-
-def _check_nibbles(g, nibbles):
-    # never true for a body gap_decode_body accepted; kept next to the table
-    # lookup so that a future value width cannot index past 16 entries
-    if nibbles.size and int(nibbles.max()) > 15:
-        raise WireFormatError(_where(g) + 'value field out of range')
-
-
 def _indexed_body_words(g, head):
     return 3 * g.count
 
@@ -810,11 +802,13 @@ FORMATS = collections.OrderedDict((f.code, f) for f in [
                decode=_qsgd_decode, values=_qsgd_values),
     WireFormat(FMT_GAP, 'gap',
                a='e_k (int32)', b='float32 bits of scale',
-               body='param word (k | SIGN_ONLY), G, G words of gap codes, '
-                    'then the value fields (4-bit sign << 3 | d, or 1-bit '
-                    'sign); value as FMT_POW2',
+               body='param word (k | SIGN_ONLY | span << 8), G, G words of '
+                    'gap codes, then the value fields (4-bit sign << 3 | d, '
+                    'or 1-bit sign); value as FMT_POW2',
                body_words=_gap_body_words, check=_no_check,
-               decode=_gap_decode, values=None),
+               # unpack decodes it itself (a group may span tensors) and
+               # the device adds it once expand_gap made it FMT_INDEXED
+               decode=None, values=None),
 ])
 
 #: FMT_GAP groups as the GPU decoder receives them (:func:`expand_gap`):
@@ -843,7 +837,7 @@ def pack(groups, xp=numpy):
         if g.tensor_id <= last:
             raise ValueError('pack: tensor ids must increase, got {} after '
                              '{}'.format(g.tensor_id, last))
-        last = g.tensor_id
+        last = g.tensor_id + g.span
     total = 2 + sum(HEADER_WORDS + int(g.body.size) for g in groups)
     message = numpy.empty(total, dtype=numpy.uint32)
     message[0], message[1] = MAGIC, len(groups)
@@ -973,10 +967,11 @@ def _span_parts(g, sizes, decoder=None):
 
 def merge_spans(message, sizes, decoder=None, encoder=None):
     """The message with each maximal run of consecutive FMT_POW2/FMT_GAP
-    groups that share ``a`` and ``b`` (e_k and scale: one value table)
-    re-encoded as one FMT_GAP group over the tensors from the run's first
-    to its last (its span), when that is strictly shorter; ``message``
-    itself when nothing got shorter.  The group's header costs 7 words or
+    groups of at most :data:`MERGE_MAX_COUNT` elements each that share
+    ``a`` and ``b`` (e_k and scale: one value table) re-encoded as one
+    FMT_GAP group over the tensors from the run's first to its last (its
+    span), when that is strictly shorter; ``message`` itself when nothing
+    got shorter.  The group's header costs 7 words or
     more: at hybrid's and Strom's late-run densities (a few dozen elements
     a tensor) that is several bits per element, which one group per
     message saves.  SIGN_ONLY when every element has d = 0.
@@ -984,9 +979,10 @@ def merge_spans(message, sizes, decoder=None, encoder=None):
     and :func:`gap_body` (the native backend's)."""
     groups = list(_walk(message, sizes))
     runs, changed = [], False
+    def mergeable(g):
+        return g.fmt in (FMT_POW2, FMT_GAP) and g.count <= MERGE_MAX_COUNT
     for g in groups:
-        if (runs and g.fmt in (FMT_POW2, FMT_GAP)
-                and runs[-1][-1].fmt in (FMT_POW2, FMT_GAP)
+        if (runs and mergeable(g) and mergeable(runs[-1][-1])
                 and (g.a, g.b) == (runs[-1][-1].a, runs[-1][-1].b)):
             runs[-1].append(g)
         else:

@@ -293,12 +293,21 @@ class GradientCompressor(object):
 
     def _fault(self, faults):
         """The error the reference would raise first: bad inputs (gradient
-        before sum of squares) in parameter order, then overflows."""
+        before sum of squares) in parameter order, then a tensor whose
+        group cannot be encoded, then overflows."""
         for i, flags in faults:
             if flags & native.BAD_GRAD:
                 return _bad_gradient(self.names[i])
             if flags & native.BAD_SQSUM:
                 return _bad_sqsum(self.names[i])
+        for i, flags in faults:
+            if flags & native.UNENCODABLE:
+                return ValueError(
+                    'parameter {!r}: {} elements selected in one step; a '
+                    'group carries at most 2**32 - 1 (and '
+                    "index_coding='fixed' at most 2**28 elements a tensor); "
+                    'the residual state is unchanged'.format(
+                        self.names[i], self.sizes[i]))
         i, flags = faults[0]
         key = 'r' if flags & native.OVERFLOW_R else 'v'
         return _overflow(key, self.names[i], _backend.state_dtype(

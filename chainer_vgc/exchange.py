@@ -272,7 +272,7 @@ def _native_decode_applies(blocks, compressor):
 def _gap_decoder(compressor):
     """The FMT_GAP decoder of the compressor's backend (None: the
     reference, :func:`chainer_vgc.codec.gap_decode_body`)."""
-    if compressor.backend == 'native' and hasattr(native, 'gap_decode'):
+    if compressor.backend == 'native':
         return native.gap_decode
     return None
 

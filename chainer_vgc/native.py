@@ -258,20 +258,21 @@ def _compress(rule, ws, tensor_id, g, *args):
         *[a.ctypes.data if isinstance(a, numpy.ndarray) else a
           for a in args], info.ctypes.data)
     words, elements, flags = (int(x) for x in info)
-    if flags & UNENCODABLE:
-        raise ValueError(
-            'chainer_vgc: tensor {} ({} elements) cannot be sent: a group '
-            'carries at most 2**32 - 1 elements, and index_coding=\'fixed\' '
-            '(FMT_POW2) addresses at most 2**28 elements per tensor (use '
-            '\'auto\' or \'gap\')'.format(tensor_id, g.size))
-    return words, elements, flags
+    return words, elements, flags  # UNENCODABLE: the compressor raises
+
+
+def _codings():
+    """``codec.CODINGS`` (codec imports this module's neighbours, so it
+    is read when needed)."""
+    from chainer_vgc import codec
+    return codec.CODINGS
 
 
 def _coding(coding):
     """The int code of ``coding`` (an int code or a name of
     ``codec.CODINGS``)."""
     if isinstance(coding, str):
-        names = ('auto', 'fixed', 'gap')
+        names = _codings()
         if coding not in names:
             raise ValueError('index coding must be one of {}, got {!r}'
                              .format(names, coding))

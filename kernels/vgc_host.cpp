@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -167,6 +168,15 @@ struct vgc_chunk {
     int64_t offset;   /* its position in the body */
     uint64_t maxbits; /* max |r| bits over selected elements */
     int flags;
+    /* FMT_GAP emit (vgc_emit): the index before the chunk's first element
+     * (the last of the non-empty chunks before it; -1 if none), its code
+     * bits, where its codes and its values start in their sections, and
+     * the words of the two sections it shares with its neighbours */
+    int64_t gap_prev;
+    uint64_t gap_bits, gap_start, value_start;
+    uint64_t edge_word[4];
+    int64_t tail_word[2];
+    uint32_t edge_bits[4];
 };
 
 struct vgc_workspace {
@@ -254,21 +264,37 @@ static inline uint64_t vgc_gap_code_bits(uint64_t gap, int k) {
     return VGC_GAP_ESCAPE + 2 * (uint64_t)n + 1 + (uint64_t)k;
 }
 
-/* LSB-first bit writer: fields go to increasing bit positions. */
+/* LSB-first bit writer: fields go to increasing bit positions, from bit
+ * `start` of the section at base.  It may write one part of a section that
+ * several writers (the chunks of vgc_emit, in parallel) share: it stores
+ * every word it fills completely except its first (word start / 32),
+ * which, like its last partial word, can hold bits of a neighbour: those
+ * two are kept (head, tail) for the caller to OR in (edges()); alone in
+ * its section, store_edges() writes them. */
 struct vgc_bit_writer {
-    uint32_t *p;
-    uint64_t acc; /* pending bits, below nb */
-    int nb;       /* 0..31 */
-    explicit vgc_bit_writer(uint32_t *dst) : p(dst), acc(0), nb(0) {}
+    uint32_t *base;
+    uint64_t first, wi; /* first word, word being filled */
+    uint64_t acc;       /* pending bits, below nb */
+    int nb;             /* 0..31 */
+    uint32_t head;      /* the first word, once filled */
+    vgc_bit_writer(uint32_t *dst, uint64_t start = 0)
+        : base(dst), first(start >> 5), wi(start >> 5), acc(0),
+          nb((int)(start & 31)), head(0) {}
+    inline void flush() {
+        const uint32_t w = (uint32_t)acc;
+        if (wi == first)
+            head = w;
+        else
+            base[wi] = w;
+        ++wi;
+        acc >>= 32;
+        nb -= 32;
+    }
     /* a field of len <= 32 bits holding x < 2**len */
     inline void put(uint64_t x, int len) {
         acc |= x << nb;
         nb += len;
-        if (nb >= 32) {
-            *p++ = (uint32_t)acc;
-            acc >>= 32;
-            nb -= 32;
-        }
+        if (nb >= 32) flush();
     }
     /* a field of len <= 64 bits holding x (len < 64: x < 2**len) */
     inline void put_long(uint64_t x, int len) {
@@ -281,11 +307,7 @@ struct vgc_bit_writer {
     }
     inline void zeros(int len) {
         nb += len;
-        while (nb >= 32) {
-            *p++ = (uint32_t)acc;
-            acc >>= 32;
-            nb -= 32;
-        }
+        while (nb >= 32) flush();
     }
     /* the code of one gap (k <= 63) */
     inline void code(uint64_t gap, int k) {
@@ -307,12 +329,32 @@ struct vgc_bit_writer {
         }
         if (k) put_long(low, k);
     }
-    /* writes the last partial word; returns the end */
-    inline uint32_t *finish() {
-        if (nb) *p++ = (uint32_t)acc;
-        acc = 0;
-        nb = 0;
-        return p;
+    /* After the last field (when any bit was written): the shared words,
+     * the first (always; its bits below start are 0) and, when the bits
+     * end past it, the last partial one (tail_word < 0: none). */
+    inline void edges(uint64_t *head_word, uint32_t *head_bits,
+                      int64_t *tail_word, uint32_t *tail_bits) const {
+        *head_word = first;
+        *head_bits = head;
+        *tail_word = -1;
+        *tail_bits = 0;
+        if (nb) {
+            if (wi == first)
+                *head_bits = (uint32_t)acc;
+            else {
+                *tail_word = (int64_t)wi;
+                *tail_bits = (uint32_t)acc;
+            }
+        }
+    }
+    /* the writer alone in its section, from bit 0, some bit written */
+    inline void store_edges() {
+        uint64_t hw;
+        int64_t tw;
+        uint32_t hb, tb;
+        edges(&hw, &hb, &tw, &tb);
+        base[hw] = hb;
+        if (tw >= 0) base[tw] = tb;
     }
 };
 
@@ -352,8 +394,10 @@ static int64_t vgc_gap_write(Each each, int64_t count, uint64_t bits, int k,
         else
             values.put(nib, 4);
     });
-    gaps.finish();
-    values.finish();
+    if (count) {
+        gaps.store_edges();
+        values.store_edges();
+    }
     return VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
 }
 
@@ -391,12 +435,49 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     if (count > 32 * G && count) return false; /* a code has >= 1 bit */
     const uint32_t *s = body + VGC_GAP_PARAM_WORDS;
     const uint64_t total = 32 * (uint64_t)G;
+    /* value padding (cheap, before any decoding) */
+    const uint32_t *v = s + G;
+    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
+    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
     uint64_t pos = 0;
     int64_t prev = -1;
+    /* The stream through a 64-bit window: buf holds the bits from pos on,
+     * avail of them loaded (the bits above are 0, as the stream's past
+     * its end: once every word is loaded, avail is left large).  Codes
+     * with q < ESC and k <= 16 (at most 32 bits) are decoded from the
+     * window with their checks deferred: pos only grows and the indices
+     * only grow (by less than 2**21 a code), so "no code read past the
+     * stream" is pos <= total at the end and "no gap overran" is the last
+     * index < size (every other code is decoded by the exact checks
+     * below, the window reloaded after it). */
+    const uint64_t lowmask = k ? ~0ull >> (64 - k) : 0;
+    const bool fast = k <= 16 && size <= (int64_t)1 << 62; /* no overflow */
+    const int VGC_WINDOW_END = 1 << 28;
+    uint64_t buf = 0, wi = 0;
+    int avail = 0;
     for (int64_t j = 0; j < count; ++j) {
+        if (avail <= 32) {
+            if (wi < (uint64_t)G) {
+                buf |= (uint64_t)s[wi++] << avail;
+                avail += 32;
+            } else {
+                avail = VGC_WINDOW_END;
+            }
+        }
+        if (fast && (buf & ((1u << VGC_GAP_ESCAPE) - 1))) {
+            const int z = __builtin_ctzll(buf);
+            const uint64_t gap = ((uint64_t)z << k) | ((buf >> (z + 1)) & lowmask);
+            const int used = z + 1 + k;
+            buf >>= used;
+            avail -= used;
+            pos += used;
+            prev += 1 + (int64_t)gap;
+            index[j] = prev;
+            continue;
+        }
         /* gap < limit keeps the index below size */
+        if (pos > total || prev + 1 >= size) return false;
         const uint64_t limit = (uint64_t)(size - prev - 1);
-        if (limit == 0) return false;
         const uint64_t qmax = (limit - 1) >> k;
         uint64_t q;
         const uint32_t w = vgc_peek32(s, G, pos);
@@ -435,13 +516,20 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
         if (gap >= limit) return false; /* overruns the tensor */
         prev += 1 + (int64_t)gap;
         index[j] = prev;
+        /* reload the window at pos (<= total) */
+        wi = pos >> 5;
+        if (wi < (uint64_t)G) {
+            buf = (uint64_t)(s[wi++] >> (pos & 31));
+            avail = 32 - (int)(pos & 31);
+        } else {
+            buf = 0;
+            avail = VGC_WINDOW_END;
+        }
     }
+    if (pos > total || (count && prev >= size)) return false;
     /* canonical end: the last code ends in the last word, zeros after */
     if ((pos + 31) / 32 != (uint64_t)G) return false;
     if ((pos & 31) && (s[G - 1] >> (pos & 31))) return false;
-    const uint32_t *v = s + G;
-    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
-    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
     if (sign_only)
         for (int64_t j = 0; j < count; ++j)
             nib[j] = (uint8_t)(((v[j >> 5] >> (j & 31)) & 1u) << 3);
@@ -478,17 +566,33 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
     uint32_t *body = out + VGC_HEADER_WORDS;
     bool gap = coding == VGC_CODING_GAP || large;
     const int k = vgc_rice_parameter(count, n);
-    auto each = [&](auto f) {
-        for (size_t t = 0; t < ws->chunks.size(); ++t) {
-            const vgc_chunk &c = ws->chunks[t];
-            const uint32_t *w = c.words.data();
-            for (int64_t j = 0; j < c.out; ++j)
-                f(vgc_full_index(c, w[j]), w[j] >> VGC_INDEX_BITS);
-        }
-    };
+    /* pass 1, parallel: each chunk's code bits, its first gap taken from
+     * the last index of the non-empty chunks before it */
     uint64_t bits = 0;
+    const size_t nc = ws->chunks.size();
     if (coding != VGC_CODING_FIXED) {
-        bits = vgc_gap_stream_bits(each, k);
+        int64_t prev = -1;
+        for (size_t t = 0; t < nc; ++t) {
+            vgc_chunk &c = ws->chunks[t];
+            c.gap_prev = prev;
+            if (c.out) prev = vgc_full_index(c, c.words[c.out - 1]);
+        }
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            const uint32_t *w = c.words.data();
+            uint64_t cb = 0;
+            int64_t p = c.gap_prev;
+            for (int64_t j = 0; j < c.out; ++j) {
+                const int64_t ix = vgc_full_index(c, w[j]);
+                cb += vgc_gap_code_bits((uint64_t)(ix - p - 1), k);
+                p = ix;
+            }
+            c.gap_bits = cb;
+        });
+        for (size_t t = 0; t < nc; ++t) {
+            vgc_chunk &c = ws->chunks[t];
+            c.gap_start = bits;
+            bits += c.gap_bits;
+        }
         const int64_t words = VGC_GAP_PARAM_WORDS +
                               (int64_t)((bits + 31) / 32) +
                               vgc_gap_value_words(count, sign_only);
@@ -500,7 +604,55 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
     }
     int64_t words;
     if (gap) {
-        words = vgc_gap_write(each, count, bits, k, sign_only, body);
+        /* pass 2, parallel: each chunk writes its codes and values at its
+         * bit offsets in the two sections, every word it fills alone; the
+         * words it shares with a neighbour (its first and last of each
+         * section) are put together here afterwards */
+        const int64_t G = (int64_t)((bits + 31) / 32);
+        const int vbits = sign_only ? 1 : 4;
+        body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+        body[1] = (uint32_t)G;
+        uint32_t *gs = body + VGC_GAP_PARAM_WORDS, *vs = gs + G;
+        for (size_t t = 0; t < nc; ++t)
+            ws->chunks[t].value_start = (uint64_t)ws->chunks[t].offset * vbits;
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (!c.out) return;
+            const uint32_t *w = c.words.data();
+            vgc_bit_writer gw(gs, c.gap_start), vw(vs, c.value_start);
+            int64_t p = c.gap_prev;
+            if (sign_only) {
+                for (int64_t j = 0; j < c.out; ++j) {
+                    const int64_t ix = vgc_full_index(c, w[j]);
+                    gw.code((uint64_t)(ix - p - 1), k);
+                    p = ix;
+                    vw.put(w[j] >> 31, 1);
+                }
+            } else {
+                for (int64_t j = 0; j < c.out; ++j) {
+                    const int64_t ix = vgc_full_index(c, w[j]);
+                    gw.code((uint64_t)(ix - p - 1), k);
+                    p = ix;
+                    vw.put(w[j] >> VGC_INDEX_BITS, 4);
+                }
+            }
+            gw.edges(&c.edge_word[0], &c.edge_bits[0], &c.tail_word[0],
+                     &c.edge_bits[1]);
+            vw.edges(&c.edge_word[2], &c.edge_bits[2], &c.tail_word[1],
+                     &c.edge_bits[3]);
+        });
+        for (int pass = 0; pass < 2; ++pass)
+            for (size_t t = 0; t < nc; ++t) {
+                const vgc_chunk &c = ws->chunks[t];
+                if (!c.out) continue;
+                uint32_t *at[4] = {
+                    gs + c.edge_word[0],
+                    c.tail_word[0] >= 0 ? gs + c.tail_word[0] : NULL,
+                    vs + c.edge_word[2],
+                    c.tail_word[1] >= 0 ? vs + c.tail_word[1] : NULL};
+                for (int e = 0; e < 4; ++e)
+                    if (at[e]) *at[e] = pass ? *at[e] | c.edge_bits[e] : 0u;
+            }
+        words = VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
     } else {
         vgc_for_chunks(ws, [&](vgc_chunk &c) {
             if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
@@ -1200,10 +1352,15 @@ struct vgc_group {
      * (gap_index, gap_nib below) when the group spans several tensors */
     const int64_t *gix;
     const uint8_t *gnb;
-    /* FMT_GAP scratch, owned by the group's first tensor t0 (used even
-     * when t0 itself receives nothing: then body is NULL) */
-    std::vector<int64_t> gap_index;
-    std::vector<uint8_t> gap_nib;
+};
+
+/* A FMT_GAP group found by vgc_walk, decoded afterwards (vgc_check_gap,
+ * all groups of all messages in parallel). */
+struct vgc_gap_job {
+    const uint32_t *body;
+    int64_t length, tid, span, span_size;
+    uint32_t count, a, b;
+    int msg;
 };
 
 static double vgc_word_double(const uint32_t *p) {
@@ -1387,7 +1544,7 @@ static bool vgc_check_group(vgc_group &g, int64_t size, int scode) {
  * of body_words words at body) that covers tensors t0..t0 + span
  * (checked to exist by the caller): its indices over their concatenated
  * index space (span_size elements, count <= span_size checked by the
- * caller) go to groups[t0]'s scratch, then every tensor of the span that
+ * caller) go to index[count], nib[count], then every tensor of the span that
  * receives elements gets groups[t] = its segment (indices minus the
  * tensor's offset in the span) with the value table in its own state
  * dtype (checked for each of them).  Tensors receiving nothing keep
@@ -1396,12 +1553,7 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
                           const int64_t *sizes, const int *scodes,
                           const uint32_t *body, int64_t body_words,
                           int64_t span_size, uint32_t count, uint32_t a,
-                          uint32_t b) {
-    vgc_group &owner = groups[t0];
-    owner.gap_index.resize(count);
-    owner.gap_nib.resize(count);
-    int64_t *index = owner.gap_index.data();
-    uint8_t *nib = owner.gap_nib.data();
+                          uint32_t b, int64_t *index, uint8_t *nib) {
     if (!vgc_gap_decode(body, body_words, count, span_size, index, nib))
         return false;
     int64_t j = 0, offset = 0;
@@ -1429,10 +1581,14 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
 }
 
 /* Walks and validates one message (as codec._walk + codec.unpack); fills
- * groups[tid] for the tensors it carries and adds its element count. */
+ * groups[tid] for the tensors it carries and adds its element count.
+ * FMT_GAP groups are only queued in jobs (their header and the cheap
+ * checks done): the message is valid iff this returns true and
+ * vgc_check_gap accepts each of them. */
 static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
                      const int64_t *sizes, const int *scodes,
-                     vgc_group *groups, int64_t *elements) {
+                     vgc_group *groups, int64_t *elements,
+                     std::vector<vgc_gap_job> *jobs) {
     if (len < 2 || m[0] != VGC_MAGIC) return false;
     int64_t n_groups = m[1], pos = 2, last = -1;
     *elements = 0;
@@ -1479,9 +1635,19 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
         }
         if (pos + length > len) return false;
         if (fmt == VGC_FMT_GAP) {
-            if (!vgc_check_gap(groups, tid, span, sizes, scodes, m + pos,
-                               length, size, count, a, b))
+            /* the cheap checks now (reserved bit, at least a bit per code,
+             * value padding), the decoding later (vgc_check_gap) */
+            const uint32_t *body = m + pos;
+            const int64_t G = body[1];
+            if ((body[0] & VGC_GAP_RESERVED) || (int64_t)count > 32 * G)
                 return false;
+            const uint64_t vbits =
+                (uint64_t)count * ((body[0] & VGC_GAP_SIGN_ONLY) ? 1 : 4);
+            if ((vbits & 31) && (body[length - 1] >> (vbits & 31)))
+                return false;
+            vgc_gap_job job = {body, length, tid, span, size,
+                               count, a, b, 0};
+            jobs->push_back(job);
         } else {
             vgc_group &g = groups[tid];
             g.body = m + pos;
@@ -1796,9 +1962,12 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
                       const int64_t *sizes, const int *scodes,
                       void *const *outs, const int *apply_scale, double scale,
                       int64_t *touched, int64_t *elements, int64_t *bad) {
+    /* the decoded FMT_GAP groups (the groups point into them) */
+    std::vector<std::unique_ptr<int64_t[]> > gap_scratch;
     std::vector<vgc_group> groups((size_t)p * n_tensors);
     int threads = vgc_nthreads();
     std::vector<char> valid(p);
+    std::vector<std::vector<vgc_gap_job> > msg_jobs(p);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && p > 1)
 #endif
@@ -1806,7 +1975,44 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
         vgc_group *row = groups.data() + (size_t)b * n_tensors;
         for (int t = 0; t < n_tensors; ++t) row[t].body = NULL;
         valid[b] = vgc_walk(blocks[b], lens[b], n_tensors, sizes, scodes, row,
-                            elements + b);
+                            elements + b, &msg_jobs[b]);
+    }
+    /* the FMT_GAP groups of the messages valid so far: decoded and checked
+     * in parallel, largest first, each into its own scratch (indices, then
+     * table entries; one block per group, malloc reuses those of earlier
+     * calls) */
+    std::vector<vgc_gap_job> jobs;
+    for (int b = 0; b < p; ++b) {
+        if (!valid[b]) continue;
+        for (size_t j = 0; j < msg_jobs[b].size(); ++j) {
+            vgc_gap_job job = msg_jobs[b][j];
+            job.msg = b;
+            jobs.push_back(job);
+        }
+    }
+    if (!jobs.empty()) {
+        std::sort(jobs.begin(), jobs.end(),
+                  [](const vgc_gap_job &x, const vgc_gap_job &y) {
+                      return x.count > y.count;
+                  });
+        gap_scratch.resize(jobs.size());
+        std::vector<char> ok(jobs.size());
+        const int n_jobs = (int)jobs.size();
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_jobs > 1)
+#endif
+        for (int j = 0; j < n_jobs; ++j) {
+            const vgc_gap_job &job = jobs[j];
+            gap_scratch[j].reset(new int64_t[job.count + (job.count + 7) / 8]);
+            int64_t *index = gap_scratch[j].get();
+            ok[j] = vgc_check_gap(groups.data() + (size_t)job.msg * n_tensors,
+                                  job.tid, job.span, sizes, scodes, job.body,
+                                  job.length, job.span_size, job.count, job.a,
+                                  job.b, index,
+                                  (uint8_t *)(index + job.count));
+        }
+        for (int j = 0; j < n_jobs; ++j)
+            if (!ok[j]) valid[jobs[j].msg] = 0;
     }
     for (int b = 0; b < p; ++b)
         if (!valid[b]) {

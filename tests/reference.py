@@ -630,19 +630,25 @@ def span_group(first, last, elements, a, b, sizes):
     return (first, FMT_GAP, len(index), a, b, body)
 
 
+MERGE_MAX = 1024  # groups of more elements stay as they are
+
+
 def oracle_merge_spans(words, sizes):
     """The message (list of ints) the ADDENDUM's encoder rule makes of
     ``words``: each maximal run of consecutive FMT_POW2/FMT_GAP groups
-    (message order) with equal ``a`` and ``b`` becomes one FMT_GAP group
+    (message order) of at most MERGE_MAX (1024) elements each, with equal
+    ``a`` and ``b``, becomes one FMT_GAP group
     over the run's first to last tensor when that group has strictly fewer
     words (header included) than the run; runs of one group, and runs that
     would not shrink, stay as they are."""
     groups = parse_message(words)
     runs = []
+
+    def joins(g):  # a FMT_POW2/FMT_GAP group of at most MERGE_MAX elements
+        return g[1] in (FMT_POW2, FMT_GAP) and g[2] <= MERGE_MAX
     for g in groups:
         tid, fmt, count, a, b, body = g
-        if (runs and fmt in (FMT_POW2, FMT_GAP)
-                and runs[-1][0][1] in (FMT_POW2, FMT_GAP)
+        if (runs and joins(g) and joins(runs[-1][-1])
                 and (runs[-1][0][3], runs[-1][0][4]) == (a, b)):
             runs[-1].append(g)
         else:

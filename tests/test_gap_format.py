@@ -1467,6 +1467,26 @@ def test_merge_spans_leaves_short_messages_alone():
     assert codec.merge_spans(empty, sizes).tolist() == [MAGIC, 0]
 
 
+def test_merge_spans_takes_groups_of_at_most_1024_elements():
+    """A group of 1025 elements ends a run (re-encoding big groups costs
+    more time than their 7-word overhead is worth); 1024 joins one."""
+    assert codec.MERGE_MAX_COUNT == reference.MERGE_MAX == 1024
+    sizes = [5000, 3, 5000]
+    for n, merged in ((1024, True), (1025, False)):
+        index = numpy.arange(0, 4 * n, 4)
+        big = codec.pow2_best_group(0, numpy.full(n, 8 << 28, numpy.uint32),
+                                    index, 0, 0.5, 5000, coding='gap',
+                                    sign_only=True)
+        small = codec.pow2_best_group(
+            2, numpy.array([8 << 28, 0], numpy.uint32), numpy.array([1, 9]),
+            0, 0.5, 5000, coding='gap', sign_only=True)
+        m = codec.pack([big, small])
+        got = codec.merge_spans(m, sizes)
+        assert got.tolist() == reference.oracle_merge_spans(m, sizes)
+        assert (int(got[1]) == 1) == merged
+        assert got.size <= m.size
+
+
 # ---- span messages: corrupt, truncated, crafted -----------------------------
 
 @needs_spans
