@@ -11,7 +11,8 @@ step, and prices the same elements with each code, side by side:
 ``fixed``          the paper's 32-bit word per element (FMT_POW2)
 ``sent``           what chainer-vgc sent (index_coding='auto': per tensor and
                    step the smaller of FMT_POW2 and FMT_GAP)
-``rice``           FMT_GAP for every group: Rice codes, k from the density
+``rice``           FMT_GAP for every tensor (no spans): Rice codes, k from
+                   the density
 ``rice best k``    Rice codes with each group's best k (an oracle: k is
                    chosen after seeing the gaps)
 ``exp-Golomb``     exponential Golomb codes with each group's best order
@@ -55,19 +56,18 @@ CODES = ('fixed', 'sent', 'rice', 'rice best k', 'exp-Golomb', 'gamma',
 
 
 def groups_of(message, sizes):
-    """(size, index, nibbles, fmt) of every pow2/gap group of a message."""
+    """(size, index, nibbles) per tensor of every pow2/gap group of a
+    message (a FMT_GAP group spanning tensors split over them)."""
     out = []
     for g in codec._walk(message, sizes):
         if g.fmt == codec.FMT_POW2:
-            index = (g.body & numpy.uint32(codec.MAX_INDEX - 1)).astype(
-                numpy.int64)
-            nib = g.body >> numpy.uint32(codec.INDEX_BITS)
+            out.append((sizes[g.tensor_id],
+                        (g.body & numpy.uint32(codec.MAX_INDEX - 1)).astype(
+                            numpy.int64),
+                        g.body >> numpy.uint32(codec.INDEX_BITS)))
         elif g.fmt == codec.FMT_GAP:
-            index, nib = codec.gap_decode_body(g.body, g.count,
-                                               sizes[g.tensor_id])
-        else:
-            continue
-        out.append((sizes[g.tensor_id], index, nib, g.fmt))
+            out += [(sizes[t], index, nib)
+                    for t, index, nib in codec._span_parts(g, sizes)]
     return out
 
 
@@ -101,7 +101,7 @@ def price(messages, sizes, sign_only):
         total['sent'] += 32 * m.size
         fixed = 32 * 2
         groups = groups_of(m, sizes)
-        for size, index, nib, fmt in groups:
+        for size, index, nib in groups:
             count = index.size
             elements += count
             fixed += 32 * (codec.HEADER_WORDS + count)

@@ -251,7 +251,8 @@ def main():
                 results.append(res)
                 print('{} {}: step {:.3f} s, exchange {:.3f} s, '
                       'compression {:.1f}, link tx {:,.0f} B/step/rank'
-                      .format(rate, method, res['step_s'], res['exchange_s'],
+                      .format(rate, res['method'], res['step_s'],
+                              res['exchange_s'],
                               res['compression'], res['tx_bytes_per_rank']),
                       flush=True)
     finally:

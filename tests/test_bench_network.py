@@ -94,3 +94,25 @@ def test_dry_run_prints_setup_launch_and_teardown():
     assert sum('tbf rate 10gbit' in ln for ln in lines) == 4
     assert lines[-1].startswith('$ ip netns del')
     assert sum(ln.startswith('$ ip netns del') for ln in lines) == 3
+
+
+@pytest.mark.parametrize('method', ['naive', 'vgc'])
+def test_network_step_times_the_exchange(method):
+    """network_step.py (one rank per emulated host) on loopback, 2 ranks,
+    a small MLP: the exchange it times is the one the optimizer calls
+    (chainer_vgc's optimizer calls comm.exchange, not
+    multi_node_mean_grad: timing the latter reported nan)."""
+    import json
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    cmd = [mpiexec, '-n', '2', sys.executable,
+           os.path.join(ROOT, 'benchmarks', 'network_step.py'),
+           '--method', method, '--units', '64', '--data', 'synthetic',
+           '--steps', '3', '--warmup', '2']
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('RESULT ')]
+    res = json.loads(lines[-1][len('RESULT '):])
+    assert 0 < res['exchange_s'] < res['step_s']
+    if method != 'naive':
+        assert set(res['phases_s']) == {'compress', 'transport', 'decode'}
