@@ -82,3 +82,17 @@ def machine(processor=False, chainer=False, mpi=False, numpy_version=True):
                      MPI.Get_library_version().splitlines()[0].strip())
     parts.append('python ' + platform.python_version())
     return ', '.join(parts)
+
+
+def shapes_for(total):
+    """VGG-like tensor sizes adding up to ``total`` elements (the stream of
+    bench_compress.py and gpu_check.py)."""
+    sizes, left, k = [], total, 0
+    pattern = [1728, 36864, 64, 73728, 147456, 128, 294912, 589824, 256,
+               1179648, 2359296, 512]
+    while left > 0:
+        n = min(left, pattern[k % len(pattern)] * (1 + k // len(pattern)))
+        sizes.append(n)
+        left -= n
+        k += 1
+    return [(n,) for n in sizes]

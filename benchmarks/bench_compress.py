@@ -28,20 +28,8 @@ from chainer_vgc import native  # NOQA: E402
 from bench_common import hyperparameters  # NOQA: E402
 from bench_common import machine  # NOQA: E402
 from bench_common import median_time  # NOQA: E402
+from bench_common import shapes_for  # NOQA: E402
 from bench_common import timed  # NOQA: E402
-
-
-def shapes_for(total):
-    """VGG-like tensor sizes adding up to ``total`` elements."""
-    sizes, left, k = [], total, 0
-    pattern = [1728, 36864, 64, 73728, 147456, 128, 294912, 589824, 256,
-               1179648, 2359296, 512]
-    while left > 0:
-        n = min(left, pattern[k % len(pattern)] * (1 + k // len(pattern)))
-        sizes.append(n)
-        left -= n
-        k += 1
-    return [(n,) for n in sizes]
 
 
 def main():

@@ -71,6 +71,8 @@ import warnings
 
 import numpy
 
+from bench_common import shapes_for  # chainer-free, beside this file
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F16, F32, F64 = 'float16', 'float32', 'float64'
 STEPS = 4
@@ -211,20 +213,6 @@ def gen_sqsum(rng, g, sqdt):
         s = s.astype(sqdt)
     assert numpy.isfinite(s).all() and (s >= 0).all()
     return s
-
-
-def shapes_for(total):
-    """VGG-like tensor sizes adding up to ``total`` elements (as
-    benchmarks/bench_compress.py, which imports Chainer)."""
-    sizes, left, k = [], total, 0
-    pattern = [1728, 36864, 64, 73728, 147456, 128, 294912, 589824, 256,
-               1179648, 2359296, 512]
-    while left > 0:
-        n = min(left, pattern[k % len(pattern)] * (1 + k // len(pattern)))
-        sizes.append(n)
-        left -= n
-        k += 1
-    return [(n,) for n in sizes]
 
 
 # ---- importing the chainer-free core ----------------------------------------
@@ -561,16 +549,8 @@ def record_rule_steps(core, add, rng, gdt, hdt, n=501, steps=8):
     ss = numpy.stack([s for _, s in stream])
     tag = '{}_{}'.format(gdt, hdt)
     with numpy.errstate(all='ignore'):
-        rule = rules.VGC(alpha=1.5, zeta=0.999)
-        st = rule.init_state(n, gdt, numpy)
-        sel, rs, vs = [], [], []
-        for g, s in stream:
-            m = rule.select(g, s, st)
-            sel.append(m)
-            rs.append(st['r'].copy())
-            vs.append(st['v'].copy())
-            st['r'][m] = 0
-            st['v'][m] = 0
+        sel, rs, vs = _vgc_select_steps(rules.VGC(alpha=1.5, zeta=0.999),
+                                        stream, n, gdt)
         add('vgc_select', 'vgc_select_' + tag,
             {'alpha': 1.5, 'zeta': 0.999, 'gdt': gdt}, g=gs, s=ss,
             sel=numpy.stack(sel), r=numpy.stack(rs), v=numpy.stack(vs))
@@ -596,6 +576,22 @@ def record_rule_steps(core, add, rng, gdt, hdt, n=501, steps=8):
                 g=gs, sign=numpy.stack(sign), r=numpy.stack(rs))
 
 
+def _vgc_select_steps(rule, stream, n, dtype):
+    """The selection masks and the r and v after each step of ``rule``'s
+    criterion pass over ``stream`` ((g, s) pairs), selected elements reset
+    as compress resets them."""
+    st = rule.init_state(n, dtype, numpy)
+    sel, rs, vs = [], [], []
+    for g, s in stream:
+        m = rule.select(g, s, st)
+        sel.append(m)
+        rs.append(st['r'].copy())
+        vs.append(st['v'].copy())
+        st['r'][m] = 0
+        st['v'][m] = 0
+    return sel, rs, vs
+
+
 def record_subnormal_steps(core, add):
     """Subnormal gradients and sums of squares, float32 and float64 state
     (tests/test_kernels.py::test_subnormal_state_...): nothing may flush."""
@@ -609,16 +605,8 @@ def record_subnormal_steps(core, add):
         s = numpy.abs(g[::-1]).copy()
         gs, ss = numpy.stack([g, g, -g]), numpy.stack([s, s, s])
         with numpy.errstate(all='ignore'):
-            rule = rules.VGC(alpha=1.0, zeta=0.5)
-            st = rule.init_state(g.size, dt, numpy)
-            sel, rs, vs = [], [], []
-            for gg, s2 in zip(gs, ss):
-                m = rule.select(gg, s2, st)
-                sel.append(m)
-                rs.append(st['r'].copy())
-                vs.append(st['v'].copy())
-                st['r'][m] = 0
-                st['v'][m] = 0
+            sel, rs, vs = _vgc_select_steps(rules.VGC(alpha=1.0, zeta=0.5),
+                                            zip(gs, ss), g.size, dt)
             assert (rs[0] != 0).all() and (vs[0] != 0).all()
             add('vgc_select', 'vgc_select_subnormal_' + sdt,
                 {'alpha': 1.0, 'zeta': 0.5, 'gdt': sdt}, g=gs, s=ss,

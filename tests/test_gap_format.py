@@ -343,15 +343,22 @@ def test_codec_worked_example():
 
 # ---- round trips ------------------------------------------------------------
 
-def _check_body_round_trip(size, index, nibbles, k, sign_only):
+def _check_encoder(encode, index, nibbles, k, sign_only):
+    """``encode`` (codec.gap_body, native.gap_encode) gives the oracle's
+    words; returns them."""
     want = oracle_encode(index, nibbles, k, sign_only)
-    body = codec.gap_body(numpy.array(index, dtype=numpy.int64),
-                          numpy.array(nibbles, dtype=numpy.uint8), k,
-                          sign_only)
+    body = encode(numpy.array(index, dtype=numpy.int64),
+                  numpy.array(nibbles, dtype=numpy.uint8), k, sign_only)
     assert body.dtype == numpy.uint32
     assert body.tolist() == want
+    return want
+
+
+def _check_body_round_trip(size, index, nibbles, k, sign_only):
+    want = _check_encoder(codec.gap_body, index, nibbles, k, sign_only)
     assert oracle_decode_body(want, len(index), size) == (index, nibbles)
-    got_index, got_nibbles = codec.gap_decode_body(body, len(index), size)
+    got_index, got_nibbles = codec.gap_decode_body(
+        numpy.array(want, dtype=numpy.uint32), len(index), size)
     assert got_index.tolist() == index
     assert got_nibbles.tolist() == nibbles
     lengths = codec.gap_code_lengths(
@@ -716,18 +723,14 @@ def test_changed_G_rejected():
 def test_nonzero_padding_rejected():
     # worked example: 17 code bits: bits 17..31 of the gap word are padding;
     # 12 value bits: bits 12..31 of the value word are padding
-    for p in range(17, 32):
-        b = list(WORKED_BODY)
-        b[2] |= 1 << p
-        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
-        with pytest.raises(codec.WireFormatError):
-            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
-    for p in range(12, 32):
-        b = list(WORKED_BODY)
-        b[3] |= 1 << p
-        assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
-        with pytest.raises(codec.WireFormatError):
-            codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3, 100)
+    for word, first in ((2, 17), (3, 12)):  # the gap word, the value word
+        for p in range(first, 32):
+            b = list(WORKED_BODY)
+            b[word] |= 1 << p
+            assert agree(_msg(b, 3), [100], [numpy.float32]) is False, p
+            with pytest.raises(codec.WireFormatError):
+                codec.gap_decode_body(numpy.array(b, dtype=numpy.uint32), 3,
+                                      100)
     # sign-only: 3 value bits
     body = oracle_encode([3, 4, 40], [0, 8, 0], 4, True)
     assert body[3] == 0b010
@@ -1020,12 +1023,7 @@ def native_agree(body, count, size):
 def test_native_gap_codec_matches_oracle(case):
     from chainer_vgc import native
     size, index, nibbles, k, sign_only = case
-    want = oracle_encode(index, nibbles, k, sign_only)
-    body = native.gap_encode(numpy.array(index, dtype=numpy.int64),
-                             numpy.array(nibbles, dtype=numpy.uint8), k,
-                             sign_only)
-    assert body.dtype == numpy.uint32
-    assert body.tolist() == want
+    want = _check_encoder(native.gap_encode, index, nibbles, k, sign_only)
     assert native_agree(want, len(index), size)
 
 
