@@ -378,8 +378,8 @@ static inline int64_t vgc_gap_value_words(int64_t count, bool sign_only) {
 /* Writes the FMT_GAP body (param word, G, gap stream, values) of the
  * elements each(f) visits; G = ceil(bits / 32).  Returns its words. */
 template <typename Each>
-static int64_t vgc_gap_write(Each each, int64_t count, uint64_t bits, int k,
-                             bool sign_only, uint32_t *body) {
+static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
+                                  int k, bool sign_only, uint32_t *body) {
     const int64_t G = (int64_t)((bits + 31) / 32);
     body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
     body[1] = (uint32_t)G;
@@ -1350,8 +1350,8 @@ struct vgc_group {
      * indices (in this tensor) and table entries (sign << 3 | d), count of
      * each; a segment of the scratch arrays of the group's first tensor
      * (gap_index, gap_nib below) when the group spans several tensors */
-    const int64_t *gix;
-    const uint8_t *gnb;
+    const int64_t *gap_index;
+    const uint8_t *gap_nibble;
 };
 
 /* A FMT_GAP group found by vgc_walk, decoded afterwards (vgc_check_gap,
@@ -1381,7 +1381,7 @@ static int64_t vgc_group_index(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
     case VGC_FMT_GAP:
-        return g.gix[g.pos];
+        return g.gap_index[g.pos];
     case VGC_FMT_RAW:
         return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
     default: { /* QSGD: record rec, word at word_at */
@@ -1398,7 +1398,7 @@ template <typename S> static S vgc_group_value(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (S)g.table[g.body[g.pos] >> VGC_INDEX_BITS];
     case VGC_FMT_GAP:
-        return (S)g.table[g.gnb[g.pos]];
+        return (S)g.table[g.gap_nibble[g.pos]];
     case VGC_FMT_RAW: {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : g.count);
         if (g.a & VGC_RAW_FLOAT64) return (S)vgc_word_double(v + 2 * g.pos);
@@ -1568,8 +1568,8 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
             g.count = (uint32_t)(e - j);
             g.a = a;
             g.b = b;
-            g.gix = index + j;
-            g.gnb = nib + j;
+            g.gap_index = index + j;
+            g.gap_nibble = nib + j;
             /* the table in this tensor's state dtype; every entry finite
              * and nonzero, so every value of the segment is */
             if (!vgc_pow2_table(g, scodes[t] == VGC_F64)) return false;
@@ -1668,7 +1668,8 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
 static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
     if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
     if (g.fmt == VGC_FMT_GAP)
-        return std::lower_bound(g.gix, g.gix + g.count, lo) - g.gix;
+        return std::lower_bound(g.gap_index, g.gap_index + g.count, lo) -
+               g.gap_index;
     int64_t a = 0, b = g.count;
     const uint32_t mask = g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
     while (a < b) {
@@ -1695,8 +1696,8 @@ static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
             out[ix] += table[w >> VGC_INDEX_BITS];
         }
     } else if (g.fmt == VGC_FMT_GAP) {
-        const int64_t *index = g.gix;
-        const uint8_t *nib = g.gnb;
+        const int64_t *index = g.gap_index;
+        const uint8_t *nib = g.gap_nibble;
         for (; j < count; ++j) {
             const int64_t ix = index[j];
             if (ix >= hi) break;
@@ -1936,7 +1937,7 @@ int64_t vgc_native_gap_encode(const int64_t *index, const uint8_t *nib,
     if (!out)
         return VGC_GAP_PARAM_WORDS + (int64_t)((bits + 31) / 32) +
                vgc_gap_value_words(count, sign_only != 0);
-    return vgc_gap_write(each, count, bits, k, sign_only != 0, out);
+    return vgc_gap_write_body(each, count, bits, k, sign_only != 0, out);
 }
 
 /* codec.gap_decode_body: decodes and checks the FMT_GAP body of len words
