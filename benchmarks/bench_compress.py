@@ -42,6 +42,10 @@ def main():
                    "plain 'vgc': the default, 'auto')")
     p.add_argument('--draws', type=int, default=4)
     p.add_argument('--warmup', type=int, default=20)
+    p.add_argument('--alpha', type=float, default=None,
+                   help='alpha of vgc and hybrid (default: bench_common\'s '
+                   '2.0); a larger alpha sends fewer elements of this '
+                   'noise-dominated stream, nearer training densities')
     args = p.parse_args()
     shapes = shapes_for(args.params)
     rng = numpy.random.default_rng(0)
@@ -71,7 +75,8 @@ def main():
 
     def compressor(spec, backend):
         method, _, coding = spec.partition(':')
-        kw = hyperparameters(method)
+        kw = hyperparameters(method, **({} if args.alpha is None
+                                        else {'alpha': args.alpha}))
         if coding:
             kw['index_coding'] = coding
         return GradientCompressor(method, names, shapes,
