@@ -15,6 +15,12 @@ warm-up would leave nothing compressed), with Adam and with momentum SGD, each f
 the layout of Table 1) and ``OUT/scatter.png`` (accuracy vs compression,
 log x, as the paper's Appendix C).
 
+``--dataset fashion`` trains on Fashion-MNIST (Debian's
+``dataset-fashion-mnist``), ``--model vgg --width W`` the App. D conv-BN
+network on 28x28x1 input (see :func:`make_model`) instead of the MLP; the
+per-sample statistics of its convolutions and batch normalizations are the
+exact ones of chainer_vgc.statistics.
+
 ``--exclude-small N`` (parameters of fewer than N elements uncompressed) and
 ``--warmup-epochs E`` (the first E epochs dense) apply to every row; by
 default (0) the rows are the paper's.  A row's own settings (its fourth
@@ -33,6 +39,7 @@ import chainer.functions as F
 
 from chainer_vgc import datasets
 from chainer_vgc.extensions import run_summary
+from chainer_vgc.models import VGG
 from chainer_vgc.simulation import SimulatedWorkers
 import example_common as common
 
@@ -92,11 +99,41 @@ def group_settings(args, settings, train, seed):
                                   args.batchsize, seed))
 
 
+def make_model(args, seed):
+    """``--model mlp``: the MLP 784-unit-unit-10; ``--model vgg``: the
+    App. D network (13 conv3-BN-ReLU layers, 5 max-pools, dropout, fc-BN,
+    fc) on 28x28x1 input: the first convolution takes 1 channel, and the
+    pools map 28 -> 14 -> 7 -> 4 -> 2 -> 1 (Chainer's cover_all), so the
+    classifier sees 512 x width features as on CIFAR's 32x32; ``--width``
+    scales every channel count."""
+    if getattr(args, 'model', 'mlp') == 'vgg':
+        return common.make_classifier(lambda: VGG(10, width=args.width),
+                                      (1, 28, 28), seed)
+    return common.make_model(args.unit, seed)
+
+
+def load_data(args):
+    """(train, test) of ``--dataset`` in the shape ``--model`` takes."""
+    ndim = 3 if args.model == 'vgg' else 1
+    if args.dataset == 'fashion':
+        return datasets.get_fashion_mnist(ndim=ndim)
+    return datasets.get_mnist(ndim=ndim)
+
+
+def describe(args):
+    """The data and network, for the table's setting and the plot."""
+    data = 'Fashion-MNIST' if args.dataset == 'fashion' else 'MNIST'
+    if args.model == 'vgg':
+        return '{} App. D VGG (width {:g}, 28x28x1 input)'.format(
+            data, args.width)
+    return '{0} MLP 784-{1}-{1}-10'.format(data, args.unit)
+
+
 def simulate(method, kw, optimizer, seed, args, train, settings=None):
     """Train like ``mpiexec -n workers train_mnist.py`` would, in this
     process; returns (model, SimulatedWorkers, iterations).  ``settings``:
     a row's dense group and warm-up (see :func:`group_settings`)."""
-    model = common.make_model(args.unit, seed)
+    model = make_model(args, seed)
     opt, wd = common.make_optimizer(optimizer, args.lr, args.weight_decay)
     common.setup_optimizer(opt, wd, model)
     sim = SimulatedWorkers(model, opt, args.workers, method,
@@ -178,7 +215,7 @@ def write_table(rows, grid, optimizers, path, setting):
     return '\n'.join(lines)
 
 
-def write_plot(rows, optimizers, path, variants=()):
+def write_plot(rows, optimizers, path, variants=(), title='MNIST MLP'):
     """Accuracy vs compression per optimizer; the rows labelled in
     ``variants`` (with a dense group or warm-up) in hollow markers."""
     import matplotlib
@@ -210,7 +247,7 @@ def write_plot(rows, optimizers, path, variants=()):
         ax.set_xscale('log')
         ax.set_xlabel('compression ratio (log)')
         ax.set_ylabel('test accuracy (%)')
-        ax.set_title('MNIST MLP, {}'.format(o))
+        ax.set_title('{}, {}'.format(title, o))
         ax.grid(True, which='both', alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -238,12 +275,19 @@ def main():
     p.add_argument('--warmup-epochs', type=common.epochs, default=0.0,
                    metavar='E', help='every row (unless it sets its own): '
                    'the first E epochs dense (0: none)')
+    p.add_argument('--dataset', choices=('mnist', 'fashion'), default='mnist',
+                   help="'fashion': Fashion-MNIST from Debian's "
+                   'dataset-fashion-mnist (chainer_vgc.datasets)')
+    p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp',
+                   help="'vgg': the App. D conv-BN network on 28x28x1")
+    p.add_argument('--width', type=float, default=0.25,
+                   help='channel scale of --model vgg (1: the paper\'s)')
     p.add_argument('--out', default='result/paper_table')
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     grid = GRID if args.grid == 'full' else TINY
     optimizers = args.optimizers.split(',')
-    train, test = datasets.get_mnist()
+    train, test = load_data(args)
     rows = []
     width = max(30, max(len(row[0]) for row in grid))
     path = os.path.join(args.out, 'results.csv')
@@ -263,9 +307,9 @@ def main():
                               o, label, width, seed, row['accuracy'],
                               row['compression'], row['seconds']),
                           flush=True)
-    setting = ('MNIST MLP 784-{0}-{0}-10, {1} simulated workers x batch '
-               '{2}, {3} iterations, median of {4} seed(s)'.format(
-                   args.unit, args.workers, args.batchsize,
+    setting = ('{0}, {1} simulated workers x batch {2}, {3} iterations, '
+               'median of {4} seed(s)'.format(
+                   describe(args), args.workers, args.batchsize,
                    rows[0]['iterations'], args.seeds))
     if args.exclude_small:
         setting += ', parameters under {} elements uncompressed'.format(
@@ -275,7 +319,8 @@ def main():
     print(write_table(rows, grid, optimizers,
                       os.path.join(args.out, 'table.md'), setting))
     write_plot(rows, optimizers, os.path.join(args.out, 'scatter.png'),
-               {row_parts(r)[0] for r in grid if row_parts(r)[3]})
+               {row_parts(r)[0] for r in grid if row_parts(r)[3]},
+               title=describe(args).split(' (')[0])
 
 
 if __name__ == '__main__':

@@ -10,35 +10,8 @@ import numpy
 import pytest
 
 from chainer_vgc import datasets
-
-
-def write_idx(path, array, magic=None, extra=b''):
-    """An idx file as the format defines it: big-endian magic 0x800 + ndim
-    and dimensions, then the bytes (gzip when the name ends in .gz)."""
-    array = numpy.asarray(array, dtype=numpy.uint8)
-    head = struct.pack('>{}I'.format(1 + array.ndim),
-                       magic if magic is not None else 0x800 + array.ndim,
-                       *array.shape)
-    data = head + array.tobytes() + extra
-    opener = gzip.open if path.endswith('.gz') else open
-    with opener(path, 'wb') as f:
-        f.write(data)
-
-
-def fake_package(root, n_train=5, n_test=3, seed=0):
-    """The four files of the package, small, in ``root``; returns the
-    arrays written."""
-    rng = numpy.random.default_rng(seed)
-    os.makedirs(root, exist_ok=True)
-    arrays = {}
-    for split, n in (('train', n_train), ('test', n_test)):
-        x = rng.integers(0, 256, size=(n, 28, 28), dtype=numpy.uint8)
-        t = rng.integers(0, 10, size=n, dtype=numpy.uint8)
-        images, labels = datasets.FASHION_FILES[split]
-        write_idx(os.path.join(root, images), x)
-        write_idx(os.path.join(root, labels), t)
-        arrays[split] = (x, t)
-    return arrays
+from fashion_files import fake_package
+from fashion_files import write_idx
 
 
 @pytest.mark.parametrize('ndim', [1, 3])

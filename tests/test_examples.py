@@ -300,3 +300,34 @@ def test_paper_harness_tiny_grid(tmp_path):
     table = open(os.path.join(out, 'table.md')).read()
     assert '| our method, alpha=1.5 |' in table
     assert os.path.getsize(os.path.join(out, 'scatter.png')) > 1000
+
+
+def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
+        tmp_path, monkeypatch):
+    """``--dataset fashion --model vgg``: the App. D network on 28x28x1
+    Fashion-MNIST (idx files written here) trains in the harness with
+    the exact per-sample statistics of every Convolution2D and
+    BatchNormalization (error mode: an uncovered parameter would raise, and
+    none goes to brute force), and the CLI writes the table and plot."""
+    import fashion_files
+    fashion_files.fake_package(str(tmp_path / 'fm'), n_train=48, n_test=16)
+    monkeypatch.setenv(datasets.FASHION_ENV, str(tmp_path / 'fm'))
+    args = argparse.Namespace(unit=0, lr=0.05, weight_decay=0.0, workers=2,
+                              batchsize=4, iterations=3, epoch=0,
+                              exclude_small=0, warmup_epochs=0.0,
+                              dataset='fashion', model='vgg', width=1 / 16)
+    train, test = paper_table.load_data(args)
+    assert train[0][0].shape == (1, 28, 28) and len(test) == 16
+    model, sim, n = paper_table.simulate('vgc', dict(alpha=1.0), 'momentum',
+                                         0, args, train)
+    kinds = {type(link).__name__ for link in model.links()}
+    assert {'Convolution2D', 'BatchNormalization'} <= kinds
+    assert sim.stats.uncovered == 'error' and not sim.stats.uncovered_names
+    assert all(s is not None for s in sim.stats.sqsums)
+    assert sim.totals['steps'] == n - 1 and sim.last['vgc/compression'] > 1
+    out = str(tmp_path / 'out')
+    example(1, 'paper_table.py', '--dataset', 'fashion', '--model', 'vgg',
+            '--width', '0.0625', '--grid', 'tiny', '--workers', 2,
+            '--iterations', 2, '--batchsize', 4, '--optimizers', 'adam',
+            '--out', out, expect='Fashion-MNIST App. D VGG (width 0.0625')
+    assert {'results.csv', 'table.md', 'scatter.png'} <= set(os.listdir(out))
