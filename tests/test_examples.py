@@ -316,7 +316,7 @@ def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
                               batchsize=4, iterations=3, epoch=0,
                               exclude_small=0, warmup_epochs=0.0,
                               dataset='fashion', model='vgg', width=1 / 16)
-    train, test = paper_table.load_data(args)
+    train, test = paper_table.common.load_data(args)
     assert train[0][0].shape == (1, 28, 28) and len(test) == 16
     model, sim, n = paper_table.simulate('vgc', dict(alpha=1.0), 'momentum',
                                          0, args, train)
@@ -325,6 +325,16 @@ def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
     assert sim.stats.uncovered == 'error' and not sim.stats.uncovered_names
     assert all(s is not None for s in sim.stats.sqsums)
     assert sim.totals['steps'] == n - 1 and sim.last['vgc/compression'] > 1
+    # the same network and data with 2 MPI ranks: one code path
+    run = str(tmp_path / 'mpi')
+    example(2, 'train_mnist.py', '--dataset', 'fashion', '--model', 'vgg',
+            '--width', '0.0625', '--iterations', 3, '--batchsize', 4,
+            '--optimizer', 'momentum', '--out', run,
+            expect='| test accuracy |')
+    summary = json.load(open(os.path.join(run, 'summary.json')))
+    assert summary['iterations'] == 3 and summary['compression'] > 1
+    real = numpy.load(os.path.join(run, 'params.npz'))
+    assert any(n.endswith('/bn/gamma') for n in real.files)
     out = str(tmp_path / 'out')
     example(1, 'paper_table.py', '--dataset', 'fashion', '--model', 'vgg',
             '--width', '0.0625', '--grid', 'tiny', '--workers', 2,
