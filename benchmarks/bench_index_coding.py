@@ -58,17 +58,10 @@ CODES = ('fixed', 'sent', 'rice', 'rice best k', 'exp-Golomb', 'gamma',
 def groups_of(message, sizes):
     """(size, index, nibbles) per tensor of every pow2/gap group of a
     message (a FMT_GAP group spanning tensors split over them)."""
-    out = []
-    for g in codec._walk(message, sizes):
-        if g.fmt == codec.FMT_POW2:
-            out.append((sizes[g.tensor_id],
-                        (g.body & numpy.uint32(codec.MAX_INDEX - 1)).astype(
-                            numpy.int64),
-                        g.body >> numpy.uint32(codec.INDEX_BITS)))
-        elif g.fmt == codec.FMT_GAP:
-            out += [(sizes[t], index, nib)
-                    for t, index, nib in codec._span_parts(g, sizes)]
-    return out
+    return [(sizes[t], index, nib)
+            for g in codec._walk(message, sizes)
+            if g.fmt in (codec.FMT_POW2, codec.FMT_GAP)
+            for t, index, nib in codec._span_parts(g, sizes)]
 
 
 def _floor_log2(v):

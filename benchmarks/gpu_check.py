@@ -1351,7 +1351,7 @@ def check_device_sums(ctx, ck, case, msgs, host):
         params = device_params(ctx)
         blocks = msgs[step]
         ex.validate_messages(blocks, comp, [p.dtype for p in params])
-        blocks = [codec.expand_gap(b, comp.sizes, ex._gap_decoder(comp))
+        blocks = [codec.expand_gap(b, comp.sizes, comp.gap_codec()[0])
                   for b in blocks]
         first = params[0].array
         dev = ex.upload_blocks(blocks, xp, first)

@@ -950,7 +950,12 @@ def _span_parts(g, sizes, decoder=None):
     """``[(tensor_id, index, nibbles)]`` of a FMT_GAP group read by
     :func:`_walk`, its indices (in the concatenation of the tensors of its
     span) split over those tensors, local to each; tensors without
-    elements are left out.  ``decoder``: see :func:`expand_gap`."""
+    elements are left out.  A FMT_POW2 group is one part, read from its
+    words.  ``decoder``: see :func:`expand_gap`."""
+    if g.fmt == FMT_POW2:
+        return [(g.tensor_id,
+                 (g.body & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64),
+                 (g.body >> numpy.uint32(INDEX_BITS)).astype(numpy.uint8))]
     body = numpy.array(backend.to_numpy(g.body), dtype=numpy.uint32)
     body[0] &= numpy.uint32((1 << GAP_SPAN_SHIFT) - 1)  # the span is ours
     tids = range(g.tensor_id, g.tensor_id + g.span + 1)
@@ -1006,15 +1011,7 @@ def _merged(run, sizes, decoder, encoder):
     offsets = numpy.cumsum([0] + list(sizes[first:last + 1]))
     index, nibbles = [], []
     for g in run:
-        if g.fmt == FMT_POW2:
-            parts = [(g.tensor_id,
-                      (g.body & numpy.uint32(MAX_INDEX - 1)).astype(
-                          numpy.int64),
-                      (g.body >> numpy.uint32(INDEX_BITS)).astype(
-                          numpy.uint8))]
-        else:
-            parts = _span_parts(g, sizes, decoder)
-        for t, i, n in parts:
+        for t, i, n in _span_parts(g, sizes, decoder):
             index.append(i + offsets[t - first])
             nibbles.append(n)
     index, nibbles = numpy.concatenate(index), numpy.concatenate(nibbles)

@@ -212,11 +212,18 @@ class GradientCompressor(object):
         :attr:`last_bytes`."""
         rule = self.rule
         if rule.uses_index_words and rule.index_coding != 'fixed':
-            fast = (native.gap_decode, native.gap_encode) \
-                if self.backend == 'native' else (None, None)
-            message = codec.merge_spans(message, self.sizes, *fast)
+            message = codec.merge_spans(message, self.sizes,
+                                        *self.gap_codec())
         self.last_bytes = int(message.nbytes)
         return message
+
+    def gap_codec(self):
+        """``(decoder, encoder)`` of FMT_GAP bodies for the CPU backend:
+        the native ones, or ``(None, None)`` for the NumPy reference
+        (:func:`chainer_vgc.codec.gap_decode_body`, ``gap_body``)."""
+        if self.backend == 'native':
+            return native.gap_decode, native.gap_encode
+        return None, None
 
     def _validate(self, grads, sqsums, values, agree):
         """:meth:`_check`, then the first of the two agreements of a step

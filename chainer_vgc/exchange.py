@@ -269,14 +269,6 @@ def _native_decode_applies(blocks, compressor):
             and all(d in native.DTYPE_CODES for d in compressor.dtypes))
 
 
-def _gap_decoder(compressor):
-    """The FMT_GAP decoder of the compressor's backend (None: the
-    reference, :func:`chainer_vgc.codec.gap_decode_body`)."""
-    if compressor.backend == 'native':
-        return native.gap_decode
-    return None
-
-
 def _on_device(params):
     return any(backend.get_array_module(p.array) is not numpy
                for p in params if p.array is not None)
@@ -313,8 +305,8 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     dtypes = [p.dtype for p in params]
     elements = validate_messages(blocks, compressor, dtypes)
     # gap-coded indices are sequential codes: decoded here, on the host
-    blocks = [codec.expand_gap(b, compressor.sizes, _gap_decoder(compressor))
-              for b in blocks]
+    decoder, _ = compressor.gap_codec()
+    blocks = [codec.expand_gap(b, compressor.sizes, decoder) for b in blocks]
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)

@@ -64,7 +64,6 @@
 #define VGC_QSGD_OFFSET_BITS 23
 #define VGC_QSGD_RECORD_WORDS 4
 #define VGC_FMT_GAP 4u
-#define VGC_GAP_ESCAPE 16
 #define VGC_GAP_SIGN_ONLY 64u
 #define VGC_GAP_PARAM_WORDS 2
 /* FMT_GAP param word: bit 7 reserved, bits 8..31 the span (the tensors
@@ -256,14 +255,6 @@ static int vgc_rice_parameter(int64_t count, int64_t size) {
     return k < 62 ? k : 62;
 }
 
-/* Bits of the code of one gap. */
-static inline uint64_t vgc_gap_code_bits(uint64_t gap, int k) {
-    uint64_t q = gap >> k;
-    if (q < VGC_GAP_ESCAPE) return q + 1 + (uint64_t)k;
-    int n = 63 - __builtin_clzll(q - VGC_GAP_ESCAPE + 1);
-    return VGC_GAP_ESCAPE + 2 * (uint64_t)n + 1 + (uint64_t)k;
-}
-
 /* LSB-first bit writer: fields go to increasing bit positions, from bit
  * `start` of the section at base.  It may write one part of a section that
  * several writers (the chunks of vgc_emit, in parallel) share: it stores
@@ -365,7 +356,7 @@ static uint64_t vgc_gap_stream_bits(Each each, int k) {
     uint64_t bits = 0;
     int64_t prev = -1;
     each([&](int64_t ix, uint32_t) {
-        bits += vgc_gap_code_bits((uint64_t)(ix - prev - 1), k);
+        bits += (uint64_t)vgc_gap_code_length(ix - prev - 1, k);
         prev = ix;
     });
     return bits;
@@ -583,7 +574,7 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
             int64_t p = c.gap_prev;
             for (int64_t j = 0; j < c.out; ++j) {
                 const int64_t ix = vgc_full_index(c, w[j]);
-                cb += vgc_gap_code_bits((uint64_t)(ix - p - 1), k);
+                cb += (uint64_t)vgc_gap_code_length(ix - p - 1, k);
                 p = ix;
             }
             c.gap_bits = cb;
