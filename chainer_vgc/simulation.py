@@ -15,6 +15,8 @@ parameters, bit for bit, as a real ``mpiexec`` run.  Nothing here imports
 ChainerMN or MPI.
 """
 
+import time
+
 from chainer_vgc import exchange
 from chainer_vgc import extensions
 from chainer_vgc import groups
@@ -49,6 +51,13 @@ class SimulatedWorkers(object):
         self.steps = 0
         self.last = {}
         self.totals = extensions.new_totals()
+        #: wall seconds summed over updates after the first: ``'compute'``
+        #: (every worker's forward and backward, with the per-sample
+        #: statistics where the rule needs them), ``'exchange'`` (compress,
+        #: combine, optimizer update) and ``'statistics_steps'`` (worker
+        #: steps whose backward computed the statistics), ``'worker_steps'``
+        self.seconds = dict(compute=0.0, exchange=0.0, worker_steps=0,
+                            statistics_steps=0)
 
     def _group(self, names, dense):
         """Per-worker compressors over ``names`` (kept per name set): the
@@ -98,14 +107,20 @@ class SimulatedWorkers(object):
             [n for n in self.names if n in dense], True)
         self.stats.skip = dense
         c_msgs, d_msgs = [], []
+        clock = self.seconds
         for rank, batch in enumerate(batches):
+            t0 = time.perf_counter()
             self.model.cleargrads()
             loss = lossfun(*batch)
             sqsums = None
             if self.rule.needs_sqsum and c_idx:
                 sqsums = self.stats.backward(loss, batch=batch)
+                clock['statistics_steps'] += 1
             else:
                 loss.backward()
+            t1 = time.perf_counter()
+            clock['compute'] += t1 - t0
+            clock['worker_steps'] += 1
             grads, sqsums = exchange.local_gradients(self.params, sqsums,
                                                      self.zero_fill)
             if c_idx:
@@ -115,6 +130,8 @@ class SimulatedWorkers(object):
             if d_idx:
                 d_msgs.append(d_comps[rank].compress(
                     [grads[i] for i in d_idx]))
+            clock['exchange'] += time.perf_counter() - t1
+        t1 = time.perf_counter()
         elements = None
         if c_idx:
             elements = exchange.mean_gradients(
@@ -129,6 +146,7 @@ class SimulatedWorkers(object):
             n_dense = sum(p.size for p in dparams)
             wire = extensions.allreduce_wire(dparams, self.size)
         self.optimizer.update()
+        clock['exchange'] += time.perf_counter() - t1
         self.last = extensions.report_step(
             c_msgs, sum(q.size for q in self.params), self.totals, elements,
             sum(q.size * q.dtype.itemsize for q in self.params),

@@ -309,10 +309,16 @@ def make_network(args, seed):
     fc) on 28x28x1 input: the first convolution takes 1 channel, and the
     pools map 28 -> 14 -> 7 -> 4 -> 2 -> 1 (Chainer's cover_all), so the
     classifier sees 512 x width features as on CIFAR's 32x32; ``--width``
-    scales every channel count."""
+    scales every channel count; ``--no-dropout`` leaves out App. D's
+    dropout layers (at width 1/8 they keep the network near chance level
+    for the first hundred steps: the 8-channel maps lose 30-40 % of their
+    units, and batch normalization's running statistics, gathered with
+    dropout, do not fit the test-time activations)."""
     if getattr(args, 'model', 'mlp') == 'vgg':
-        return make_classifier(lambda: VGG(10, width=args.width),
-                               (1, 28, 28), seed)
+        dropout = not getattr(args, 'no_dropout', False)
+        return make_classifier(
+            lambda: VGG(10, width=args.width, dropout=dropout),
+            (1, 28, 28), seed)
     return make_model(args.unit, seed)
 
 
@@ -328,8 +334,9 @@ def describe(args):
     """The data and network, for the table's setting and the plot."""
     data = 'Fashion-MNIST' if args.dataset == 'fashion' else 'MNIST'
     if args.model == 'vgg':
-        return '{} App. D VGG (width {:g}, 28x28x1 input)'.format(
-            data, args.width)
+        return '{} App. D VGG (width {:g}, 28x28x1 input{})'.format(
+            data, args.width,
+            ', no dropout' if getattr(args, 'no_dropout', False) else '')
     return '{0} MLP 784-{1}-{1}-10'.format(data, args.unit)
 
 
@@ -343,6 +350,8 @@ def add_data_args(p):
                    help="'vgg': the App. D conv-BN network on 28x28x1")
     p.add_argument('--width', type=float, default=0.25,
                    help='channel scale of --model vgg (1: the paper\'s)')
+    p.add_argument('--no-dropout', action='store_true',
+                   help="--model vgg without App. D's dropout layers")
 
 
 def make_optimizer(name, lr=0.05, weight_decay=0.0):

@@ -70,7 +70,8 @@ GRID = [
 TINY = [GRID[0], GRID[4], GRID[5], GRID[6], GRID[7]]
 COLUMNS = ['optimizer', 'label', 'method', 'hyperparameters', 'seed',
            'workers', 'iterations', 'accuracy', 'compression',
-           'bytes_per_rank', 'dense_bytes_per_rank', 'seconds']
+           'bytes_per_rank', 'dense_bytes_per_rank', 'seconds',
+           'statistics', 'compute_ms', 'exchange_ms']
 
 
 def row_parts(row):
@@ -138,7 +139,51 @@ def run(method, kw, optimizer, seed, args, train, test, settings=None):
         compression=summary['vgc/total_compression'],
         bytes_per_rank=summary['vgc/total_bytes'],
         dense_bytes_per_rank=summary['vgc/dense_bytes'],
-        seconds=round(time.time() - t0, 1))
+        seconds=round(time.time() - t0, 1), **timing(sim))
+
+
+def timing(sim):
+    """The CSV's time columns: ``statistics`` (share of worker steps
+    whose backward computed the per-sample statistics), ``compute_ms``
+    (forward + backward, with those statistics, per worker step) and
+    ``exchange_ms`` (compress all workers, combine, update, per step)."""
+    clock = sim.seconds
+    steps = max(1, clock['worker_steps'])
+    return dict(
+        statistics=round(clock['statistics_steps'] / steps, 3),
+        compute_ms=round(1e3 * clock['compute'] / steps, 2),
+        exchange_ms=round(1e3 * clock['exchange'] * sim.size / steps, 2))
+
+
+_SHARED = {}
+
+
+def _run_task(task):
+    """One run in a worker process (the data and arguments are inherited
+    through fork, in _SHARED)."""
+    i, (o, k, seed) = task
+    grid, args, train, test = (_SHARED[key] for key in
+                               ('grid', 'args', 'train', 'test'))
+    label, method, kw, settings = row_parts(grid[k])
+    return i, dict(run(method, kw, o, seed, args, train, test, settings),
+                   label=label)
+
+
+def run_tasks(tasks, ids, grid, args, train, test):
+    """Yield (id, CSV row) for every (optimizer, grid index, seed) task,
+    in ``args.jobs`` processes (each run is independent and seeded, so the
+    rows are the same for any number of jobs)."""
+    _SHARED.update(grid=grid, args=args, train=train, test=test)
+    work = list(zip(ids, tasks))
+    jobs = min(getattr(args, 'jobs', 1), len(work))
+    if jobs <= 1:
+        for item in work:
+            yield _run_task(item)
+        return
+    import multiprocessing
+    with multiprocessing.get_context('fork').Pool(jobs) as pool:
+        for result in pool.imap_unordered(_run_task, work):
+            yield result
 
 
 def accuracy(predictor, test, batch=1000):
@@ -245,6 +290,10 @@ def main():
     p.add_argument('--warmup-epochs', type=common.epochs, default=0.0,
                    metavar='E', help='every row (unless it sets its own): '
                    'the first E epochs dense (0: none)')
+    p.add_argument('--jobs', type=common.count, default=1,
+                   help='runs at a time, each in its own process (on a '
+                   'multi-core machine; set OPENBLAS_NUM_THREADS=1 so '
+                   'they do not share the cores twice)')
     common.add_data_args(p)
     p.add_argument('--out', default='result/paper_table')
     args = p.parse_args()
@@ -252,25 +301,32 @@ def main():
     grid = GRID if args.grid == 'full' else TINY
     optimizers = args.optimizers.split(',')
     train, test = common.load_data(args)
-    rows = []
     width = max(30, max(len(row[0]) for row in grid))
     path = os.path.join(args.out, 'results.csv')
+    # (optimizer, grid row, seed) in the table's order; runs are handed out
+    # row by row so that both optimizers' columns fill up together
+    tasks = [(o, k, seed) for o in optimizers for k in range(len(grid))
+             for seed in range(args.seeds)]
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i][1], i))
+    done = {}
     with open(path, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        for o in optimizers:
-            for label, method, kw, settings in map(row_parts, grid):
-                for seed in range(args.seeds):
-                    row = dict(run(method, kw, o, seed, args, train, test,
-                                   settings), label=label)
-                    writer.writerow(row)
-                    f.flush()
-                    rows.append(row)
-                    print('{:<9} {:<{}} seed {} acc {:.4f} compression '
-                          '{:>10,.1f} ({}s)'.format(
-                              o, label, width, seed, row['accuracy'],
-                              row['compression'], row['seconds']),
-                          flush=True)
+        for i, row in run_tasks([tasks[i] for i in order], order, grid,
+                                args, train, test):
+            done[i] = row
+            writer.writerow(row)  # as it finishes: a cut run keeps it
+            f.flush()
+            print('{:<9} {:<{}} seed {} acc {:.4f} compression '
+                  '{:>10,.1f} ({}s)'.format(
+                      row['optimizer'], row['label'], width, row['seed'],
+                      row['accuracy'], row['compression'], row['seconds']),
+                  flush=True)
+    rows = [done[i] for i in range(len(tasks))]
+    with open(path, 'w', newline='') as f:  # again, in the table's order
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
     setting = ('{0}, {1} simulated workers x batch {2}, {3} iterations, '
                'median of {4} seed(s)'.format(
                    common.describe(args), args.workers, args.batchsize,

@@ -5,6 +5,7 @@ import argparse
 import csv
 import json
 import os
+import subprocess
 import sys
 
 import numpy
@@ -325,6 +326,22 @@ def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
     assert sim.stats.uncovered == 'error' and not sim.stats.uncovered_names
     assert all(s is not None for s in sim.stats.sqsums)
     assert sim.totals['steps'] == n - 1 and sim.last['vgc/compression'] > 1
+    # the time columns: every worker step of vgc ran the statistics
+    clock = sim.seconds
+    assert clock['worker_steps'] == clock['statistics_steps'] == 2 * (n - 1)
+    assert clock['compute'] > 0 and clock['exchange'] > 0
+    cols = paper_table.timing(sim)
+    assert cols['statistics'] == 1.0 and cols['compute_ms'] > 0
+    _, plain, _ = paper_table.simulate('qsgd', dict(bits=2, bucket=128),
+                                       'momentum', 0, args, train)
+    assert plain.seconds['statistics_steps'] == 0
+    assert plain.seconds['worker_steps'] == 2 * (n - 1)
+    assert paper_table.timing(plain)['statistics'] == 0.0
+    # --no-dropout: App. D's network without its dropout layers
+    assert model.predictor.dropout
+    args.no_dropout = True
+    assert not paper_table.common.make_network(args, 0).predictor.dropout
+    assert 'no dropout' in paper_table.common.describe(args)
     # the same network and data with 2 MPI ranks: one code path
     run = str(tmp_path / 'mpi')
     example(2, 'train_mnist.py', '--dataset', 'fashion', '--model', 'vgg',
@@ -339,5 +356,34 @@ def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
     example(1, 'paper_table.py', '--dataset', 'fashion', '--model', 'vgg',
             '--width', '0.0625', '--grid', 'tiny', '--workers', 2,
             '--iterations', 2, '--batchsize', 4, '--optimizers', 'adam',
-            '--out', out, expect='Fashion-MNIST App. D VGG (width 0.0625')
+            '--no-dropout', '--out', out,
+            expect='Fashion-MNIST App. D VGG (width 0.0625, 28x28x1 input, '
+            'no dropout)')
     assert {'results.csv', 'table.md', 'scatter.png'} <= set(os.listdir(out))
+
+
+def test_paper_harness_jobs_give_the_rows_of_one_process(tmp_path):
+    """``--jobs 2`` runs the grid in two processes: the same rows (every
+    run is seeded), written in the table's order; the time columns say
+    which runs computed the statistics."""
+    rows = {}
+    for jobs in (1, 2):
+        out = str(tmp_path / str(jobs))
+        proc = subprocess.run(
+            [sys.executable, os.path.join(EXAMPLES, 'paper_table.py'),
+             '--grid', 'tiny', '--iterations', '6', '--workers', '2',
+             '--unit', '16', '--jobs', str(jobs), '--out', out],
+            capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert '| our method, alpha=1.5 |' in proc.stdout
+        with open(os.path.join(out, 'results.csv')) as f:
+            rows[jobs] = list(csv.DictReader(f))
+    same = ('optimizer', 'label', 'seed', 'accuracy', 'compression',
+            'bytes_per_rank', 'statistics')
+    assert len(rows[1]) == 2 * len(paper_table.TINY)
+    assert [[r[k] for k in same] for r in rows[2]] == \
+        [[r[k] for k in same] for r in rows[1]]
+    for r in rows[2]:
+        used = r['method'] == 'vgc' and 'warm-up' not in r['label']
+        assert float(r['statistics']) == (1.0 if used else 0.0), r
+        assert float(r['compute_ms']) > 0
