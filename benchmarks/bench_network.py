@@ -183,7 +183,8 @@ def main():
                     help='tc rates, comma separated')
     ap.add_argument('--methods', default='naive,vgc,hybrid',
                     help="comma separated; METHOD:CODING sets the "
-                    "index_coding ('vgc:fixed': the paper's 32-bit words)")
+                    "index_coding ('vgc:fixed': the paper's 32-bit words), "
+                    "METHOD+db double buffering ('vgc+db')")
     ap.add_argument('--model', choices=('mlp', 'vgg'), default='mlp')
     ap.add_argument('--units', type=int, default=2500,
                     help='MLP width: 784-u-u-u-10 on MNIST (2500: 14.5M '
@@ -228,8 +229,13 @@ def main():
             for cmd in plan.shape(rate):
                 run(cmd)
             for method in args.methods.split(','):
+                method, _, db = method.partition('+')
                 method, _, coding = method.partition(':')
-                script = (['--index-coding', coding] if coding else []) + [
+                if db not in ('', 'db'):
+                    sys.exit('bench_network: unknown suffix +{} (only +db)'
+                             .format(db))
+                script = (['--index-coding', coding] if coding else []) + (
+                          ['--double-buffering'] if db else []) + [
                           '--method', method, '--model', args.model,
                           '--data', args.data,
                           '--units', str(args.units), '--steps',
@@ -286,6 +292,7 @@ def report(results, p):
                   r['rate'], r['method'], r['step_s'], r['exchange_s'], c,
                   r['tx_bytes_per_rank'], r['wire_bytes_per_rank'],
                   predicted, r['exchange_s'] / predicted, faster, ratio))
+    overlap_report(results)
     phased = [r for r in results if r.get('phases_s')]
     if phased:
         print('\nPhases of the compressed exchange (median over the timed '
@@ -301,6 +308,35 @@ def report(results, p):
                 r['rate'], r['method'], ph.get('compress', float('nan')),
                 ph.get('transport', float('nan')),
                 ph.get('decode', float('nan')), model.allgatherv_s))
+
+
+def overlap_report(results):
+    """Double buffering against the same method without it, in this run:
+    its step time over max(compute, exchange) of the run without it, where
+    compute = step - exchange (forward, backward, statistics, update)."""
+    pairs = []
+    for r in results:
+        if not r['method'].endswith('+db'):
+            continue
+        base = next((b for b in results if b['rate'] == r['rate'] and
+                     b['method'] == r['method'][:-len('+db')]), None)
+        if base is not None:
+            pairs.append((base, r))
+    if not pairs:
+        return
+    print('\nDouble buffering (step time against the run without it: '
+          'compute = step - exchange there):\n')
+    print('| rate | method | step s | compute s | exchange s | step s with '
+          '+db | +db / max(compute, exchange) | speed-up |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|')
+    for base, r in pairs:
+        compute = base['step_s'] - base['exchange_s']
+        bound = max(compute, base['exchange_s'])
+        print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | '
+              '{:.2f}x |'.format(r['rate'], base['method'], base['step_s'],
+                                 compute, base['exchange_s'], r['step_s'],
+                                 r['step_s'] / bound,
+                                 base['step_s'] / r['step_s']))
 
 
 if __name__ == '__main__':

@@ -4,7 +4,8 @@
 Trains a model with a given exchange method for some steps and prints, on
 rank 0, one JSON line with the median step time, the median exchange time,
 the compression, the bytes this rank's interface sent/received (read from
-/sys/class/net inside its network namespace) and what was expected.
+/sys/class/net inside its network namespace) and what was expected.  With
+``--double-buffering`` the exchange is timed on its background thread.
 """
 
 import argparse
@@ -56,6 +57,9 @@ def main():
     p.add_argument('--index-coding', default=None,
                    help="vgc/hybrid/strom: 'auto' (default), 'fixed' or "
                    "'gap'")
+    p.add_argument('--double-buffering', action='store_true',
+                   help='chainer_vgc methods: create_multi_node_optimizer('
+                   '..., double_buffering=True)')
     p.add_argument('--iface', default=os.environ.get('FI_TCP_IFACE', ''))
     args = p.parse_args()
 
@@ -68,7 +72,9 @@ def main():
         if args.index_coding is not None:
             kw['index_coding'] = args.index_coding
         comm = chainer_vgc.create_communicator(args.method, world, **kw)
-        make_opt = chainer_vgc.create_multi_node_optimizer
+        def make_opt(opt, comm):
+            return chainer_vgc.create_multi_node_optimizer(
+                opt, comm, double_buffering=args.double_buffering)
     numpy.random.seed(0)
     rng = numpy.random.default_rng(world.rank)
     if args.model == 'mlp':
@@ -138,7 +144,8 @@ def main():
     if world.rank == 0:
         pmax = max(everyone, key=lambda r: r['step'])
         method = args.method + ('' if args.index_coding is None
-                                else ':' + args.index_coding)
+                                else ':' + args.index_coding) + (
+            '+db' if args.double_buffering else '')
         out = dict(method=method, workers=world.size, params=n_params,
                    model=args.model, batchsize=args.batchsize,
                    data=args.data if args.model == 'mlp' else 'synthetic',

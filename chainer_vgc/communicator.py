@@ -18,6 +18,7 @@ the optimizer is wrapped by :func:`create_multi_node_optimizer`.
 """
 
 import json
+import threading
 import time
 import warnings
 
@@ -63,6 +64,27 @@ from chainer_vgc.groups import check_exclude as _check_exclude  # NOQA
 from chainer_vgc.groups import check_ramp as _check_ramp  # NOQA
 from chainer_vgc.groups import dense_group  # NOQA
 from chainer_vgc.groups import make_rule as _make_rule  # NOQA
+
+
+def _per_thread(name, doc):
+    """An attribute that a thread running :meth:`VGCCommunicator.background`
+    sees in its own view (double buffering), every other thread in the
+    communicator."""
+    private = '_' + name
+
+    def get(self):
+        view = getattr(getattr(self, '_views', None), 'view', None)
+        if view is not None and name in view:
+            return view[name]
+        return getattr(self, private)
+
+    def set(self, value):
+        view = getattr(getattr(self, '_views', None), 'view', None)
+        if view is not None and name in view:
+            view[name] = value
+        else:
+            setattr(self, private, value)
+    return property(get, set, doc=doc)
 
 
 class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
@@ -112,12 +134,23 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     on every rank before any exchange.
     """
 
+    mpi_comm = _per_thread('mpi_comm', 'the mpi4py communicator (in a '
+                           'background exchange: its duplicate)')
+    totals = _per_thread('totals', 'running totals since construction')
+    last = _per_thread('last', 'figures of the last step (aggregated over '
+                       'ranks)')
+    skipped = _per_thread('skipped', 'whether the last exchange was skipped '
+                          '(a rank\'s gradients were not finite)')
+    last_timing = _per_thread('last_timing', "seconds of the last "
+                              "exchange's phases on this rank")
+
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
                  resume_other_method=False, cuda_aware_mpi=False,
                  exclude=None, min_size=0, warmup=0, alpha_ramp=None,
                  dense_dtype=None, **hyperparams):
+        self._views = threading.local()
         super(VGCCommunicator, self).__init__(mpi_comm)
         self.resume_other_method = bool(resume_other_method)
         self.cuda_aware_mpi = bool(cuda_aware_mpi)
@@ -174,10 +207,42 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
     def needs_sqsum(self):
         """Whether this step needs the per-sample statistics (not during
         the warm-up, nor for a rule that does not use them)."""
-        everything_dense = (self._names is not None
-                            and len(self._dense) == len(self._names))
+        return self.needs_sqsum_after(self.totals['steps'])
+
+    def needs_sqsum_after(self, steps):
+        """Whether an exchange that starts when at most ``steps`` exchanges
+        have completed may need the per-sample statistics (double
+        buffering decides before the exchange in flight completes: it
+        computes them unless the coming exchange is surely a warm-up)."""
+        names, dense = self._names, self._dense
+        everything_dense = names is not None and len(dense) == len(names)
         return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
-                and not self.warming_up and not everything_dense)
+                and steps >= self.warmup and not everything_dense)
+
+    # -- double buffering ---------------------------------------------------
+    def background_view(self, mpi_comm):
+        """The state a background exchange works on (double buffering):
+        ``mpi_comm`` (a duplicate, so that its collectives never mix with
+        the main thread's), a copy of the run totals, and its own ``last``,
+        ``skipped`` and ``last_timing``; :meth:`commit` makes them the
+        communicator's once the exchange has completed."""
+        return {'mpi_comm': mpi_comm, 'totals': dict(self.totals),
+                'last': {}, 'skipped': False, 'last_timing': {}}
+
+    def run_in_view(self, view, fn, *args, **kwds):
+        """``fn(*args, **kwds)`` in this thread, with the communicator's
+        per-thread attributes read from and written to ``view``."""
+        self._views.view = view
+        try:
+            return fn(*args, **kwds)
+        finally:
+            self._views.view = None
+
+    def commit(self, view):
+        """A completed background exchange's totals and figures become
+        the communicator's (main thread)."""
+        for key in ('totals', 'last', 'skipped', 'last_timing'):
+            setattr(self, key, view[key])
 
     @property
     def warming_up(self):
@@ -298,7 +363,7 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         self.exchange(model, zero_fill, sqsums=sqsums, loss_scale=loss_scale)
 
     def exchange(self, model, zero_fill=False, sqsums=None,
-                 loss_scale=None):
+                 loss_scale=None, uncovered=None):
         """One exchange: the compressed group through the allgatherv, then
         the dense group (and, during the warm-up, every parameter) through
         allreduce; ``param.grad`` becomes the mean over the ranks.
@@ -306,8 +371,10 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         ``sqsums``: this step's per-sample sums of squares, aligned with
         ``model_params(model)`` (needed when :attr:`needs_sqsum`);
         ``loss_scale``: the loss scale S of this step's gradients (None:
-        none), see :meth:`set_loss_scale`."""
-        self._note_uncovered()
+        none), see :meth:`set_loss_scale`; ``uncovered``: the names the
+        statistics of this step did not cover (None: those of the last
+        backward through :meth:`statistics`)."""
+        self._note_uncovered(uncovered)
         self.setup(model)
         all_names, all_params = model_params(model)
         warm = self.warming_up
@@ -399,20 +466,22 @@ class VGCCommunicator(mpi_communicator_base.MpiCommunicatorBase):
         warm-up and alpha ramp must count the same steps everywhere."""
         self.totals = self.mpi_comm.bcast(self.totals, root=0)
 
-    def _note_uncovered(self):
+    def _note_uncovered(self, names=None):
         """With ``uncovered='dense'``: parameters the last backward could
-        not cover join the dense group (one warning listing them)."""
+        not cover (or ``names``) join the dense group (one warning listing
+        them)."""
         if self.uncovered != 'dense':
             return
-        stats = self._stats
-        mine = sorted(set(getattr(stats, 'uncovered_names', ()) or ()) -
-                      self._uncovered_dense)
+        if names is None:
+            names = getattr(self._stats, 'uncovered_names', ())
+        mine = sorted(set(names or ()) - self._uncovered_dense)
         # every rank's (a branch may run on some ranks only): the dense
         # group must be the same everywhere before any exchange
         new = set().union(*self.mpi_comm.allgather(mine))
         if not new:
             return
-        self._uncovered_dense |= new
+        # a new set: the main thread may be reading the old one
+        self._uncovered_dense = self._uncovered_dense | new
         warnings.warn(
             "chainer_vgc: per-sample statistics do not cover {}; with "
             "uncovered='dense' they are sent uncompressed (dense "

@@ -8,8 +8,16 @@ works unchanged.  The compressor's residual state is part of the optimizer's
 serialized state (trainer snapshots).
 """
 
-import chainer
+import atexit
+import copy
+import json
+import threading
+import weakref
 
+import chainer
+import numpy
+
+from chainer_vgc import backend
 from chainer_vgc.communicator import VGCCommunicator
 
 
@@ -133,6 +141,246 @@ class VGCMultiNodeOptimizer(object):
             self._first_update_done = False
 
 
+class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
+    """``double_buffering=True``: step t applies the mean gradient of step
+    t-1 while step t's exchange (compress, ring allgatherv, decode, dense
+    allreduce) runs on a background thread, as ChainerMN's
+    ``_DoubleBufferingOptimizer`` does with its allreduce.
+
+    One :meth:`update` (step t):
+
+    1. forward and backward of step t into ``param.grad`` (with the
+       per-sample statistics unless the exchange is surely a warm-up one;
+       the exchange of step t-1 may still be running meanwhile);
+    2. the first update (and any update after the parameter set changed)
+       broadcasts rank 0's parameters, as without double buffering, and
+       drops what was in flight;
+    3. wait for step t-1's exchange (its error, if any, is raised here: on
+       this rank's main thread, which aborts the job as any error does);
+       its mean becomes ``param.grad`` and step t's gradients go to a
+       shadow copy of the model (swapped, not copied);
+    4. start step t's exchange on the shadow, on the background thread;
+    5. the actual optimizer's update with step t-1's mean: none at the
+       first exchange (step 2 of a run), so parameters lag one step.
+       The mean was made at step t-1's loss scale; it is rescaled to the
+       current one (powers of two: exact).  A skipped exchange (a rank's
+       gradients were not finite) is applied as NaN, so that dynamic loss
+       scaling skips it and lowers the scale on every rank at the same
+       step; without a dynamic scaler the update is skipped.
+
+    Only the background thread touches the residual state, between steps
+    3 and 3 of the next update; a snapshot (:meth:`serialize`) first waits
+    for the exchange in flight, then holds the parameters, the residuals
+    after it and its mean, which the next update applies: a resumed run
+    continues bit for bit as the uninterrupted one, with the same setting.
+    The background exchange runs its collectives on a duplicate of the MPI
+    communicator (MPI must allow threads: ``MPI_THREAD_MULTIPLE``), on its
+    own copy of the run totals; the reported figures are those of the
+    exchange whose mean the update applies.  :meth:`wait` completes the
+    exchange in flight (its mean is then applied by the next update); at
+    exit it is completed so that no rank is left in a collective.
+    """
+
+    _OWN = VGCMultiNodeOptimizer._OWN + (
+        '_xcomm', '_shadow', '_thread', '_error', '_flight', '_ready',
+        '_loaded')
+
+    def __init__(self, actual_optimizer, communicator, zero_fill=True):
+        super(VGCDoubleBufferingOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        check_thread_level()
+        #: the background exchange's communicator (collective: every rank
+        #: creates its optimizer)
+        self._xcomm = communicator.mpi_comm.Dup()
+        self._shadow = None
+        self._thread = None
+        self._error = None
+        self._flight = None   # (view, loss scale) of the exchange running
+        self._ready = None    # {'scale', 'skipped', 'last'}: mean to apply
+        self._loaded = None   # a snapshot's mean, installed at next update
+        _RUNNING.add(self)
+
+    def update(self, lossfun=None, *args, **kwds):
+        target = self.target
+        opt = self.actual_optimizer
+        scale = opt._loss_scale
+        sqsums, uncovered = None, None
+        if lossfun is not None:
+            loss = lossfun(*args, **kwds)
+            if getattr(self, '_use_cleargrads', True):
+                target.cleargrads()
+            else:
+                target.zerograds()
+            sqsums = self._backward(loss, lossfun, args, kwds)
+            if sqsums is not None:
+                uncovered = tuple(getattr(self.communicator._stats,
+                                          'uncovered_names', ()) or ())
+            del loss
+        if self._broadcast_now(target):
+            self._complete()  # (a collective: every rank has it in flight)
+            self._ready, self._loaded, self._shadow = None, None, None
+            self.communicator.bcast_data(target)
+            return
+        self._complete()
+        ready, self._ready = self._ready, None
+        ready = self._swap(target) or ready
+        self._start(sqsums, scale, uncovered)
+        if ready is None:
+            return  # the first exchange: nothing to apply yet
+        if ready['last']:
+            chainer.reporter.report(ready['last'])
+        if ready['skipped'] and not opt._loss_scaling_is_dynamic:
+            return  # (vgc/skipped reported)
+        if ready['scale'] != scale:
+            ratio = (scale or 1.0) / (ready['scale'] or 1.0)
+            for _, p in sorted(target.namedparams()):
+                if p.grad is not None:
+                    p.grad *= p.grad.dtype.type(ratio)
+        opt.update(None, *args, **kwds)
+
+    def _backward(self, loss, lossfun, args, kwds):
+        """As without double buffering, but the statistics are computed
+        unless the coming exchange is surely a warm-up one (the exchange in
+        flight may not have counted yet)."""
+        comm = self.communicator
+        scale = self.actual_optimizer._loss_scale
+        bound = comm.totals['steps'] + (self._thread is not None)
+        if not comm.needs_sqsum_after(bound):
+            loss.backward(loss_scale=scale)
+            return None
+        batch, loss_fn = _batch_of(lossfun, args, kwds)
+        return comm.statistics(self.target).backward(
+            loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
+
+    def _swap(self, target):
+        """Step t's gradients to the shadow model, its completed mean (or
+        a loaded one) to ``target``."""
+        if self._shadow is None:
+            self._shadow = copy.deepcopy(target)
+            self._shadow.cleargrads()
+        mine = dict(target.namedparams())
+        theirs = dict(self._shadow.namedparams())
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            for name, arr in loaded['means'].items():
+                p = mine[name]
+                with backend.device_scope(p.array):
+                    theirs[name].grad = p.xp.asarray(arr).astype(p.dtype)
+            ready = {'scale': loaded['scale'], 'skipped': loaded['skipped'],
+                     'last': {}}
+        else:
+            ready = None
+        for name, p in mine.items():
+            q = theirs[name]
+            p.grad, q.grad = q.grad, p.grad
+        return ready
+
+    def _start(self, sqsums, scale, uncovered):
+        comm = self.communicator
+        view = comm.background_view(self._xcomm)
+        shadow, zero_fill = self._shadow, self.zero_fill
+        first = next((p.array for _, p in shadow.namedparams()
+                      if p.array is not None), None)
+
+        def work():
+            try:
+                with backend.device_scope(first):
+                    comm.run_in_view(view, comm.exchange, shadow, zero_fill,
+                                     sqsums=sqsums, loss_scale=scale,
+                                     uncovered=uncovered)
+            except BaseException as e:  # raised on the main thread
+                self._error = e
+
+        self._flight = (view, scale)
+        self._thread = threading.Thread(target=work, daemon=True,
+                                        name='chainer_vgc exchange')
+        self._thread.start()
+
+    def _complete(self):
+        """Wait for the exchange in flight: raise its error, or commit its
+        totals and keep its mean for the next update."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join()
+        error, self._error = self._error, None
+        view, scale = self._flight
+        self._flight = None
+        if error is not None:
+            raise error
+        self.communicator.commit(view)
+        self._ready = {'scale': scale, 'skipped': view['skipped'],
+                       'last': dict(view['last'])}
+
+    def wait(self):
+        """Complete the exchange in flight (ChainerMN's ``wait``); its mean
+        is applied by the next update."""
+        self._complete()
+
+    def serialize(self, serializer):
+        key = 'vgc_double_buffering/'
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            self._complete()
+            ready = self._ready
+            means = {}
+            if ready is not None and self._shadow is not None:
+                means = {n: p.grad for n, p in self._shadow.namedparams()
+                         if p.grad is not None}
+            serializer(key + 'pending', int(ready is not None))
+            serializer(key + 'scale', float((ready or {}).get('scale') or 0))
+            serializer(key + 'skipped', int(bool((ready or {}).get(
+                'skipped'))))
+            serializer(key + 'names', json.dumps(sorted(means)))
+            for name in sorted(means):
+                serializer(key + 'mean' + name, means[name])
+        else:
+            try:
+                pending = int(serializer(key + 'pending', 0))
+            except KeyError:  # saved without double buffering
+                pending = 0
+            self._loaded = None
+            if pending:
+                names = json.loads(str(serializer(key + 'names', '')))
+                scale = float(serializer(key + 'scale', 0.0))
+                self._loaded = {
+                    'scale': scale or None,
+                    'skipped': bool(int(serializer(key + 'skipped', 0))),
+                    'means': {n: numpy.asarray(backend.to_numpy(
+                        serializer(key + 'mean' + n, None))) for n in names}}
+        super(VGCDoubleBufferingOptimizer, self).serialize(serializer)
+
+
+#: double-buffering optimizers whose exchange may be in flight at exit
+_RUNNING = weakref.WeakSet()
+
+
+@atexit.register
+def _complete_at_exit():
+    """Let every exchange in flight finish before MPI is finalized
+    (registered after mpi4py's own handler, so it runs first)."""
+    for opt in list(_RUNNING):
+        thread = opt._thread
+        if thread is not None:
+            thread.join()
+
+
+def check_thread_level():
+    """Double buffering calls MPI from two threads at once."""
+    from mpi4py import MPI
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: 'MPI_THREAD_SINGLE',
+                 MPI.THREAD_FUNNELED: 'MPI_THREAD_FUNNELED',
+                 MPI.THREAD_SERIALIZED: 'MPI_THREAD_SERIALIZED'}
+        raise ValueError(
+            'double_buffering=True runs the exchange on a background thread '
+            'and needs MPI initialized with MPI_THREAD_MULTIPLE, but this '
+            'MPI provides {}. Leave mpi4py.rc.thread_level at its default '
+            "('multiple') before importing mpi4py.MPI, and use an MPI "
+            'built with thread support; or use double_buffering=False'
+            .format(names.get(provided, provided)))
+
+
 def _mpi_min():
     from mpi4py import MPI
     return MPI.MIN
@@ -157,10 +405,12 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
                                 double_buffering=False, zero_fill=True):
     """Drop-in for ``chainermn.create_multi_node_optimizer``.
 
-    ``double_buffering`` is not supported with compression (it overlaps the
-    exchange with the next step, which needs this step's residual).
+    ``double_buffering=True``: each step applies the previous step's mean
+    gradient while its own exchange runs in the background
+    (:class:`VGCDoubleBufferingOptimizer`: one step of staleness, the
+    exchange hidden behind the next forward and backward).
     """
     if double_buffering:
-        raise ValueError('double_buffering is not supported by chainer_vgc; '
-                         'use double_buffering=False')
+        return VGCDoubleBufferingOptimizer(actual_optimizer, communicator,
+                                           zero_fill)
     return VGCMultiNodeOptimizer(actual_optimizer, communicator, zero_fill)

@@ -270,6 +270,9 @@ def add_run_args(p, epoch, batchsize, out):
     p.add_argument('--gpu', type=int, default=-1)
     p.add_argument('--progress', action='store_true',
                    help='show a progress bar (rank 0)')
+    p.add_argument('--double-buffering', action='store_true',
+                   help='apply the previous step\'s mean while this '
+                   "step's exchange runs in the background (one step stale)")
 
 
 def start(args, train=None):
@@ -529,6 +532,9 @@ def final_report(evaluator, trainer, comm, args):
         'exchanges': int(comm.totals['steps']),
         'controls': controls(comm),
     }
+    if getattr(args, 'double_buffering', False):
+        report['controls'] = dict(report['controls'] or {},
+                                  double_buffering=True)
     report.update(compressed_group_summary(comm, n_params))
     return report
 

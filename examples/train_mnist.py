@@ -73,7 +73,8 @@ def main():
     model.to_device(device)
     opt, wd = make_optimizer(args.optimizer, args.lr, args.weight_decay)
     optimizer = setup_optimizer(
-        chainer_vgc.create_multi_node_optimizer(opt, comm), wd, model)
+        chainer_vgc.create_multi_node_optimizer(
+            opt, comm, double_buffering=args.double_buffering), wd, model)
 
     trainer, test_iter, stop, every = make_trainer(
         args, comm, optimizer, train, test, device, test_batch=500,

@@ -96,7 +96,7 @@ def test_dry_run_prints_setup_launch_and_teardown():
     assert sum(ln.startswith('$ ip netns del') for ln in lines) == 3
 
 
-@pytest.mark.parametrize('method', ['naive', 'vgc'])
+@pytest.mark.parametrize('method', ['naive', 'vgc', 'vgc+db'])
 def test_network_step_times_the_exchange(method):
     """network_step.py (one rank per emulated host) on loopback, 2 ranks,
     a small MLP: the exchange it times is the one the optimizer calls
@@ -104,15 +104,44 @@ def test_network_step_times_the_exchange(method):
     multi_node_mean_grad: timing the latter reported nan)."""
     import json
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    name, _, db = method.partition('+')
     cmd = [mpiexec, '-n', '2', sys.executable,
            os.path.join(ROOT, 'benchmarks', 'network_step.py'),
-           '--method', method, '--units', '64', '--data', 'synthetic',
-           '--steps', '3', '--warmup', '2']
+           '--method', name, '--units', '64', '--data', 'synthetic',
+           '--steps', '3', '--warmup', '2'] + (
+               ['--double-buffering'] if db else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith('RESULT ')]
     res = json.loads(lines[-1][len('RESULT '):])
-    assert 0 < res['exchange_s'] < res['step_s']
+    assert res['method'] == method
+    if db:  # timed on the background thread: may outlast the step
+        assert 0 < res['exchange_s'] and 0 < res['step_s']
+        assert res['compression'] > 1
+    else:
+        assert 0 < res['exchange_s'] < res['step_s']
     if method != 'naive':
         assert set(res['phases_s']) == {'compress', 'transport', 'decode'}
+
+
+def test_overlap_report_pairs_each_double_buffered_run_with_its_base(
+        capsys):
+    """step(+db) / max(step - exchange, exchange) of the same method and
+    rate without double buffering."""
+    results = [
+        dict(rate='1gbit', method='vgc', step_s=0.25, exchange_s=0.10),
+        dict(rate='1gbit', method='vgc+db', step_s=0.18, exchange_s=0.11),
+        dict(rate='10gbit', method='vgc+db', step_s=0.1, exchange_s=0.1),
+        dict(rate='1gbit', method='hybrid', step_s=0.2, exchange_s=0.15),
+        dict(rate='1gbit', method='hybrid+db', step_s=0.3, exchange_s=0.15)]
+    bench_network.overlap_report(results)
+    rows = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith('| 1gbit')]
+    # vgc: compute 0.15 > exchange 0.10: 0.18 / 0.15 = 1.20, 0.25 / 0.18
+    assert rows[0] == ('| 1gbit | vgc | 0.250 | 0.150 | 0.100 | 0.180 | '
+                       '1.20 | 1.39x |')
+    # hybrid: exchange 0.15 > compute 0.05: 0.3 / 0.15 = 2.00
+    assert rows[1] == ('| 1gbit | hybrid | 0.200 | 0.050 | 0.150 | 0.300 | '
+                       '2.00 | 0.67x |')
+    assert len(rows) == 2  # the 10gbit +db run has no base: not shown

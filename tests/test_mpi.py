@@ -54,12 +54,15 @@ def test_exception_on_one_rank_ends_the_job():
 
 @pytest.mark.parametrize('p,method', [(2, 'vgc'), (2, 'qsgd'),
                                       (2, 'hybrid'), (4, 'vgc'),
-                                      (2, 'topk'), (2, 'vgc-groups')])
+                                      (2, 'topk'), (2, 'vgc-groups'),
+                                      (2, 'vgc+db'), (4, 'vgc-groups+db'),
+                                      (2, 'qsgd+db')])
 def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
     """Parameters and the communicator's run totals (in params_*.npz).
     'topk': a rule object defined in the test script, not the package;
     'vgc-groups': vgc with a warm-up ending after the snapshot, an
-    excluded parameter and a min_size dense group."""
+    excluded parameter and a min_size dense group; '+db': with double
+    buffering (the snapshot holds the mean in flight)."""
     out = str(tmp_path)
     for mode in ('straight', 'half', 'resume'):
         run_ok(p, 'check_resume.py', mode, 20, out, method,
@@ -100,3 +103,33 @@ def test_strength_against_independent_oracles(p):
     first step naming them, on every rank; zero_fill=False with a branch
     on some ranks only gives every rank the oracle's mean."""
     run_ok(p, 'check_strength.py', expect='strength OK at p={}'.format(p))
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_double_buffering_equals_a_one_step_delayed_loop(p):
+    """``double_buffering=True``: parameters, residuals and totals equal,
+    bit for bit, a synchronous loop that applies step t-1's mean at step t
+    (every rule, a dense group with a warm-up, float16 with dynamic loss
+    scaling and a provoked overflow skipped coherently); figures reported
+    are those of the applied exchange; a parameter set change broadcasts."""
+    run_ok(p, 'check_double_buffering.py', 'oracle',
+           expect='double buffering OK at p={}'.format(p), timeout=240)
+
+
+def test_double_buffering_needs_thread_multiple():
+    run_ok(2, 'check_double_buffering.py', 'thread-level',
+           expect='thread level refused OK', timeout=60)
+
+
+@pytest.mark.parametrize('mode', ['exchange-error', 'main-error'])
+def test_double_buffering_error_ends_the_job(tmp_path, mode):
+    """An error on rank 2's background exchange (raised on its main
+    thread at the next step) or on its main thread while an exchange is
+    in flight: the whole job ends, non-zero, without a hang."""
+    said = tmp_path / 'why'
+    proc, elapsed = run(4, 'check_double_buffering.py', mode, 2, said,
+                        timeout=90)
+    assert proc.returncode != 0
+    assert said.read_text() == 'deliberate failure on rank 2'
+    assert 'the job went on' not in proc.stderr
+    assert elapsed < 60, elapsed

@@ -4,6 +4,9 @@
     check_resume.py half N OUT       # N/2 iterations, per-rank snapshot
     check_resume.py resume N OUT     # new process: load snapshot, go to N
 
+An optional METHOD after OUT ('vgc', 'qsgd', ..., 'vgc+db' with double
+buffering).
+
 Each rank writes OUT/params_<mode>_rank<r>.npz.
 """
 
@@ -25,6 +28,9 @@ from topk_rule import TopK
 def main():
     mode, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
+    # 'METHOD+db': with double buffering (the snapshot holds the mean in
+    # flight, which the resumed run applies first)
+    method, _, db = method.partition('+')
     kw = {'vgc': dict(alpha=1.0), 'hybrid': dict(tau=0.001),
           'strom': dict(tau=0.001), 'qsgd': dict(seed=3),
           'vgc-groups': dict(alpha=1.0, warmup=12, min_size=10,
@@ -36,7 +42,8 @@ def main():
     numpy.random.seed(0)
     model = L.Classifier(MLP((12,), 3))
     opt = chainer_vgc.create_multi_node_optimizer(
-        chainer.optimizers.Adam(), comm).setup(model)
+        chainer.optimizers.Adam(), comm,
+        double_buffering=db == 'db').setup(model)
     rng = numpy.random.default_rng(comm.rank)
     x = rng.normal(size=(400, 6)).astype(numpy.float32)
     t = ((x[:, 0] > 0).astype(numpy.int32) + (x[:, 1] > 0.5)).astype(

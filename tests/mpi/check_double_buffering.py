@@ -1,0 +1,276 @@
+"""Run under mpiexec: double buffering (issue 16).
+
+    check_double_buffering.py oracle          # prints 'double buffering OK'
+    check_double_buffering.py thread-level    # MPI_THREAD_SERIALIZED: error
+    check_double_buffering.py exchange-error R FILE  # rank R's 4th exchange
+                                                     # fails (says so in FILE)
+    check_double_buffering.py main-error R FILE      # rank R raises at step 4
+
+'oracle': for every rule, a dense group with a warm-up, float16 with
+dynamic loss scaling and a provoked overflow, the parameters, residuals and
+run totals of ``create_multi_node_optimizer(..., double_buffering=True)``
+equal, bit for bit, those of a synchronous loop written here: exchange step
+t's gradients with an ordinary communicator, apply the mean of step t-1
+(rescaled to the current loss scale), nothing at the first exchange.
+"""
+
+import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == 'thread-level':
+    import mpi4py
+    mpi4py.rc.thread_level = 'serialized'
+
+import chainer  # NOQA: E402
+import chainer.functions as F  # NOQA: E402
+import chainer.links as L  # NOQA: E402
+import numpy  # NOQA: E402
+from mpi4py import MPI  # NOQA: E402
+
+import chainer_vgc  # NOQA: E402
+
+world = MPI.COMM_WORLD
+
+CASES = [
+    ('vgc', dict(alpha=1.0), {}),
+    ('hybrid', dict(tau=0.001, alpha=1.0), {}),
+    ('strom', dict(tau=0.001), {}),
+    ('qsgd', dict(seed=1), {}),
+    ('none', {}, {}),
+    ('vgc', dict(alpha=1.0, warmup=3, min_size=10,
+                 exclude=['/predictor/0/W']), {}),
+    ('vgc', dict(alpha=1.5), dict(dtype=numpy.float16, scaling=True)),
+    ('hybrid', dict(tau=0.001), dict(dtype=numpy.float16, scaling=True)),
+]
+STEPS = 12
+OVERFLOW_STEP = 5
+
+
+def make(dtype):
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', dtype):
+        model = L.Classifier(chainer.Sequential(
+            L.Linear(6, 32), F.relu, L.Linear(32, 3)))
+        model(numpy.zeros((1, 6), dtype), numpy.zeros(1, numpy.int32))
+    return model
+
+
+def data(step, dtype):
+    rng = numpy.random.default_rng(1000 * step + world.rank)
+    x = rng.normal(size=(16, 6))
+    t = (x[:, 0] + x[:, 1] > 0).astype(numpy.int32) + (x[:, 2] > 1)
+    if step == OVERFLOW_STEP and dtype == numpy.float16:
+        x = x * 300  # gradients overflow float16 at the scale 2**14
+    return x.astype(dtype), t.astype(numpy.int32)
+
+
+def setup(inner, model, dtype, scaling):
+    if dtype == numpy.float16:
+        inner.use_fp32_update()
+    if scaling:
+        inner.loss_scaling(interval=2, scale=None)
+        inner._loss_scale = 2.0 ** 14
+
+
+def params(model):
+    return [p for _, p in sorted(model.namedparams())]
+
+
+def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False):
+    comm = chainer_vgc.create_communicator(method, world, **kw)
+    model = make(dtype)
+    inner = chainer.optimizers.Adam(alpha=0.01)
+    opt = chainer_vgc.create_multi_node_optimizer(
+        inner, comm, double_buffering=True).setup(model)
+    setup(inner, model, dtype, scaling)
+    scales = []
+    for step in range(STEPS):
+        opt.update(model, *data(step, dtype))
+        scales.append(inner._loss_scale)
+    opt.wait()
+    return model, comm, scales
+
+
+def run_oracle(method, kw, dtype=numpy.float32, scaling=False):
+    comm = chainer_vgc.create_communicator(method, world, **kw)
+    model = make(dtype)
+    inner = chainer.optimizers.Adam(alpha=0.01)
+    inner.setup(model)
+    setup(inner, model, dtype, scaling)
+    pending = None  # (mean of the last step, its loss scale, skipped)
+    scales = []
+    for step in range(STEPS):
+        x, t = data(step, dtype)
+        scale = inner._loss_scale
+        model.cleargrads()
+        loss = model(x, t)
+        if step == 0:  # the broadcast: every rank has rank 0's params
+            scales.append(scale)
+            continue
+        sq = None
+        if comm.needs_sqsum:
+            sq = comm.statistics(model).backward(loss, batch=(x, t),
+                                                 loss_scale=scale)
+        else:
+            loss.backward(loss_scale=scale)
+        comm.exchange(model, True, sqsums=sq, loss_scale=scale)
+        mean = [None if p.grad is None else p.grad.copy()
+                for p in params(model)]
+        now = (mean, scale, comm.skipped)
+        if pending is not None:
+            grads, then, skipped = pending
+            for p, g in zip(params(model), grads):
+                p.grad = g
+            if not skipped or inner._loss_scaling_is_dynamic:
+                if then != scale:
+                    for p in params(model):
+                        p.grad *= p.grad.dtype.type((scale or 1.0) /
+                                                    (then or 1.0))
+                inner.update()
+        pending = now
+        scales.append(inner._loss_scale)
+    return model, comm, scales
+
+
+def check_against_oracle(method, kw, settings):
+    a, comm_a, scales_a = run_double_buffered(method, kw, **settings)
+    b, comm_b, scales_b = run_oracle(method, kw, **settings)
+    assert scales_a == scales_b, (scales_a, scales_b)
+    for (n, p), (_, q) in zip(sorted(a.namedparams()),
+                              sorted(b.namedparams())):
+        assert numpy.array_equal(p.array, q.array), (method, kw, n)
+    for sa, sb in zip(comm_a.compressor.states, comm_b.compressor.states):
+        for key in sa or {}:
+            assert numpy.array_equal(sa[key], sb[key]), (method, key)
+    assert comm_a.totals == comm_b.totals, (comm_a.totals, comm_b.totals)
+    if settings.get('scaling'):
+        assert comm_a.totals['skipped'] >= 1, 'no overflow was provoked'
+    # the parameters moved: the check is not of an idle run
+    assert not numpy.array_equal(params(a)[0].array, params(make(
+        settings.get('dtype', numpy.float32)))[0].array)
+    if world.rank == 0:
+        print('{} {} {}: {} exchanges, {} skipped, identical'.format(
+            method, kw, settings.get('dtype', numpy.float32).__name__,
+            int(comm_a.totals['steps']), int(comm_a.totals['skipped'])),
+            flush=True)
+
+
+def check_reports():
+    """The figures reported at step t are those of step t-1's exchange,
+    the one whose mean the update applies."""
+    comm = chainer_vgc.create_communicator('vgc', world, alpha=1.0)
+    model = make(numpy.float32)
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), comm, double_buffering=True)
+    opt.setup(model)
+    reporter = chainer.reporter.Reporter()
+    reporter.add_observer('main', model)
+    seen = []
+    for step in range(5):
+        obs = {}
+        with reporter.scope(obs):
+            opt.update(model, *data(step, numpy.float32))
+        seen.append(obs.get('vgc/compression'))
+        if step >= 2:
+            assert seen[-1] == comm.last['vgc/compression']
+    assert seen[:2] == [None, None] and None not in seen[2:], seen
+    opt.wait()
+
+
+class Branchy(chainer.Chain):
+    """A layer reached only from step 4 on (its parameters uninitialized
+    before, lazily initialized then with this rank's random draw)."""
+
+    def __init__(self):
+        super(Branchy, self).__init__()
+        self.late = False
+        with self.init_scope():
+            self.a = L.Linear(6, 8)
+            self.b = L.Linear(8, 3)
+            self.extra = L.Linear(None, 3)
+
+    def forward(self, x):
+        h = self.b(F.relu(self.a(x)))
+        return h + self.extra(x) if self.late else h
+
+
+def check_parameter_set_change():
+    """A parameter initialized mid-run: the exchange in flight completes
+    and is dropped, rank 0's parameters are broadcast, as without double
+    buffering."""
+    comm = chainer_vgc.create_communicator('vgc', world, alpha=1.0)
+    numpy.random.seed(0)
+    model = L.Classifier(Branchy())
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), comm, double_buffering=True)
+    opt.setup(model)
+    for step in range(4):
+        opt.update(model, *data(step, numpy.float32))
+    numpy.random.seed(100 + world.rank)  # ranks draw different weights
+    model.predictor.late = True
+    for step in range(4, 8):
+        opt.update(model, *data(step, numpy.float32))
+    opt.wait()
+    for _, p in sorted(model.namedparams()):
+        every = world.allgather(p.array)
+        assert all(numpy.array_equal(every[0], w) for w in every)
+    assert comm.compressor is not None and any(
+        n.endswith('extra/W') for n in comm.compressor.names)
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == 'thread-level':
+        comm = chainer_vgc.create_communicator('vgc', world)
+        try:
+            chainer_vgc.create_multi_node_optimizer(
+                chainer.optimizers.SGD(), comm, double_buffering=True)
+        except ValueError as e:
+            text = str(e)
+            assert 'MPI_THREAD_MULTIPLE' in text, text
+            assert 'MPI_THREAD_SERIALIZED' in text, text
+        else:
+            raise AssertionError('no error at MPI_THREAD_SERIALIZED')
+        if world.rank == 0:
+            print('thread level refused OK')
+        return
+    if mode in ('exchange-error', 'main-error'):
+        bad = int(sys.argv[2])
+        comm = chainer_vgc.create_communicator('vgc', world)
+        model = make(numpy.float32)
+        opt = chainer_vgc.create_multi_node_optimizer(
+            chainer.optimizers.SGD(), comm, double_buffering=True)
+        opt.setup(model)
+        why = 'deliberate failure on rank {}'.format(bad)
+
+        def say():  # (mpiexec may cut stderr short when the abort kills)
+            print(why, file=sys.stderr, flush=True)
+            with open(sys.argv[3], 'w') as f:
+                f.write(why)
+        if mode == 'exchange-error' and world.rank == bad:
+            real, calls = comm._compressed_mean, []
+
+            def failing(*args, **kwds):
+                calls.append(1)
+                if len(calls) == 4:
+                    say()
+                    raise RuntimeError(why)
+                return real(*args, **kwds)
+            comm._compressed_mean = failing
+        for step in range(1000):
+            if mode == 'main-error' and world.rank == bad and step == 4:
+                say()
+                raise RuntimeError(why)
+            opt.update(model, *data(step % 7, numpy.float32))
+        raise AssertionError('the job went on')
+    assert mode == 'oracle', mode
+    for method, kw, settings in CASES:
+        check_against_oracle(method, kw, settings)
+    check_reports()
+    check_parameter_set_change()
+    world.Barrier()
+    if world.rank == 0:
+        print('double buffering OK at p={}'.format(world.size))
+
+
+if __name__ == '__main__':
+    main()
