@@ -225,9 +225,31 @@ def write_table(rows, grid, optimizers, path, setting):
             acc, comp = med.get((o, label), (float('nan'), float('nan')))
             cells += ['{:.1f}'.format(100 * acc), '{:,.1f}'.format(comp)]
         lines.append('| {} | {} |'.format(label, ' | '.join(cells)))
+    overhead = statistics_overhead(rows)
+    if overhead:
+        lines += ['', 'Forward + backward per worker step (median over the '
+                  'runs): {:.1f} ms with the per-sample statistics, {:.1f} '
+                  'ms without; the statistics add {:+.0f} %.'.format(
+                      *overhead)]
     with open(path, 'w') as f:
         f.write('\n'.join(lines) + '\n')
     return '\n'.join(lines)
+
+
+def statistics_overhead(rows):
+    """(median compute_ms of the runs whose backward computed the
+    per-sample statistics, of those that did not, percent added), or None
+    where the rows lack either kind."""
+    import statistics
+    timed = [r for r in rows if str(r.get('compute_ms', '')) != '']
+    used = [float(r['compute_ms']) for r in timed
+            if float(r['statistics']) == 1.0]
+    plain = [float(r['compute_ms']) for r in timed
+             if float(r['statistics']) == 0.0]
+    if not used or not plain:
+        return None
+    a, b = statistics.median(used), statistics.median(plain)
+    return a, b, 100.0 * (a / b - 1.0)
 
 
 def write_plot(rows, optimizers, path, variants=(), title='MNIST MLP'):

@@ -387,3 +387,18 @@ def test_paper_harness_jobs_give_the_rows_of_one_process(tmp_path):
         used = r['method'] == 'vgc' and 'warm-up' not in r['label']
         assert float(r['statistics']) == (1.0 if used else 0.0), r
         assert float(r['compute_ms']) > 0
+    table = open(os.path.join(str(tmp_path / '2'), 'table.md')).read()
+    assert 'the statistics add' in table
+
+
+def test_statistics_overhead_is_the_ratio_of_medians():
+    rows = [dict(statistics='1.0', compute_ms='12'),
+            dict(statistics='1.0', compute_ms='15'),
+            dict(statistics='1.0', compute_ms='30'),
+            dict(statistics='0.0', compute_ms='10'),
+            dict(statistics='0.0', compute_ms='9'),
+            dict(statistics='0.5', compute_ms='99'),  # neither kind
+            dict(statistics='', compute_ms='')]       # an older CSV row
+    assert paper_table.statistics_overhead(rows) == (15.0, 9.5,
+                                                     100 * (15 / 9.5 - 1))
+    assert paper_table.statistics_overhead(rows[3:5]) is None
