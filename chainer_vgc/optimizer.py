@@ -204,7 +204,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         target = self.target
         opt = self.actual_optimizer
         scale = opt._loss_scale
-        sqsums, uncovered = None, None
+        sqsums = None
         if lossfun is not None:
             loss = lossfun(*args, **kwds)
             if getattr(self, '_use_cleargrads', True):
@@ -212,10 +212,11 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             else:
                 target.zerograds()
             sqsums = self._backward(loss, lossfun, args, kwds)
-            if sqsums is not None:
-                uncovered = tuple(getattr(self.communicator._stats,
-                                          'uncovered_names', ()) or ())
             del loss
+        # what the statistics left uncovered, read here: the next
+        # backward rewrites it while the exchange runs
+        uncovered = tuple(getattr(self.communicator._stats,
+                                  'uncovered_names', ()) or ())
         if self._broadcast_now(target):
             self._complete()  # (a collective: every rank has it in flight)
             self._ready, self._loaded, self._shadow = None, None, None
