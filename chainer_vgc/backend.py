@@ -39,6 +39,31 @@ def device_scope(a):
     return contextlib.nullcontext()
 
 
+def stream_marker(a):
+    """For a CuPy array: an event recorded on the current stream (the work
+    queued so far, e.g. a backward pass); None otherwise."""
+    if cupy is not None and isinstance(a, cupy.ndarray):
+        with a.device:
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record()
+            return event
+    return None
+
+
+def wait_marker(event):
+    """Make this thread's current stream wait for :func:`stream_marker`'s
+    event (another thread's queued work)."""
+    if event is not None:
+        cupy.cuda.get_current_stream().wait_event(event)
+
+
+def finish_stream(a):
+    """For a CuPy array: wait until this thread's current stream has run
+    everything queued (before another thread reads the results)."""
+    if cupy is not None and isinstance(a, cupy.ndarray):
+        cupy.cuda.get_current_stream().synchronize()
+
+
 def host_buffer(n, dtype, pinned=True):
     """A 1-D host array of ``n`` elements for device<->host copies:
     page-locked (pinned) memory where CuPy is installed and ``pinned``, so

@@ -162,8 +162,9 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
     4. start step t's exchange on the shadow, on the background thread;
     5. the actual optimizer's update with step t-1's mean: none at the
        first exchange (step 2 of a run), so parameters lag one step.
-       The mean was made at step t-1's loss scale; it is rescaled to the
-       current one (powers of two: exact).  A skipped exchange (a rank's
+       The mean was made at step t-1's loss scale, so Chainer divides it
+       by that scale (the parameters' ``_loss_scale``), not by the current
+       one.  A skipped exchange (a rank's
        gradients were not finite) is applied as NaN, so that dynamic loss
        scaling skips it and lowers the scale on every rank at the same
        step; without a dynamic scaler the update is skipped.
@@ -232,11 +233,10 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             chainer.reporter.report(ready['last'])
         if ready['skipped'] and not opt._loss_scaling_is_dynamic:
             return  # (vgc/skipped reported)
-        if ready['scale'] != scale:
-            ratio = (scale or 1.0) / (ready['scale'] or 1.0)
-            for _, p in sorted(target.namedparams()):
-                if p.grad is not None:
-                    p.grad *= p.grad.dtype.type(ratio)
+        # Chainer divides each gradient by its parameter's _loss_scale (set
+        # by the last backward): here, the scale the mean was made at
+        for _, p in target.namedparams():
+            p._loss_scale = ready['scale']
         opt.update(None, *args, **kwds)
 
     def _backward(self, loss, lossfun, args, kwds):
@@ -268,7 +268,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                 with backend.device_scope(p.array):
                     theirs[name].grad = p.xp.asarray(arr).astype(p.dtype)
             ready = {'scale': loaded['scale'], 'skipped': loaded['skipped'],
-                     'last': {}}
+                     'last': loaded['last']}
         else:
             ready = None
         for name, p in mine.items():
@@ -278,17 +278,28 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
 
     def _start(self, sqsums, scale, uncovered):
         comm = self.communicator
+        # one exchange at a time per communicator (two optimizers sharing
+        # it: the other's completes first)
+        other = getattr(comm, '_flight_owner', None)
+        if other is not None and other is not self:
+            other._complete()
+        comm._flight_owner = self
         view = comm.background_view(self._xcomm)
         shadow, zero_fill = self._shadow, self.zero_fill
         first = next((p.array for _, p in shadow.namedparams()
                       if p.array is not None), None)
+        debug = chainer.is_debug()  # (Chainer's config is per thread)
+        ready = backend.stream_marker(first)  # the backward's work, queued
 
         def work():
             try:
-                with backend.device_scope(first):
+                with backend.device_scope(first), \
+                        chainer.using_config('debug', debug):
+                    backend.wait_marker(ready)
                     comm.run_in_view(view, comm.exchange, shadow, zero_fill,
                                      sqsums=sqsums, loss_scale=scale,
                                      uncovered=uncovered)
+                    backend.finish_stream(first)
             except BaseException as e:  # raised on the main thread
                 self._error = e
 
@@ -304,14 +315,29 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         if thread is None:
             return
         thread.join()
+        comm = self.communicator
+        if getattr(comm, '_flight_owner', None) is self:
+            comm._flight_owner = None
         error, self._error = self._error, None
         view, scale = self._flight
         self._flight = None
         if error is not None:
             raise error
-        self.communicator.commit(view)
+        comm.commit(view)
         self._ready = {'scale': scale, 'skipped': view['skipped'],
-                       'last': dict(view['last'])}
+                       'last': _public(view['last'])}
+
+    def _drop(self):
+        """Wait for the exchange in flight and forget it (its totals are
+        not committed): a snapshot is being loaded over this run."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        comm = self.communicator
+        if getattr(comm, '_flight_owner', None) is self:
+            comm._flight_owner = None
+        self._error, self._flight = None, None
+        self._ready, self._shadow = None, None
 
     def wait(self):
         """Complete the exchange in flight (ChainerMN's ``wait``); its mean
@@ -332,6 +358,8 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             serializer(key + 'skipped', int(bool((ready or {}).get(
                 'skipped'))))
             serializer(key + 'names', json.dumps(sorted(means)))
+            serializer(key + 'last', json.dumps((ready or {}).get('last')
+                                                or {}))
             for name in sorted(means):
                 serializer(key + 'mean' + name, means[name])
         else:
@@ -339,6 +367,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                 pending = int(serializer(key + 'pending', 0))
             except KeyError:  # saved without double buffering
                 pending = 0
+            self._drop()
             self._loaded = None
             if pending:
                 names = json.loads(str(serializer(key + 'names', '')))
@@ -346,6 +375,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                 self._loaded = {
                     'scale': scale or None,
                     'skipped': bool(int(serializer(key + 'skipped', 0))),
+                    'last': json.loads(str(serializer(key + 'last', '{}'))),
                     'means': {n: numpy.asarray(backend.to_numpy(
                         serializer(key + 'mean' + n, None))) for n in names}}
         super(VGCDoubleBufferingOptimizer, self).serialize(serializer)
@@ -358,11 +388,29 @@ _RUNNING = weakref.WeakSet()
 @atexit.register
 def _complete_at_exit():
     """Let every exchange in flight finish before MPI is finalized
-    (registered after mpi4py's own handler, so it runs first)."""
+    (registered after mpi4py's own handler, so it runs first); one that
+    failed aborts the job, as it would have at the next update (the other
+    ranks may be waiting in its collectives)."""
     for opt in list(_RUNNING):
         thread = opt._thread
-        if thread is not None:
-            thread.join()
+        if thread is None:
+            continue
+        thread.join()
+        if opt._error is not None:
+            import sys
+            import traceback
+            traceback.print_exception(type(opt._error), opt._error,
+                                      opt._error.__traceback__)
+            print('chainer_vgc: the last exchange failed on this rank; '
+                  'aborting the job', file=sys.stderr, flush=True)
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Abort(1)
+
+
+def _public(figures):
+    """The reported figures of an exchange (report_step's private
+    running-total keys, '_...', left out)."""
+    return {k: v for k, v in figures.items() if not k.startswith('_')}
 
 
 def check_thread_level():

@@ -515,9 +515,13 @@ def compressed_group_summary(comm, n_params):
 def final_report(evaluator, trainer, comm, args):
     """Accuracy on the whole test set (all ranks evaluate) and the run's
     compression and traffic."""
+    optimizer = trainer.updater.get_optimizer('main')
+    wait = getattr(optimizer, 'wait', None)
+    if wait is not None:  # double buffering: the last exchange, counted
+        wait()
     result = evaluator(trainer)
     summary = run_summary(comm.totals, comm.compressor, comm.size)
-    model = trainer.updater.get_optimizer('main').target
+    model = optimizer.target
     n_params = sum(p.size for p in model.params() if p.array is not None)
     report = {
         'method': args.method, 'hyperparameters': rule_kwargs(args),

@@ -121,11 +121,13 @@ def test_double_buffering_needs_thread_multiple():
            expect='thread level refused OK', timeout=60)
 
 
-@pytest.mark.parametrize('mode', ['exchange-error', 'main-error'])
+@pytest.mark.parametrize('mode', ['exchange-error', 'main-error',
+                                  'last-exchange-error'])
 def test_double_buffering_error_ends_the_job(tmp_path, mode):
     """An error on rank 2's background exchange (raised on its main
-    thread at the next step) or on its main thread while an exchange is
-    in flight: the whole job ends, non-zero, without a hang."""
+    thread at the next step, or at exit for the exchange still in flight
+    when training ends) or on its main thread while an exchange is in
+    flight: the whole job ends, non-zero, without a hang."""
     said = tmp_path / 'why'
     proc, elapsed = run(4, 'check_double_buffering.py', mode, 2, said,
                         timeout=90)

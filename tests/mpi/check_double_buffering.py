@@ -5,6 +5,8 @@
     check_double_buffering.py exchange-error R FILE  # rank R's 4th exchange
                                                      # fails (says so in FILE)
     check_double_buffering.py main-error R FILE      # rank R raises at step 4
+    check_double_buffering.py last-exchange-error R FILE  # the exchange in
+                                                     # flight at exit fails
 
 'oracle': for every rule, a dense group with a warm-up, float16 with
 dynamic loss scaling and a provoked overflow, the parameters, residuals and
@@ -38,6 +40,8 @@ CASES = [
     ('none', {}, {}),
     ('vgc', dict(alpha=1.0, warmup=3, min_size=10,
                  exclude=['/predictor/0/W']), {}),
+    ('vgc', dict(alpha=2.0, alpha_ramp=(1.0, 6)), {}),
+    ('vgc', dict(alpha=1.0, uncovered='dense'), dict(bias=True)),
     ('vgc', dict(alpha=1.5), dict(dtype=numpy.float16, scaling=True)),
     ('hybrid', dict(tau=0.001), dict(dtype=numpy.float16, scaling=True)),
 ]
@@ -45,11 +49,15 @@ STEPS = 12
 OVERFLOW_STEP = 5
 
 
-def make(dtype):
+def make(dtype, bias=False):
+    """bias=True: an L.Bias link last (F.bias: no per-sample statistics,
+    so uncovered='dense' sends it densely)."""
     numpy.random.seed(0)
     with chainer.using_config('dtype', dtype):
-        model = L.Classifier(chainer.Sequential(
-            L.Linear(6, 32), F.relu, L.Linear(32, 3)))
+        layers = [L.Linear(6, 32), F.relu, L.Linear(32, 3)]
+        if bias:
+            layers.append(L.Bias(shape=(3,)))
+        model = L.Classifier(chainer.Sequential(*layers))
         model(numpy.zeros((1, 6), dtype), numpy.zeros(1, numpy.int32))
     return model
 
@@ -75,9 +83,10 @@ def params(model):
     return [p for _, p in sorted(model.namedparams())]
 
 
-def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False):
+def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False,
+                        bias=False):
     comm = chainer_vgc.create_communicator(method, world, **kw)
-    model = make(dtype)
+    model = make(dtype, bias)
     inner = chainer.optimizers.Adam(alpha=0.01)
     opt = chainer_vgc.create_multi_node_optimizer(
         inner, comm, double_buffering=True).setup(model)
@@ -90,9 +99,11 @@ def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False):
     return model, comm, scales
 
 
-def run_oracle(method, kw, dtype=numpy.float32, scaling=False):
+def run_oracle(method, kw, dtype=numpy.float32, scaling=False, bias=False,
+               figures=None):
+    """``figures``: a list that gets each exchange's reported figures."""
     comm = chainer_vgc.create_communicator(method, world, **kw)
-    model = make(dtype)
+    model = make(dtype, bias)
     inner = chainer.optimizers.Adam(alpha=0.01)
     inner.setup(model)
     setup(inner, model, dtype, scaling)
@@ -113,6 +124,9 @@ def run_oracle(method, kw, dtype=numpy.float32, scaling=False):
         else:
             loss.backward(loss_scale=scale)
         comm.exchange(model, True, sqsums=sq, loss_scale=scale)
+        if figures is not None:
+            figures.append({k: v for k, v in comm.last.items()
+                            if not k.startswith('_')})
         mean = [None if p.grad is None else p.grad.copy()
                 for p in params(model)]
         now = (mean, scale, comm.skipped)
@@ -121,10 +135,8 @@ def run_oracle(method, kw, dtype=numpy.float32, scaling=False):
             for p, g in zip(params(model), grads):
                 p.grad = g
             if not skipped or inner._loss_scaling_is_dynamic:
-                if then != scale:
-                    for p in params(model):
-                        p.grad *= p.grad.dtype.type((scale or 1.0) /
-                                                    (then or 1.0))
+                for p in params(model):  # Chainer divides by the scale
+                    p._loss_scale = then  # the mean was made at
                 inner.update()
         pending = now
         scales.append(inner._loss_scale)
@@ -144,6 +156,10 @@ def check_against_oracle(method, kw, settings):
     assert comm_a.totals == comm_b.totals, (comm_a.totals, comm_b.totals)
     if settings.get('scaling'):
         assert comm_a.totals['skipped'] >= 1, 'no overflow was provoked'
+    if settings.get('bias'):
+        bias = a.predictor[-1].b
+        assert comm_a.dense_group(a) == {n for n, p in a.namedparams()
+                                         if p is bias}
     # the parameters moved: the check is not of an idle run
     assert not numpy.array_equal(params(a)[0].array, params(make(
         settings.get('dtype', numpy.float32)))[0].array)
@@ -155,25 +171,31 @@ def check_against_oracle(method, kw, settings):
 
 
 def check_reports():
-    """The figures reported at step t are those of step t-1's exchange,
-    the one whose mean the update applies."""
+    """The figures reported at update t are those of step t-1's exchange
+    (the one whose mean the update applies), as the synchronous loop
+    computes them, without the private running-total keys."""
     comm = chainer_vgc.create_communicator('vgc', world, alpha=1.0)
     model = make(numpy.float32)
     opt = chainer_vgc.create_multi_node_optimizer(
-        chainer.optimizers.SGD(0.1), comm, double_buffering=True)
+        chainer.optimizers.Adam(alpha=0.01), comm, double_buffering=True)
     opt.setup(model)
     reporter = chainer.reporter.Reporter()
     reporter.add_observer('main', model)
     seen = []
-    for step in range(5):
+    for step in range(STEPS):
         obs = {}
         with reporter.scope(obs):
             opt.update(model, *data(step, numpy.float32))
-        seen.append(obs.get('vgc/compression'))
-        if step >= 2:
-            assert seen[-1] == comm.last['vgc/compression']
-    assert seen[:2] == [None, None] and None not in seen[2:], seen
+        seen.append({k: v for k, v in obs.items()  # all but the model's
+                     if not k.startswith('main/')})
     opt.wait()
+    expected = []
+    run_oracle('vgc', dict(alpha=1.0), figures=expected)
+    # update 0 broadcasts, update 1 starts the first exchange: update t
+    # (t >= 2) reports exchange t - 2 of the loop's (its step t - 1)
+    assert seen[:2] == [{}, {}], seen[:2]
+    assert seen[2:] == expected[:STEPS - 2], (seen, expected)
+    assert len({f['vgc/compression'] for f in expected}) > 2  # they vary
 
 
 class Branchy(chainer.Chain):
@@ -233,7 +255,7 @@ def main():
         if world.rank == 0:
             print('thread level refused OK')
         return
-    if mode in ('exchange-error', 'main-error'):
+    if mode in ('exchange-error', 'main-error', 'last-exchange-error'):
         bad = int(sys.argv[2])
         comm = chainer_vgc.create_communicator('vgc', world)
         model = make(numpy.float32)
@@ -246,16 +268,21 @@ def main():
             print(why, file=sys.stderr, flush=True)
             with open(sys.argv[3], 'w') as f:
                 f.write(why)
-        if mode == 'exchange-error' and world.rank == bad:
+        last = mode == 'last-exchange-error'
+        if mode != 'main-error' and world.rank == bad:
             real, calls = comm._compressed_mean, []
 
             def failing(*args, **kwds):
                 calls.append(1)
-                if len(calls) == 4:
+                if len(calls) == (6 if last else 4):
                     say()
                     raise RuntimeError(why)
                 return real(*args, **kwds)
             comm._compressed_mean = failing
+        if last:  # 7 updates: exchanges 1..6, the 6th in flight at exit
+            for step in range(7):
+                opt.update(model, *data(step, numpy.float32))
+            return
         for step in range(1000):
             if mode == 'main-error' and world.rank == bad and step == 4:
                 say()
