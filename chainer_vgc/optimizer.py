@@ -76,13 +76,7 @@ class VGCMultiNodeOptimizer(object):
         comm = self.communicator
         sqsums = None
         if lossfun is not None:
-            loss = lossfun(*args, **kwds)
-            if getattr(self, '_use_cleargrads', True):
-                target.cleargrads()
-            else:
-                target.zerograds()
-            sqsums = self._backward(loss, lossfun, args, kwds)
-            del loss
+            sqsums = self._loss_backward(lossfun, args, kwds)
         if self._broadcast_now(target):
             comm.bcast_data(target)
             return
@@ -95,12 +89,27 @@ class VGCMultiNodeOptimizer(object):
             return
         opt.update(None, *args, **kwds)
 
+    def _loss_backward(self, lossfun, args, kwds):
+        """The loss of this step's minibatch, cleared gradients, then
+        :meth:`_backward`; returns its sums of squares (or None)."""
+        target = self.target
+        loss = lossfun(*args, **kwds)
+        if getattr(self, '_use_cleargrads', True):
+            target.cleargrads()
+        else:
+            target.zerograds()
+        return self._backward(loss, lossfun, args, kwds)
+
+    def _needs_sqsum(self):
+        """Whether this step's backward computes the statistics."""
+        return self.communicator.needs_sqsum
+
     def _backward(self, loss, lossfun, args, kwds):
         """``loss.backward``, with the per-sample statistics when the
         communicator needs them (returned; None otherwise)."""
         comm = self.communicator
         scale = self.actual_optimizer._loss_scale
-        if not comm.needs_sqsum:
+        if not self._needs_sqsum():
             loss.backward(loss_scale=scale)
             return None
         batch, loss_fn = _batch_of(lossfun, args, kwds)
@@ -207,13 +216,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         scale = opt._loss_scale
         sqsums = None
         if lossfun is not None:
-            loss = lossfun(*args, **kwds)
-            if getattr(self, '_use_cleargrads', True):
-                target.cleargrads()
-            else:
-                target.zerograds()
-            sqsums = self._backward(loss, lossfun, args, kwds)
-            del loss
+            sqsums = self._loss_backward(lossfun, args, kwds)
         # what the statistics left uncovered, read here: the next
         # backward rewrites it while the exchange runs
         uncovered = tuple(getattr(self.communicator._stats,
@@ -239,19 +242,12 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             p._loss_scale = ready['scale']
         opt.update(None, *args, **kwds)
 
-    def _backward(self, loss, lossfun, args, kwds):
-        """As without double buffering, but the statistics are computed
-        unless the coming exchange is surely a warm-up one (the exchange in
-        flight may not have counted yet)."""
+    def _needs_sqsum(self):
+        """The statistics are computed unless the coming exchange is surely
+        a warm-up one (the exchange in flight may not have counted yet)."""
         comm = self.communicator
-        scale = self.actual_optimizer._loss_scale
-        bound = comm.totals['steps'] + (self._thread is not None)
-        if not comm.needs_sqsum_after(bound):
-            loss.backward(loss_scale=scale)
-            return None
-        batch, loss_fn = _batch_of(lossfun, args, kwds)
-        return comm.statistics(self.target).backward(
-            loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
+        return comm.needs_sqsum_after(comm.totals['steps'] +
+                                      (self._thread is not None))
 
     def _swap(self, target):
         """Step t's gradients to the shadow model, its completed mean (or
