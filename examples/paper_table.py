@@ -227,19 +227,21 @@ def write_table(rows, grid, optimizers, path, setting):
         lines.append('| {} | {} |'.format(label, ' | '.join(cells)))
     overhead = statistics_overhead(rows)
     if overhead:
-        lines += ['', 'Forward + backward per worker step (median over the '
-                  'runs): {:.1f} ms with the per-sample statistics, {:.1f} '
-                  'ms without; the statistics add {:+.0f} %.'.format(
-                      *overhead)]
+        lines += ['', 'Forward + backward per worker step, median over the '
+                  'runs (range): {:.1f} ms ({:.1f}-{:.1f}) with the '
+                  'per-sample statistics, {:.1f} ms ({:.1f}-{:.1f}) without; '
+                  'the statistics add {:+.0f} % (medians of runs that may '
+                  'have shared the machine differently).'.format(*overhead)]
     with open(path, 'w') as f:
         f.write('\n'.join(lines) + '\n')
     return '\n'.join(lines)
 
 
 def statistics_overhead(rows):
-    """(median compute_ms of the runs whose backward computed the
-    per-sample statistics, of those that did not, percent added), or None
-    where the rows lack either kind."""
+    """(median, min, max compute_ms of the runs whose backward computed
+    the per-sample statistics, the same of those that did not, percent the
+    first median adds to the second), or None where the rows lack either
+    kind."""
     import statistics
     timed = [r for r in rows if str(r.get('compute_ms', '')) != '']
     used = [float(r['compute_ms']) for r in timed
@@ -249,7 +251,8 @@ def statistics_overhead(rows):
     if not used or not plain:
         return None
     a, b = statistics.median(used), statistics.median(plain)
-    return a, b, 100.0 * (a / b - 1.0)
+    return (a, min(used), max(used), b, min(plain), max(plain),
+            100.0 * (a / b - 1.0))
 
 
 def write_plot(rows, optimizers, path, variants=(), title='MNIST MLP'):
