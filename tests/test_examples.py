@@ -47,6 +47,27 @@ def test_train_mnist_smoke(tmp_path):
     assert 'traffic saved' in proc.stdout
 
 
+def test_train_mnist_double_buffering(tmp_path):
+    """--double-buffering through the Trainer, LogReport, evaluator and
+    per-rank snapshots at 2 ranks: the log has the applied exchanges'
+    figures (none of the private running-total keys), the summary counts
+    every exchange (the last one too: final_report waits for it)."""
+    out = str(tmp_path)
+    proc = example(2, 'train_mnist.py', '--iterations', 12, '--unit', 32,
+                   '--batchsize', 16, '--double-buffering', '--out', out,
+                   expect='| test accuracy |')
+    assert 'double_buffering=True' in proc.stdout
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['exchanges'] == 11  # the first update broadcasts
+    assert numpy.isfinite(summary['test_accuracy'])
+    log = json.load(open(os.path.join(out, 'log')))
+    assert numpy.isfinite(log[-1]['vgc/compression'])
+    assert not [k for entry in log for k in entry if '/_' in k or
+                k.startswith('_')]
+    for r in range(2):
+        assert os.path.isfile(os.path.join(out, 'snapshot_rank{}'.format(r)))
+
+
 def test_train_mnist_dense_group_and_warmup(tmp_path):
     """--exclude-small, --warmup and --dense-dtype reach the communicator:
     the biases (< 100 elements) go dense in float16, the first 3 exchanges
