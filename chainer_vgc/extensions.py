@@ -113,9 +113,14 @@ def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
             totals[key[1:]] = totals.get(key[1:], 0.0) + value
     totals['steps'] += 1
     totals['param_elements'] += n_params
-    chainer.reporter.report({k: v for k, v in figures.items()
-                             if not k.startswith('_')})
+    chainer.reporter.report(reported(figures))
     return figures
+
+
+def reported(figures):
+    """The figures of :func:`step_figures` that are reported (its
+    '_'-prefixed keys feed the run totals only)."""
+    return {k: v for k, v in figures.items() if not k.startswith('_')}
 
 
 def allreduce_wire(params, size, float16=False):

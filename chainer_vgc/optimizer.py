@@ -18,6 +18,7 @@ import chainer
 import numpy
 
 from chainer_vgc import backend
+from chainer_vgc import extensions
 from chainer_vgc.communicator import VGCCommunicator
 
 
@@ -304,35 +305,37 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                                         name='chainer_vgc exchange')
         self._thread.start()
 
-    def _complete(self):
-        """Wait for the exchange in flight: raise its error, or commit its
-        totals and keep its mean for the next update."""
+    def _join(self):
+        """Wait for the exchange in flight, if any; returns (its error,
+        its (view, loss scale)), or None when nothing was in flight."""
         thread, self._thread = self._thread, None
         if thread is None:
-            return
+            return None
         thread.join()
         comm = self.communicator
         if getattr(comm, '_flight_owner', None) is self:
             comm._flight_owner = None
         error, self._error = self._error, None
-        view, scale = self._flight
-        self._flight = None
+        flight, self._flight = self._flight, None
+        return error, flight
+
+    def _complete(self):
+        """Wait for the exchange in flight: raise its error, or commit its
+        totals and keep its mean for the next update."""
+        joined = self._join()
+        if joined is None:
+            return
+        error, (view, scale) = joined
         if error is not None:
             raise error
-        comm.commit(view)
+        self.communicator.commit(view)
         self._ready = {'scale': scale, 'skipped': view['skipped'],
-                       'last': _public(view['last'])}
+                       'last': extensions.reported(view['last'])}
 
     def _drop(self):
         """Wait for the exchange in flight and forget it (its totals are
         not committed): a snapshot is being loaded over this run."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        comm = self.communicator
-        if getattr(comm, '_flight_owner', None) is self:
-            comm._flight_owner = None
-        self._error, self._flight = None, None
+        self._join()
         self._ready, self._shadow = None, None
 
     def wait(self):
@@ -401,12 +404,6 @@ def _complete_at_exit():
                   'aborting the job', file=sys.stderr, flush=True)
             from mpi4py import MPI
             MPI.COMM_WORLD.Abort(1)
-
-
-def _public(figures):
-    """The reported figures of an exchange (report_step's private
-    running-total keys, '_...', left out)."""
-    return {k: v for k, v in figures.items() if not k.startswith('_')}
 
 
 def check_thread_level():
