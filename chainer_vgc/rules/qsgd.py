@@ -120,7 +120,7 @@ class QSGD(base.CompressionRule):
         nb = -(-n // b)
         padded = xp.zeros(nb * b, dtype=numpy.float64)
         padded[:n] = g
-        norms = xp.sqrt((padded.reshape(nb, b) ** 2).sum(axis=1))
+        norms = xp.sqrt(bucket_sq(padded.reshape(nb, b) ** 2))
         norm = xp.repeat(norms, b)[:n]
         u = self._rng(xp).random(n, dtype=dtype)
         safe = xp.where(norm > 0, norm, 1)
@@ -136,3 +136,24 @@ class QSGD(base.CompressionRule):
             return None
         return codec.qsgd_group(tensor_id, level, negative, scales,
                                 self.bucket, self.levels)
+
+
+#: the length of the pieces a bucket's sum of squares is added in
+SUM_PIECE = 8192
+
+
+def bucket_sq(sq):
+    """Row sums of the (buckets, bucket) float64 squares ``sq``, in one
+    order on every NumPy: the pairwise sum of each piece of
+    :data:`SUM_PIECE` elements, added to the running total piece after
+    piece.  This is how numpy 1.x's ``sq.sum(axis=1)`` rounds (its reduction
+    loop sees a long row in pieces of its 8192-element buffer); NumPy 2.3
+    changed that buffering, so a plain ``sum`` rounds rows longer than 8192
+    differently there.  The native backend (``vgc_bucket_sq`` in
+    ``kernels/vgc_host.cpp``) computes the same order."""
+    if sq.shape[1] <= SUM_PIECE:
+        return sq.sum(axis=1)
+    total = sq[:, :SUM_PIECE].sum(axis=1)
+    for off in range(SUM_PIECE, sq.shape[1], SUM_PIECE):
+        total = total + sq[:, off:off + SUM_PIECE].sum(axis=1)
+    return total
