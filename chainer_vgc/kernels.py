@@ -121,9 +121,10 @@ def get_kernel(name):
     """The ``cupy.ElementwiseKernel`` (:data:`SPECS`) or
     ``cupy.ReductionKernel`` (:data:`REDUCTION_SPECS`) named ``name``.
 
-    Checks the CuPy version first and loads NVRTC from the
-    ``nvidia-cuda-nvrtc-cu12`` wheel where it is installed
-    (:mod:`chainer_vgc.cuda_support`)."""
+    Checks the CuPy version first and loads NVRTC of CuPy's CUDA major from
+    its NVIDIA wheel where it is installed (``nvidia-cuda-nvrtc-cu12`` for
+    CuPy 13, ``nvidia-cuda-nvrtc`` 13 for CuPy 14;
+    :mod:`chainer_vgc.cuda_support`)."""
     import cupy
     from chainer_vgc import cuda_support
     cuda_support.check_cupy(cupy)

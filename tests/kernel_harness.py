@@ -331,32 +331,119 @@ def ptx_entries(ptx):
     return re.findall(r'\.entry\s+(\w+)', ptx)
 
 
-# ---- the kernels as CuPy 13 itself generates and compiles them ---------------
+# ---- the kernels as CuPy 13 and 14 generate and compile them ----------------
 
 def cupy_available():
-    """CuPy importable (it imports without a GPU) and NVRTC loadable."""
+    """CuPy importable (it imports without a GPU) and NVRTC loadable for it
+    (``cuda_support.preload_nvrtc``: the CUDA 12 wheel for CuPy 13, the
+    CUDA 13 wheel for CuPy 14)."""
     try:
         from chainer_vgc import cuda_support
         if cuda_support.preload_nvrtc() is None:
             return False
         import cupy  # noqa: F401
         from cupy._core import _kernel  # noqa: F401
+        from cupy.cuda import compiler  # noqa: F401
         from cupy_backends.cuda.libs import nvrtc  # noqa: F401
     except Exception:
         return False
     return True
 
 
+class _NVRTCCallRecorded(Exception):
+    """Stops CuPy's compile pipeline at its NVRTC call (cupy_nvrtc_input)."""
+
+
+def cupy_nvrtc_input(code, options, arch='compute_80'):
+    """``(source, options)`` that CuPy 13 and 14 hand NVRTC when a kernel
+    whose generated code is ``code`` and whose own options are ``options``
+    is first called: CuPy's own pipeline, ``cupy._core.core.
+    compile_with_cache`` (what ElementwiseKernel and ReductionKernel call
+    with their code and options), run up to ``nvrtcCompileProgram`` on the
+    kernel's source, which is recorded instead of made.
+
+    No GPU is needed: CuPy's choice of the architecture, which asks the
+    current device, is replaced.  CuPy passes ``-arch=sm_<cc>`` (SASS)
+    where NVRTC knows the device's compute capability, else
+    ``-arch=compute_<cc>`` (PTX); here it is ``-arch=<arch>`` with PTX
+    output, so that the PTX can be read.  The rest is CuPy's, in its
+    order; for our kernels (options ``--fmad=false``):
+
+    * ``core.assemble_cupy_compiler_options``: ``-I`` the CCCL headers
+      bundled in CuPy (``.../cupy/_core/include/cupy/_cccl/{cub,thrust,
+      libcudacxx}``), the kernel's options, the default standard (CuPy 13:
+      ``--std=c++11``, CuPy 14: ``--std=c++17``), ``-I`` CuPy's headers
+      (``.../cupy/_core/include``), then CUDA headers.  CuPy 13 adds its
+      bundled ``.../cupy/_cuda/cuda-12`` only with NVRTC 12.0 and 12.1
+      (not with 12.2 and later, such as the pinned 12.9), then
+      ``<CUDA root>/include``, the root being ``CUDA_PATH``, else the
+      parent of the directory of ``nvcc`` on ``PATH``, else
+      ``/usr/local/cuda``.  CuPy 14 bundles no CUDA headers (its wheel has
+      no ``cupy/_cuda``): it adds cudart's include directory as
+      ``cuda.pathfinder.find_nvidia_header_directory('cudart')`` finds it
+      (a CUDA toolkit's, or a cudart wheel's), and refuses to compile
+      ("Failed to find CUDA headers") where there is none;
+    * ``-ftz=true``, which ``cupy.cuda.compiler._compile_with_cache_cuda``
+      appends in CuPy 13 and 14 (why kernels/vgc_numerics.cuh has its
+      subnormal rule);
+    * CuPy 13 with NVRTC >= 12.2 only: ``-I`` the include directory of the
+      ``nvidia-cuda-runtime-cu12`` wheel where one of NVRTC's minor
+      version is installed;
+    * ``-arch=...`` and ``--device-as-default-execution-space``, which the
+      NVRTC call appends in CuPy 13 (with NVRTC >= 12) and 14 (and, in
+      CuPy 14, ``--pch`` where ``CUPY_NVRTC_USE_PCH`` is set, with NVRTC
+      >= 12.8).
+
+    Every CuPy kernel includes ``cupy/carray.cuh``, which includes
+    ``cuda_fp16.h``: one of those directories must hold it, or no kernel
+    compiles.  The source is CuPy's header includes
+    (``core._cupy_header_list``) followed by ``code``.
+    ``CUPY_CACHE_IN_MEMORY`` is set meanwhile, so that no disk cache is
+    read or written.
+    """
+    from unittest import mock
+
+    from chainer_vgc import cuda_support
+    from cupy._core import core
+    from cupy.cuda import compiler
+    cuda_support.preload_nvrtc()  # CuPy 13 needs it for its empty-file run
+    recorded = []
+
+    class Recorder(compiler._NVRTCProgram):
+        def compile(self, options=(), log_stream=None):
+            if not self.src:  # CuPy's empty-file run (its cache key)
+                return super().compile(options, log_stream)
+            recorded.append((self.src, tuple(options)))
+            raise _NVRTCCallRecorded()
+
+    def arch_option(arch_number=None):  # CuPy's asks the current device
+        return '-arch=' + arch, 'ptx'
+
+    with mock.patch.object(compiler, '_NVRTCProgram', Recorder), \
+            mock.patch.object(compiler, '_get_arch_for_options_for_nvrtc',
+                              arch_option), \
+            mock.patch.dict(os.environ, {'CUPY_CACHE_IN_MEMORY': '1'}):
+        try:
+            core.compile_with_cache(code, tuple(options),
+                                    arch=arch.rsplit('_', 1)[-1])
+        except _NVRTCCallRecorded:
+            pass
+    if len(recorded) != 1:
+        raise RuntimeError('CuPy\'s compile_with_cache made {} NVRTC calls '
+                           'on the kernel source, not 1'.format(len(recorded)))
+    return recorded[0]
+
+
 def cupy_generated_source(kname, args):
-    """The translation unit CuPy 13 compiles for ``kernels.get_kernel(kname)``
-    called with arrays/scalars like ``args``: CuPy's own code generator
-    (``_get_elementwise_kernel_code``) on the kernel object, after CuPy's
-    header includes, as ``compile_with_cache`` prepends them."""
+    """The translation unit CuPy 13 and 14 compile for
+    ``kernels.get_kernel(kname)`` called with arrays/scalars like ``args``:
+    CuPy's own code generator (``_kernel._get_elementwise_kernel_code``,
+    the same signature in both) on the kernel object, then CuPy's header
+    includes in front (:func:`cupy_nvrtc_input`)."""
     import cupy
     from cupy._core import _carray
     from cupy._core import _kernel
     from cupy._core import _scalar
-    from cupy._core import core
     spec = kernels.SPECS[kname]
     params, dtypes, is_array, binding = _resolve(spec, args)
     infos = []
@@ -369,25 +456,25 @@ def cupy_generated_source(kname, args):
     infos.append(_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True))
     type_map = _kernel._TypeMap(tuple(sorted(binding.items())))
     kern = kernels.get_kernel(kname)
+    options = tuple(kern.kwargs.get('options', ()))
     code = _kernel._get_elementwise_kernel_code(
         tuple(infos), type_map, kern.params, kern.operation, kern.name,
-        kern.preamble, '', '', ())
-    header = ''.join('#include <{}>\n'.format(h)
-                     for h in core._cupy_header_list)
-    return header + code
+        kern.preamble, '', '', options)
+    return cupy_nvrtc_input(code, options)[0]
 
 
 def cupy_reduction_source(kname, dtype, block_size=512):
-    """The translation unit CuPy 13 compiles for the ReductionKernel
+    """The translation unit CuPy 13 and 14 compile for the ReductionKernel
     ``kname`` reducing axis 0 of a C-contiguous 2-D array of ``dtype`` to
-    1-D: CuPy's own generator (``_ReductionKernel_get_cached_function_code``)
-    with the kernel object's parameters, after CuPy's header includes."""
+    1-D: CuPy's own generator (``_reduction.
+    _ReductionKernel_get_cached_function_code``, the same signature in
+    both) with the kernel object's parameters, then CuPy's header includes
+    in front (:func:`cupy_nvrtc_input`)."""
     import cupy
     from cupy._core import _carray
     from cupy._core import _kernel
     from cupy._core import _reduction
     from cupy._core import _scalar
-    from cupy._core import core
     kern = kernels.get_kernel(kname)
     dt = numpy.dtype(dtype)
     infos = (_kernel._ArgInfo(1, cupy.ndarray, dt, 2, True, True),
@@ -402,23 +489,14 @@ def cupy_reduction_source(kname, dtype, block_size=512):
         _kernel._TypeMap(((typ, dt), ('IndexT', numpy.dtype(numpy.int32)))),
         kern.name, block_size, typ, kern.identity, kern.map_expr,
         kern.reduce_expr, kern.post_map_expr, kern.preamble, kern.options)
-    header = ''.join('#include <{}>\n'.format(h)
-                     for h in core._cupy_header_list)
-    return header + code
+    return cupy_nvrtc_input(code, kern.options)[0]
 
 
 def cupy_compile_options(arch='compute_80'):
-    """CuPy 13's option list for our kernels: ``assemble_cupy_compiler_options``
-    on the kernels' own options, the CUDA headers bundled in the wheel (CuPy
-    uses them when no CUDA toolkit is installed), then what
-    ``_compile_with_cache_cuda`` appends last: ``-ftz=true``."""
-    import cupy
-    from cupy._core import core
-    bundled = os.path.join(os.path.dirname(cupy.__file__), '_core',
-                           'include', 'cupy', '_cuda', 'cuda-12')
-    return (tuple(core.assemble_cupy_compiler_options(
-        tuple(kernels.NVRTC_OPTIONS))) + ('-I' + bundled, '-ftz=true',
-                                          '-arch=' + arch))
+    """The option list CuPy 13 and 14 hand NVRTC for our kernels (their
+    options are ``kernels.NVRTC_OPTIONS``), with ``-arch=<arch>``: see
+    :func:`cupy_nvrtc_input`."""
+    return cupy_nvrtc_input('', kernels.NVRTC_OPTIONS, arch)[1]
 
 
 def nvrtc_ptx(source, options):
@@ -429,8 +507,8 @@ def nvrtc_ptx(source, options):
         try:
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError:
-            raise RuntimeError('NVRTC failed:\n' +
-                               nvrtc.getProgramLog(prog))
+            raise RuntimeError('NVRTC failed with options {}:\n{}'.format(
+                ' '.join(options), nvrtc.getProgramLog(prog)))
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -79,8 +79,10 @@ def test_setup_cfg_declares_mpi_and_cuda_extras():
     cuda = requirements(cfg, 'options.extras_require', 'cuda')
     # each stack's Python gets its stack's CuPy and NVRTC, and only those
     for python, stack, wheels in (
-            ('3.11', 'np1', ('cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12')),
-            ('3.12', 'np2', ('cupy-cuda13x', 'nvidia-cuda-nvrtc'))):
+            ('3.11', 'np1', ('cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12',
+                             'nvidia-cuda-runtime-cu12')),
+            ('3.12', 'np2', ('cupy-cuda13x', 'nvidia-cuda-nvrtc',
+                             'nvidia-cuda-runtime'))):
         chosen = {r.name: r for r in cuda if applies(r, python)}
         assert sorted(chosen) == sorted(wheels), (python, sorted(chosen))
         for name in wheels:
