@@ -3,7 +3,8 @@
 # Two stacks (README, "Two stacks"), each in its own venv:
 #   np2 (the default): Python 3.12, NumPy 2.5, cupy-cuda13x 14;
 #   np1 (pinned):      Python 3.11, numpy 1.23.5, cupy-cuda12x 13.
-# `make test` runs the whole suite on both; `make test STACKS=np2` on one.
+# `make test` runs the whole suite on both (`make -k test`: the second even
+# when the first fails); `make test STACKS=np2` on one.
 # `make demo` runs on STACK (np2 unless given: make demo STACK=np1).
 STACK ?= np2
 STACKS ?= np2 np1
@@ -11,14 +12,18 @@ PYTHON_VERSION_np1 := 3.11
 PYTHON_VERSION_np2 := 3.12
 
 # The interpreter of a stack: PYTHON_np1 / PYTHON_np2 if given, else the
-# first of pythonX.Y on PATH, pyenv's versions, /usr/bin that runs and is X.Y.
+# first of pythonX.Y on PATH, pyenv's versions, /usr/bin that runs, is X.Y
+# and can make a venv with pip (Debian's python3.X without python3.X-venv
+# has no ensurepip).
 find_python = $(firstword $(foreach c,python$(1) \
 	$(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)) \
 	/usr/local/bin/python$(1) /usr/bin/python$(1),$(shell $(c) -c \
-	'import sys; sys.exit(sys.version_info[:2] != tuple(map(int, "$(1)".split("."))))' \
+	'import sys, ensurepip; sys.exit(sys.version_info[:2] != tuple(map(int, "$(1)".split("."))))' \
 	>/dev/null 2>&1 && echo $(c))))
 PYTHON_np1 ?= $(call find_python,$(PYTHON_VERSION_np1))
 PYTHON_np2 ?= $(call find_python,$(PYTHON_VERSION_np2))
+PYTHON_np1 := $(PYTHON_np1)
+PYTHON_np2 := $(PYTHON_np2)
 
 # build tools first (chainer 7.8.1's sdist imports pkg_resources and, with
 # numpy 1.x, numpy.distutils), then the rest built without isolation
@@ -46,12 +51,12 @@ venvs: $(foreach s,$(STACKS),.venv-$(s)/.native)
 	touch $@
 
 # the native CPU backend (and the start-up hook), rebuilt whenever their
-# sources change (not again right after a fresh install: $? is then only
-# the .installed stamp)
+# sources change (not again right after a fresh install: the stamp is then
+# missing, or $? holds only the .installed stamp)
 .venv-%/.native: .venv-%/.installed kernels/vgc_host.cpp kernels/vgc_numerics.cuh \
 		chainer_vgc/_startup/_chainer_vgc_compat.py
-	$(if $(filter-out .venv-$*/.installed,$?),.venv-$*/bin/python -m pip \
-		--disable-pip-version-check install -q --no-build-isolation --no-deps -e .)
+	$(if $(wildcard $@),$(if $(filter-out .venv-$*/.installed,$?),.venv-$*/bin/python \
+		-m pip --disable-pip-version-check install -q --no-build-isolation --no-deps -e .))
 	touch $@
 
 .PRECIOUS: .venv-%/.installed .venv-%/.native
@@ -98,5 +103,6 @@ gpu-runbook-dry: gpu-bundle
 	.venv-np2/bin/python benchmarks/gpu_runbook.py run gpu_carry --dry
 
 clean:
-	rm -rf gpu_carry .venv .venv-np1 .venv-np2 build *.egg-info .pytest_cache .hypothesis \
+	rm -rf gpu_carry .venv .venv-np1 .venv-np2 build *.egg-info \
+		chainer_vgc/_startup/*.egg-info .pytest_cache .hypothesis \
 		chainer_vgc/_vgc_native*.so

@@ -5,8 +5,9 @@ references, then timings.
 Two modes:
 
 ``python benchmarks/gpu_check.py record DIR``
-    On a machine with the project's environment (numpy 1.x, the native
-    backend built; Chainer is not needed).  Generates deterministic inputs,
+    On a machine with the project's environment (either stack, the native
+    backend built; Chainer is not needed; ``make gpu-bundle`` records on
+    the np2 stack, as the GPU runbook carries it).  Generates deterministic inputs,
     computes the NumPy reference path's outputs (and checks that the native
     backend gives the same), and writes ``DIR/reference.npz`` (inputs, the
     wire messages, the kernels' expected outputs) and ``DIR/cases.json``

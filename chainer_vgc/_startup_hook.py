@@ -31,15 +31,30 @@ def compat_module():
     return _chainer_vgc_compat
 
 
+def _numpy_failure(e):
+    """Whether ``e`` (raised by ``import chainer``) is NumPy lacking a name
+    or module: an AttributeError on the numpy module, or an ImportError of
+    a ``numpy.*`` module or name.  A missing Chainer or dependency of it is
+    not: that error is already clear."""
+    if isinstance(e, AttributeError):  # NumPy 2: "`np.sctypes` was removed
+        return 'numpy' in str(e) or 'np.' in str(e)  # in the NumPy 2.0 ..."
+    name = getattr(e, 'name', None) or ''
+    return name == 'numpy' or name.startswith('numpy.') or (
+        not isinstance(e, ModuleNotFoundError) and 'numpy' in str(e))
+
+
 def prepare_chainer_import():
-    """Run the hook's preparation, then import Chainer; a failure that the
-    hook should have prevented is re-raised as an ImportError naming what
-    Chainer missed and the fix."""
+    """Run the hook's preparation, then import Chainer; a NumPy name or
+    module Chainer still misses (one the hook does not know) is re-raised
+    as an ImportError naming it and the fix.  Other import errors (Chainer
+    or one of its dependencies not installed) propagate unchanged."""
     compat = compat_module()
     compat.prepare_chainer_import()
     try:
         import chainer  # noqa: F401
     except (AttributeError, ImportError) as e:
+        if not _numpy_failure(e):
+            raise
         import numpy
         raise ImportError(
             'chainer_vgc: Chainer 7.8.1 failed to import with NumPy {} '

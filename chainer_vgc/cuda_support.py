@@ -234,8 +234,10 @@ def status():
     ``cupy_import_error``), ``cupy_supported``, ``cupy_supported_range``
     and ``cupy_check_error``, ``cupy_cuda_major`` (the CUDA major version
     CuPy was built for, which NVRTC must match),
-    ``chainer_cuda_available`` (``chainer.backends.cuda.available``) and
-    ``chainer_cuda_error`` (its ``_resolution_error``, as text),
+    ``chainer_cuda_available`` (``chainer.backends.cuda.available``),
+    ``chainer_cuda_error`` (its ``_resolution_error``, as text, where CUDA
+    is not available), ``chainer_cudnn_enabled`` (CuPy 14 has no cuDNN:
+    False there),
     ``nvrtc_path`` (from :func:`preload_nvrtc`, which this calls) and
     ``nvrtc_error``.
     """
@@ -244,6 +246,7 @@ def status():
             'cupy_supported_range': supported_range(),
             'cupy_check_error': None, 'cupy_cuda_major': None,
             'chainer_cuda_available': None, 'chainer_cuda_error': None,
+            'chainer_cudnn_enabled': None,
             'nvrtc_path': None, 'nvrtc_error': None}
     try:
         import cupy
@@ -264,8 +267,12 @@ def status():
             type(e).__name__, e)
     else:
         info['chainer_cuda_available'] = bool(cuda.available)
+        info['chainer_cudnn_enabled'] = bool(getattr(cuda, 'cudnn_enabled',
+                                                     False))
         err = getattr(cuda, '_resolution_error', None)
-        if err is not None:
+        # with CUDA available, the error left there is cuDNN's (CuPy 14
+        # has no cupy.cuda.cudnn): chainer_cudnn_enabled says that
+        if err is not None and not cuda.available:
             info['chainer_cuda_error'] = '{}: {}'.format(
                 type(err).__name__, err)
     info['nvrtc_path'] = preload_nvrtc()

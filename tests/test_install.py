@@ -216,7 +216,8 @@ SMOKE = textwrap.dedent("""\
 def _copy_tree(dst):
     """The source tree without build outputs or the venv."""
     shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
-        '.venv', '.git', 'build', 'dist', '*.egg-info', '__pycache__',
+        '.venv', '.venv-*', 'gpu_carry', '.git', 'build', 'dist',
+        '*.egg-info', '__pycache__',
         '*.so', 'result', '.pytest_cache', '.hypothesis'))
 
 

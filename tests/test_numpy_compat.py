@@ -63,7 +63,10 @@ def test_missing_names_per_stack():
     import chainer  # noqa: F401  (the hook has run by now)
     if NUMPY2:
         assert numpy.float is float
-        assert numpy.sctypes == compat.numpy1_sctypes(numpy)
+        if os.uname().machine == 'x86_64':  # NumPy 1.x's dict, by name
+            assert by_name(numpy.sctypes) == SCTYPES_X86_64_LINUX
+        assert numpy.sctypes['others'] == [bool, object, bytes, str,
+                                           numpy.void]
         assert set(compat.added_names()) >= {'float', 'sctypes'}
         # never a name NumPy 2 defines again
         assert numpy.bool is numpy.bool_
@@ -108,15 +111,21 @@ def test_distutils_stand_in_only_where_numpy_has_none():
         assert empty == 'True'
 
 
+#: the start-up hook taken off sys.meta_path: chainer_vgc must act alone
+WITHOUT_HOOK = ('import sys; sys.meta_path[:] = [f for f in sys.meta_path '
+                "if type(f).__name__ != 'ChainerImportHook']; ")
+
+
 @pytest.mark.parametrize('code', [
     'import chainer, chainer_vgc',
     'import chainer_vgc, chainer',
+    WITHOUT_HOOK + 'import chainer_vgc, chainer',
     'import chainer',
     'import chainer.functions as F; import numpy; '
     'x = numpy.arange(16, dtype=numpy.float32).reshape(1, 1, 4, 4); '
     'F.resize_images(x, (2, 2))',  # numpy.float at call time
-], ids=['chainer-first', 'chainer_vgc-first', 'chainer-alone',
-        'resize_images'])
+], ids=['chainer-first', 'chainer_vgc-first', 'chainer_vgc-first-no-hook',
+        'chainer-alone', 'resize_images'])
 def test_imports_in_either_order_print_nothing(code):
     proc = python(code)
     assert proc.returncode == 0, proc.stderr
@@ -124,17 +133,52 @@ def test_imports_in_either_order_print_nothing(code):
     assert proc.stderr == ''
 
 
-def test_hook_is_installed_at_start_up_and_imports_no_numpy():
+def test_hook_is_installed_at_start_up_and_imports_little():
+    """Every interpreter of the venv runs the .pth: it loads no NumPy and
+    not importlib.abc (a dozen modules on Python 3.12)."""
     proc = python('''
         import sys
         hooks = [type(f).__name__ for f in sys.meta_path]
-        print('ChainerImportHook' in hooks, 'numpy' in sys.modules)
+        print('ChainerImportHook' in hooks, 'numpy' in sys.modules,
+              'importlib.abc' in sys.modules)
         import chainer
         print('ChainerImportHook' in [type(f).__name__
                                       for f in sys.meta_path])
     ''')
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ['True', 'False', 'False']
+    assert proc.stdout.split() == ['True', 'False', 'False', 'False']
+
+
+def test_without_the_hook_chainer_alone_fails_on_numpy2():
+    """The control for the import tests: with the hook taken off before
+    anything else, `import chainer` fails on NumPy 2 (and works on numpy
+    1.23, where nothing is missing)."""
+    proc = python(WITHOUT_HOOK + 'import chainer')
+    if NUMPY2:
+        assert proc.returncode != 0
+        assert ('AttributeError: `np.sctypes` was removed in the NumPy 2.0 '
+                'release' in proc.stderr)
+    else:
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_cudnn_advice_filtered_only_where_cupy_has_no_cudnn():
+    """CuPy 14 has no cupy.cuda.cudnn: Chainer's "reinstall CuPy" advice is
+    filtered (that message, from chainer.backends.cuda); CuPy 13 has the
+    module, and its warning stays."""
+    proc = python('''
+        import importlib.util, warnings
+        import chainer
+        has = importlib.util.find_spec('cupy.cuda.cudnn') is not None
+        filtered = [f for f in warnings.filters if f[0] == 'ignore' and
+                    f[1] is not None and f[1].pattern == 'cuDNN is not enabled'
+                    and f[3].pattern == r'chainer\\.backends\\.cuda']
+        print(has, len(filtered))
+    ''')
+    assert proc.returncode == 0, proc.stderr
+    cupy_major = int(__import__('cupy').__version__.split('.')[0])
+    assert proc.stdout.split() == (['False', '1'] if cupy_major >= 14
+                                   else ['True', '0'])
 
 
 def test_pkg_resources_stand_in_where_setuptools_has_none():
@@ -162,6 +206,17 @@ def test_pkg_resources_stand_in_where_setuptools_has_none():
     assert proc.stderr == ''
     assert proc.stdout.split() == ['_PkgResourcesStandIn', 'False', 'numpy',
                                    'VersionConflict', 'DistributionNotFound']
+
+
+def test_chainer_missing_a_dependency_is_reported_unchanged(tmp_path):
+    """Not a NumPy name: the import error propagates as it is."""
+    fake = tmp_path / 'chainer'
+    fake.mkdir()
+    (fake / '__init__.py').write_text('import six_vgc_missing\n')
+    proc = python('import chainer_vgc', extra_path=str(tmp_path))
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: No module named 'six_vgc_missing'")
 
 
 def test_chainer_failing_anyway_says_what_and_how_to_fix(tmp_path):

@@ -1,7 +1,7 @@
 """What Chainer 7.8.1 needs from today's stack, given before it is imported.
 
 Chainer 7.8.1 (2022) uses three NumPy names that NumPy 2 removed, and it
-imports ``pkg_resources``, which setuptools 81 removed:
+imports ``pkg_resources``, which setuptools 82 removed (81 warns):
 
 * ``numpy.float`` (``chainer/functions/array/resize_images.py``, at call
   time): the builtin :class:`float`, which the name meant before NumPy 1.24;
@@ -35,7 +35,12 @@ CuPy's "nccl library could not be loaded" warning (``cupy._environment``,
 when ``cupy.cuda.nccl`` is first imported, which ``import chainer`` does)
 is not shown: that module is imported here first, with that one warning
 silenced.  chainer-vgc never uses NCCL; a ChainerMN NCCL communicator still
-fails with its own error where NCCL is missing.
+fails with its own error where NCCL is missing.  Likewise, where CuPy has
+no cuDNN module at all (CuPy 14 dropped ``cupy.cuda.cudnn``), Chainer's
+"cuDNN is not enabled ... reinstall CuPy" warning at the first use of a
+GPU is filtered (that one message, from ``chainer.backends.cuda``): its
+advice cannot be followed there, and Chainer then uses its own
+convolutions.
 
 How it runs: the installed ``chainer_vgc_compat.pth`` imports this module
 at interpreter start-up and calls :func:`install`, which puts
@@ -45,8 +50,9 @@ does nothing until a module named ``chainer`` is imported; then it runs
 ``import chainer_vgc`` calls :func:`prepare_chainer_import` as well, so
 the order of imports does not matter, and neither do ``python -S`` runs
 that import chainer_vgc first.  This module imports nothing at start-up
-beyond the standard library's ``sys`` and ``importlib``; NumPy is imported
-only when Chainer is.
+beyond ``sys`` and ``importlib.util`` (its finder and loader are plain
+classes: ``importlib.abc`` would pull in a dozen modules at every start);
+NumPy is imported only when Chainer is.
 
 This file is installed as the top-level module ``_chainer_vgc_compat``
 (it must be importable without ``chainer_vgc/__init__.py``, which imports
@@ -54,7 +60,6 @@ MPI and Chainer).  The README's "Today's stack" section lists the same
 names.
 """
 
-import importlib.abc
 import importlib.util
 import sys
 
@@ -64,6 +69,8 @@ NUMPY_NAMES = ('float', 'sctypes', 'distutils.system_info')
 
 #: CuPy's warning at import when NCCL is missing (chainer-vgc never uses it)
 _NCCL_WARNING = r'\s*nccl library could not be loaded'
+#: Chainer's warning where CuPy has no cuDNN (CuPy 14 has none at all)
+_CUDNN_WARNING = r'cuDNN is not enabled'
 
 _state = {'prepared': False, 'added': ()}
 
@@ -83,7 +90,7 @@ def _has(numpy, name):
 
 def _distutils_importable():
     try:
-        import numpy.distutils.system_info  # noqa: F401
+        import numpy.distutils  # noqa: F401
     except ImportError:
         return False
     return True
@@ -94,7 +101,7 @@ def missing_numpy_names(numpy=None):
     if numpy is None:
         import numpy
     missing = [name for name in ('float', 'sctypes') if not _has(numpy, name)]
-    if 'numpy.distutils.system_info' not in sys.modules:
+    if 'numpy.distutils' not in sys.modules:
         import warnings
         with warnings.catch_warnings():  # its DeprecationWarning
             warnings.simplefilter('ignore')
@@ -117,10 +124,12 @@ def numpy1_sctypes(numpy):
              'float': sized('float', fbits),
              'complex': sized('complex', [2 * b for b in fbits]),
              'others': [bool, object, bytes, str, numpy.void]}
-    intp = numpy.dtype(numpy.intp).type
-    if intp not in types['int']:  # as NumPy 1.x: intp among the ints
-        types['int'].insert(0, intp)
-        types['uint'].insert(0, numpy.dtype(numpy.uintp).type)
+    intp, uintp = numpy.dtype(numpy.intp).type, numpy.dtype(numpy.uintp).type
+    if intp not in types['int']:  # as NumPy 1.x: intp among the ints,
+        size = numpy.dtype(intp).itemsize  # placed by its size
+        k = len([t for t in types['int'] if numpy.dtype(t).itemsize < size])
+        types['int'].insert(k, intp)
+        types['uint'].insert(k, uintp)
     return types
 
 
@@ -235,7 +244,7 @@ def _pkg_resources():
     return pkg_resources
 
 
-class _WithModules(importlib.abc.Loader):
+class _WithModules(object):
     """A loader running another loader's ``exec_module`` with extra
     ``sys.modules`` entries that are removed again afterwards."""
 
@@ -259,7 +268,7 @@ class _WithModules(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _EnvironmentCheckHook(importlib.abc.MetaPathFinder):
+class _EnvironmentCheckHook(object):
     """Gives ``chainer._environment_check`` the pkg_resources stand-in."""
 
     NAME = 'chainer._environment_check'
@@ -277,10 +286,12 @@ class _EnvironmentCheckHook(importlib.abc.MetaPathFinder):
 
 # -- the hook -----------------------------------------------------------------
 
-def _silence_cupy_nccl_warning():
+def _quiet_cupy_warnings():
     """Import ``cupy.cuda.nccl``, where CuPy is installed, with its NCCL
     warning silenced (CuPy warns once, when that module is first imported;
-    it then stays imported with ``available = False``)."""
+    it then stays imported with ``available = False``); where CuPy has no
+    ``cupy.cuda.cudnn``, filter Chainer's cuDNN advice (module
+    docstring)."""
     if ('cupy.cuda.nccl' in sys.modules
             or importlib.util.find_spec('cupy') is None):
         return
@@ -291,24 +302,35 @@ def _silence_cupy_nccl_warning():
         try:
             import cupy.cuda.nccl  # noqa: F401
         except Exception:  # Chainer reports a broken CuPy itself
-            pass
+            return
+    try:
+        has_cudnn = importlib.util.find_spec('cupy.cuda.cudnn') is not None
+    except (ImportError, ValueError):
+        has_cudnn = False
+    if not has_cudnn:
+        warnings.filterwarnings('ignore', message=_CUDNN_WARNING,
+                                category=UserWarning,
+                                module=r'chainer\.backends\.cuda')
 
 
 def prepare_chainer_import():
     """Everything Chainer 7.8.1 needs before its import (module
-    docstring).  Idempotent; cheap after the first call."""
+    docstring).  Idempotent; cheap after the first call (a retry after a
+    failed ``import chainer`` gets the pkg_resources stand-in again)."""
+    if (_EnvironmentCheckHook.NAME not in sys.modules
+            and 'chainer' not in sys.modules
+            and not any(isinstance(f, _EnvironmentCheckHook)
+                        for f in sys.meta_path)
+            and _pkg_resources() is None):
+        sys.meta_path.insert(0, _EnvironmentCheckHook())
     if _state['prepared']:
         return
     restore_numpy_names()
-    if (_pkg_resources() is None and 'chainer' not in sys.modules
-            and not any(isinstance(f, _EnvironmentCheckHook)
-                        for f in sys.meta_path)):
-        sys.meta_path.insert(0, _EnvironmentCheckHook())
-    _silence_cupy_nccl_warning()
+    _quiet_cupy_warnings()
     _state['prepared'] = True
 
 
-class ChainerImportHook(importlib.abc.MetaPathFinder):
+class ChainerImportHook(object):
     """Runs :func:`prepare_chainer_import` when ``chainer`` is first
     imported, then removes itself; finds nothing itself."""
 
