@@ -61,9 +61,11 @@ venvs: $(foreach s,$(STACKS),.venv-$(s)/.native)
 
 .PRECIOUS: .venv-%/.installed .venv-%/.native
 
-# 4 MPI ranks train an MNIST MLP with VGC (alpha = 2), about 1 minute on 2 cores
+# 4 MPI ranks train an MNIST MLP with VGC (alpha = 2), about 1 minute on 2 cores.
+# One BLAS thread per rank: with more ranks than cores, NumPy 2.5's OpenBLAS
+# threads made this run 4.4x slower (README, "Two stacks").
 demo: $(VENV)/.native
-	$(VENV)/bin/mpiexec -n 4 $(PY) examples/train_mnist.py --method vgc \
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 4 $(PY) examples/train_mnist.py --method vgc \
 		--alpha 2 --epoch 10 --progress --out result/demo
 
 # the single-process tour of every method (no MPI)
@@ -90,7 +92,7 @@ bench: $(VENV)/.native
 
 # needs root (network namespaces + tc); see benchmarks/bench_network.py
 bench-network: $(VENV)/.native
-	$(PY) benchmarks/bench_network.py --workers 4 --rates 1gbit,10gbit
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_network.py --workers 4 --rates 1gbit,10gbit
 
 # the GPU runbook's carried files (wheels for CPython 3.12, references),
 # built on the np2 stack; on the GPU machine:

@@ -14,6 +14,8 @@
 
 import configparser
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -182,15 +184,26 @@ def test_import_mpi_returns_mpi4py_mpi():
 
 # -- the README's recipe, in a fresh virtualenv ------------------------------
 
-#: README: "Installing with pip", one recipe per stack (by Python version)
-README_RECIPES = {
-    (3, 11): [['pip', 'install', 'setuptools>=64,<74', 'wheel'],
-              ['pip', 'install', '--no-build-isolation', '.[mpich]']],
-    # setuptools 82 no longer has pkg_resources, which Chainer's setup.py
-    # imports; at run time the start-up hook's stand-in serves
-    (3, 12): [['pip', 'install', 'setuptools<82', 'wheel', 'numpy>=2'],
-              ['pip', 'install', '--no-build-isolation', '.[mpich]']],
-}
+def readme_recipes():
+    """The README's pip recipes ("Installing with pip"), per Python: the
+    first ``sh`` block is today's stack (its two ``pip install`` lines
+    before the check), the next gives the pinned stack's first two lines,
+    the rest being the same."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        text = f.read()
+    section = text[text.index('## Installing with pip'):]
+    blocks = re.findall(r'```sh\n(.*?)```', section, re.S)[:2]
+
+    def pip_lines(block):
+        return [shlex.split(line, comments=True)[0:] for line in
+                block.splitlines() if line.startswith('pip install')]
+    today, pinned = pip_lines(blocks[0]), pip_lines(blocks[1])
+    assert 'python3.12 -m venv' in blocks[0]
+    assert 'python3.11 -m venv' in blocks[1]
+    return {(3, 12): today[:2], (3, 11): pinned[:1] + today[1:2]}
+
+
+README_RECIPES = readme_recipes()
 
 #: both import orders, in a fresh interpreter: no error, no warning
 IMPORTS = ['import chainer, chainer_vgc', 'import chainer_vgc, chainer']
@@ -260,3 +273,13 @@ def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):
         text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert 'means [1.5, 1.5]' in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_readme_recipes_are_the_two_stacks():
+    """What the fresh-venv test runs, read from the README."""
+    assert README_RECIPES[(3, 12)] == [
+        ['pip', 'install', 'setuptools<82', 'wheel', 'numpy>=2'],
+        ['pip', 'install', '--no-build-isolation', '.[mpich]']]
+    assert README_RECIPES[(3, 11)] == [
+        ['pip', 'install', 'setuptools>=64,<74', 'wheel'],
+        ['pip', 'install', '--no-build-isolation', '.[mpich]']]
