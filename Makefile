@@ -1,6 +1,6 @@
 # chainer-vgc: `make demo` and `make test` set everything up on a fresh machine.
 #
-# Two stacks (README, "Two stacks"), each in its own venv:
+# Two stacks (docs/stacks.md), each in its own venv:
 #   np2 (the default): Python 3.12, NumPy 2.5, cupy-cuda13x 14;
 #   np1 (pinned):      Python 3.11, numpy 1.23.5, cupy-cuda12x 13.
 # `make test` runs the whole suite on both (`make -k test`: the second even
@@ -63,7 +63,7 @@ venvs: $(foreach s,$(STACKS),.venv-$(s)/.native)
 
 # 4 MPI ranks train an MNIST MLP with VGC (alpha = 2), about 1 minute on 2 cores.
 # One BLAS thread per rank: with more ranks than cores, NumPy 2.5's OpenBLAS
-# threads made this run 4.4x slower (README, "Two stacks").
+# threads made this run 4.4x slower (docs/stacks.md).
 demo: $(VENV)/.native
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 4 $(PY) examples/train_mnist.py --method vgc \
 		--alpha 2 --epoch 10 --progress --out result/demo

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 
-#: NumPy versions the two tested stacks use (README, "Two stacks")
+#: NumPy versions the two tested stacks use (docs/stacks.md)
 TESTED_NUMPY = ('1.23.5', '2.5.5')
 
 

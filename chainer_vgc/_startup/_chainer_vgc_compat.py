@@ -56,8 +56,7 @@ NumPy is imported only when Chainer is.
 
 This file is installed as the top-level module ``_chainer_vgc_compat``
 (it must be importable without ``chainer_vgc/__init__.py``, which imports
-MPI and Chainer).  The README's "Today's stack" section lists the same
-names.
+MPI and Chainer).  docs/stacks.md lists the same names.
 """
 
 import importlib.util
