@@ -1,8 +1,9 @@
 """Builds the native CPU backend (chainer_vgc/_vgc_native*.so).
 
 The metadata lives in setup.cfg; this file only declares the C++ extension,
-compiled from kernels/vgc_host.cpp, which includes kernels/vgc_numerics.cuh
-(the source of the CuPy kernels).  The library is loaded with ctypes by
+compiled from kernels/vgc_host.cpp (one translation unit), which includes
+its internal headers kernels/vgc_*.h and kernels/vgc_numerics.cuh (the
+source of the CuPy kernels).  The library is loaded with ctypes by
 chainer_vgc/native.py, which compares the source hash compiled in here with
 the sources next to it, so a stale build is reported instead of used.
 """
@@ -16,7 +17,13 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NATIVE_SOURCES = ('kernels/vgc_host.cpp', 'kernels/vgc_numerics.cuh')
+# every file the library is compiled from, the translation unit first (the
+# same names, in the same order, as chainer_vgc/native.py SOURCES: the hash
+# compiled in must equal the one native.py computes)
+NATIVE_SOURCES = ('kernels/vgc_host.cpp', 'kernels/vgc_host_common.h',
+                  'kernels/vgc_gap_coder.h', 'kernels/vgc_blocks.h',
+                  'kernels/vgc_passes.h', 'kernels/vgc_decode.h',
+                  'kernels/vgc_numerics.cuh')
 
 
 def source_hash():
@@ -31,8 +38,8 @@ def source_hash():
 def native_extension(name, isa_flags):
     return Extension(
         name,
-        sources=['kernels/vgc_host.cpp'],
-        depends=['kernels/vgc_numerics.cuh'],
+        sources=[NATIVE_SOURCES[0]],
+        depends=list(NATIVE_SOURCES[1:]),
         include_dirs=['kernels'],
         define_macros=[('VGC_SOURCE_HASH', '"{}"'.format(source_hash()))],
         # no FMA contraction and no fast-math: results equal the NumPy path;

@@ -1,0 +1,433 @@
+/*
+ * chainer-vgc native CPU backend: FMT_GAP, the gap-coded indices
+ * (codec.gap_body; docs: issue 14).  The Rice parameter, the LSB-first bit
+ * writer, the gap stream's encoder and its checking decoder
+ * (vgc_gap_decode), and vgc_emit, which writes the words the chunks staged
+ * as one FMT_POW2 or FMT_GAP group.
+ *
+ * An internal header of the native CPU backend: included once, by
+ * vgc_host.cpp (the one translation unit, so that the hot paths inline
+ * across these files); not a public interface.
+ */
+#ifndef CHAINER_VGC_GAP_CODER_H
+#define CHAINER_VGC_GAP_CODER_H
+
+#include "vgc_host_common.h"
+
+/* ---- FMT_GAP: gap-coded indices (codec.gap_body, docs: issue 14) ------- */
+
+/* The Rice parameter of codec.rice_parameter (integers only):
+ * t = 11 (size - count) // (16 count), k = floor(log2 t) (0 if t < 1),
+ * at most 62. */
+static int vgc_rice_parameter(int64_t count, int64_t size) {
+    if (count <= 0 || size <= count) return 0;
+    unsigned __int128 num = (unsigned __int128)11 * (uint64_t)(size - count);
+    unsigned __int128 den = (unsigned __int128)16 * (uint64_t)count;
+    uint64_t t = (uint64_t)(num / den);
+    if (t < 1) return 0;
+    int k = 63 - __builtin_clzll(t);
+    return k < 62 ? k : 62;
+}
+
+/* LSB-first bit writer: fields go to increasing bit positions, from bit
+ * `start` of the section at base.  It may write one part of a section that
+ * several writers (the chunks of vgc_emit, in parallel) share: it stores
+ * every word it fills completely except its first (word start / 32),
+ * which, like its last partial word, can hold bits of a neighbour: those
+ * two are kept (head, tail) for the caller to OR in (edges()); alone in
+ * its section, store_edges() writes them. */
+struct vgc_bit_writer {
+    uint32_t *base;
+    uint64_t first, wi; /* first word, word being filled */
+    uint64_t acc;       /* pending bits, below nb */
+    int nb;             /* 0..31 */
+    uint32_t head;      /* the first word, once filled */
+    vgc_bit_writer(uint32_t *dst, uint64_t start = 0)
+        : base(dst), first(start >> 5), wi(start >> 5), acc(0),
+          nb((int)(start & 31)), head(0) {}
+    inline void flush() {
+        const uint32_t w = (uint32_t)acc;
+        if (wi == first)
+            head = w;
+        else
+            base[wi] = w;
+        ++wi;
+        acc >>= 32;
+        nb -= 32;
+    }
+    /* a field of len <= 32 bits holding x < 2**len */
+    inline void put(uint64_t x, int len) {
+        acc |= x << nb;
+        nb += len;
+        if (nb >= 32) flush();
+    }
+    /* a field of len <= 64 bits holding x (len < 64: x < 2**len) */
+    inline void put_long(uint64_t x, int len) {
+        if (len > 32) {
+            put(x & 0xFFFFFFFFu, 32);
+            put(x >> 32, len - 32);
+        } else {
+            put(x, len);
+        }
+    }
+    inline void zeros(int len) {
+        nb += len;
+        while (nb >= 32) flush();
+    }
+    /* the code of one gap (k <= 63) */
+    inline void code(uint64_t gap, int k) {
+        const uint64_t q = gap >> k;
+        const uint64_t low = k ? gap & (~0ull >> (64 - k)) : 0;
+        if (q < VGC_GAP_ESCAPE) {
+            const int ul = (int)q + 1;
+            if (ul + k <= 32) {
+                put((1ull << q) | (low << ul), ul + k);
+                return;
+            }
+            put(1ull << q, ul);
+        } else {
+            const uint64_t v = q - VGC_GAP_ESCAPE + 1;
+            const int n = 63 - __builtin_clzll(v);
+            zeros(VGC_GAP_ESCAPE + n);
+            put(1, 1);
+            if (n) put_long(v & (~0ull >> (64 - n)), n);
+        }
+        if (k) put_long(low, k);
+    }
+    /* After the last field (when any bit was written): the shared words,
+     * the first (always; its bits below start are 0) and, when the bits
+     * end past it, the last partial one (tail_word < 0: none). */
+    inline void edges(uint64_t *head_word, uint32_t *head_bits,
+                      int64_t *tail_word, uint32_t *tail_bits) const {
+        *head_word = first;
+        *head_bits = head;
+        *tail_word = -1;
+        *tail_bits = 0;
+        if (nb) {
+            if (wi == first)
+                *head_bits = (uint32_t)acc;
+            else {
+                *tail_word = (int64_t)wi;
+                *tail_bits = (uint32_t)acc;
+            }
+        }
+    }
+    /* the writer alone in its section, from bit 0, some bit written */
+    inline void store_edges() {
+        uint64_t hw;
+        int64_t tw;
+        uint32_t hb, tb;
+        edges(&hw, &hb, &tw, &tb);
+        base[hw] = hb;
+        if (tw >= 0) base[tw] = tb;
+    }
+};
+
+/* Bits of the gap stream of the elements each(f) visits in index order
+ * (f(index, nibble)). */
+template <typename Each>
+static uint64_t vgc_gap_stream_bits(Each each, int k) {
+    uint64_t bits = 0;
+    int64_t prev = -1;
+    each([&](int64_t ix, uint32_t) {
+        bits += (uint64_t)vgc_gap_code_length(ix - prev - 1, k);
+        prev = ix;
+    });
+    return bits;
+}
+
+static inline int64_t vgc_gap_value_words(int64_t count, bool sign_only) {
+    return (count * (sign_only ? 1 : 4) + 31) / 32;
+}
+
+/* Writes the FMT_GAP body (param word, G, gap stream, values) of the
+ * elements each(f) visits; G = ceil(bits / 32).  Returns its words. */
+template <typename Each>
+static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
+                                  int k, bool sign_only, uint32_t *body) {
+    const int64_t G = (int64_t)((bits + 31) / 32);
+    body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+    body[1] = (uint32_t)G;
+    vgc_bit_writer gaps(body + VGC_GAP_PARAM_WORDS);
+    vgc_bit_writer values(body + VGC_GAP_PARAM_WORDS + G);
+    int64_t prev = -1;
+    each([&](int64_t ix, uint32_t nib) {
+        gaps.code((uint64_t)(ix - prev - 1), k);
+        prev = ix;
+        if (sign_only)
+            values.put(nib >> 3, 1);
+        else
+            values.put(nib, 4);
+    });
+    if (count) {
+        gaps.store_edges();
+        values.store_edges();
+    }
+    return VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
+}
+
+/* Bits pos..pos+31 of the stream s of G words (0 past its end). */
+static inline uint32_t vgc_peek32(const uint32_t *s, int64_t G, uint64_t pos) {
+    const uint64_t i = pos >> 5;
+    const uint64_t lo = i < (uint64_t)G ? s[i] : 0;
+    const uint64_t hi = i + 1 < (uint64_t)G ? s[i + 1] : 0;
+    return (uint32_t)((lo | hi << 32) >> (pos & 31));
+}
+
+/* The field of n <= 64 bits at pos. */
+static inline uint64_t vgc_read_bits(const uint32_t *s, int64_t G,
+                                     uint64_t pos, int n) {
+    if (n == 0) return 0;
+    if (n <= 32) return vgc_peek32(s, G, pos) & (~0u >> (32 - n));
+    return (uint64_t)vgc_peek32(s, G, pos) |
+           (uint64_t)(vgc_peek32(s, G, pos + 32) & (~0u >> (64 - n))) << 32;
+}
+
+/* Decodes and checks a FMT_GAP body of exactly len words (the decoder
+ * checks of the spec) over one index space of size elements (a group's
+ * span_size): index[count] (strictly increasing, < size) and nib[count]
+ * (sign << 3 | d; d = 0 for SIGN_ONLY).  The span (param bits 8..31) is
+ * the caller's; only bit 7 is reserved here.  false: invalid. */
+static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
+                           int64_t size, int64_t *index, uint8_t *nib) {
+    if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
+    const uint32_t param = body[0];
+    if (param & VGC_GAP_RESERVED) return false; /* reserved bit */
+    const int k = (int)(param & 63);
+    const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
+    const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
+    if (len != VGC_GAP_PARAM_WORDS + G + V) return false;
+    if (count > 32 * G && count) return false; /* a code has >= 1 bit */
+    const uint32_t *s = body + VGC_GAP_PARAM_WORDS;
+    const uint64_t total = 32 * (uint64_t)G;
+    /* value padding (cheap, before any decoding) */
+    const uint32_t *v = s + G;
+    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
+    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
+    uint64_t pos = 0;
+    int64_t prev = -1;
+    /* The stream through a 64-bit window: buf holds the bits from pos on,
+     * avail of them loaded (the bits above are 0, as the stream's past
+     * its end: once every word is loaded, avail is left large).  Codes
+     * with q < ESC and k <= 16 (at most 32 bits) are decoded from the
+     * window with their checks deferred: pos only grows and the indices
+     * only grow (by less than 2**21 a code), so "no code read past the
+     * stream" is pos <= total at the end and "no gap overran" is the last
+     * index < size (every other code is decoded by the exact checks
+     * below, the window reloaded after it). */
+    const uint64_t lowmask = k ? ~0ull >> (64 - k) : 0;
+    const bool fast = k <= 16 && size <= (int64_t)1 << 62; /* no overflow */
+    const int VGC_WINDOW_END = 1 << 28;
+    uint64_t buf = 0, wi = 0;
+    int avail = 0;
+    for (int64_t j = 0; j < count; ++j) {
+        if (avail <= 32) {
+            if (wi < (uint64_t)G) {
+                buf |= (uint64_t)s[wi++] << avail;
+                avail += 32;
+            } else {
+                avail = VGC_WINDOW_END;
+            }
+        }
+        if (fast && (buf & ((1u << VGC_GAP_ESCAPE) - 1))) {
+            const int z = __builtin_ctzll(buf);
+            const uint64_t gap = ((uint64_t)z << k) | ((buf >> (z + 1)) & lowmask);
+            const int used = z + 1 + k;
+            buf >>= used;
+            avail -= used;
+            pos += used;
+            prev += 1 + (int64_t)gap;
+            index[j] = prev;
+            continue;
+        }
+        /* gap < limit keeps the index below size */
+        if (pos > total || prev + 1 >= size) return false;
+        const uint64_t limit = (uint64_t)(size - prev - 1);
+        const uint64_t qmax = (limit - 1) >> k;
+        uint64_t q;
+        const uint32_t w = vgc_peek32(s, G, pos);
+        if (w & ((1u << VGC_GAP_ESCAPE) - 1)) { /* unary */
+            const int z = __builtin_ctz(w);
+            if (pos + z + 1 > total) return false;
+            q = (uint64_t)z;
+            pos += z + 1;
+            if (q > qmax) return false;
+        } else { /* escape, then Elias gamma */
+            if (pos + VGC_GAP_ESCAPE > total) return false;
+            pos += VGC_GAP_ESCAPE;
+            int n = 0;
+            for (;;) {
+                if (pos + n >= total) return false;
+                const uint32_t x = vgc_peek32(s, G, pos + n);
+                if (x) {
+                    n += __builtin_ctz(x);
+                    break;
+                }
+                n += 32;
+                if (n >= 64) return false;
+            }
+            if (n >= 64) return false;
+            if (pos + 2 * (uint64_t)n + 1 > total) return false;
+            const uint64_t v =
+                (1ull << n) | vgc_read_bits(s, G, pos + n + 1, n);
+            pos += 2 * (uint64_t)n + 1;
+            if (qmax < VGC_GAP_ESCAPE || v > qmax - (VGC_GAP_ESCAPE - 1))
+                return false;
+            q = v + (VGC_GAP_ESCAPE - 1);
+        }
+        if (pos + k > total) return false;
+        const uint64_t gap = (q << k) | vgc_read_bits(s, G, pos, k);
+        pos += k;
+        if (gap >= limit) return false; /* overruns the tensor */
+        prev += 1 + (int64_t)gap;
+        index[j] = prev;
+        /* reload the window at pos (<= total) */
+        wi = pos >> 5;
+        if (wi < (uint64_t)G) {
+            buf = (uint64_t)(s[wi++] >> (pos & 31));
+            avail = 32 - (int)(pos & 31);
+        } else {
+            buf = 0;
+            avail = VGC_WINDOW_END;
+        }
+    }
+    if (pos > total || (count && prev >= size)) return false;
+    /* canonical end: the last code ends in the last word, zeros after */
+    if ((pos + 31) / 32 != (uint64_t)G) return false;
+    if ((pos & 31) && (s[G - 1] >> (pos & 31))) return false;
+    if (sign_only)
+        for (int64_t j = 0; j < count; ++j)
+            nib[j] = (uint8_t)(((v[j >> 5] >> (j & 31)) & 1u) << 3);
+    else
+        for (int64_t j = 0; j < count; ++j)
+            nib[j] = (uint8_t)((v[j >> 3] >> (4 * (j & 7))) & 15u);
+    return true;
+}
+
+/* The full index of a word a chunk staged: FMT_POW2 and sign words keep
+ * the low 28 bits of the index, the chunk (at most 2**28 elements) its
+ * start. */
+static inline int64_t vgc_full_index(const vgc_chunk &c, uint32_t word) {
+    return c.begin + (int64_t)((word - (uint32_t)c.begin) & VGC_INDEX_MASK);
+}
+
+/* The FMT_POW2 words the chunks staged (c.words[0..c.out), in index
+ * order) as one group: FMT_POW2 (the words as they are) or FMT_GAP by
+ * `coding` (VGC_CODING_*); e_k and scale in the header fields a and b.
+ * Sets info = {words, elements, flags}; returns the words. */
+static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
+                        bool sign_only, uint32_t a, uint32_t b, uint32_t *out,
+                        int64_t *info) {
+    const int64_t count = vgc_offsets(ws);
+    info[0] = info[1] = 0;
+    info[2] = vgc_flags(ws);
+    if (count == 0) return 0;
+    const bool large = n > (int64_t)VGC_INDEX_MASK + 1;
+    if (count > (int64_t)0xFFFFFFFFu ||
+        (large && coding == VGC_CODING_FIXED)) {
+        info[2] |= VGC_UNENCODABLE;
+        return 0;
+    }
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    bool gap = coding == VGC_CODING_GAP || large;
+    const int k = vgc_rice_parameter(count, n);
+    /* pass 1, parallel: each chunk's code bits, its first gap taken from
+     * the last index of the non-empty chunks before it */
+    uint64_t bits = 0;
+    const size_t nc = ws->chunks.size();
+    if (coding != VGC_CODING_FIXED) {
+        int64_t prev = -1;
+        for (size_t t = 0; t < nc; ++t) {
+            vgc_chunk &c = ws->chunks[t];
+            c.gap_prev = prev;
+            if (c.out) prev = vgc_full_index(c, c.words[c.out - 1]);
+        }
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            const uint32_t *w = c.words.data();
+            uint64_t cb = 0;
+            int64_t p = c.gap_prev;
+            for (int64_t j = 0; j < c.out; ++j) {
+                const int64_t ix = vgc_full_index(c, w[j]);
+                cb += (uint64_t)vgc_gap_code_length(ix - p - 1, k);
+                p = ix;
+            }
+            c.gap_bits = cb;
+        });
+        for (size_t t = 0; t < nc; ++t) {
+            vgc_chunk &c = ws->chunks[t];
+            c.gap_start = bits;
+            bits += c.gap_bits;
+        }
+        const int64_t words = VGC_GAP_PARAM_WORDS +
+                              (int64_t)((bits + 31) / 32) +
+                              vgc_gap_value_words(count, sign_only);
+        gap |= words < count;
+        if (gap && (bits + 31) / 32 > 0xFFFFFFFFu) {
+            info[2] |= VGC_UNENCODABLE;
+            return 0;
+        }
+    }
+    int64_t words;
+    if (gap) {
+        /* pass 2, parallel: each chunk writes its codes and values at its
+         * bit offsets in the two sections, every word it fills alone; the
+         * words it shares with a neighbour (its first and last of each
+         * section) are put together here afterwards */
+        const int64_t G = (int64_t)((bits + 31) / 32);
+        const int vbits = sign_only ? 1 : 4;
+        body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+        body[1] = (uint32_t)G;
+        uint32_t *gs = body + VGC_GAP_PARAM_WORDS, *vs = gs + G;
+        for (size_t t = 0; t < nc; ++t)
+            ws->chunks[t].value_start = (uint64_t)ws->chunks[t].offset * vbits;
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (!c.out) return;
+            const uint32_t *w = c.words.data();
+            vgc_bit_writer gw(gs, c.gap_start), vw(vs, c.value_start);
+            int64_t p = c.gap_prev;
+            if (sign_only) {
+                for (int64_t j = 0; j < c.out; ++j) {
+                    const int64_t ix = vgc_full_index(c, w[j]);
+                    gw.code((uint64_t)(ix - p - 1), k);
+                    p = ix;
+                    vw.put(w[j] >> 31, 1);
+                }
+            } else {
+                for (int64_t j = 0; j < c.out; ++j) {
+                    const int64_t ix = vgc_full_index(c, w[j]);
+                    gw.code((uint64_t)(ix - p - 1), k);
+                    p = ix;
+                    vw.put(w[j] >> VGC_INDEX_BITS, 4);
+                }
+            }
+            gw.edges(&c.edge_word[0], &c.edge_bits[0], &c.tail_word[0],
+                     &c.edge_bits[1]);
+            vw.edges(&c.edge_word[2], &c.edge_bits[2], &c.tail_word[1],
+                     &c.edge_bits[3]);
+        });
+        for (int pass = 0; pass < 2; ++pass)
+            for (size_t t = 0; t < nc; ++t) {
+                const vgc_chunk &c = ws->chunks[t];
+                if (!c.out) continue;
+                uint32_t *at[4] = {
+                    gs + c.edge_word[0],
+                    c.tail_word[0] >= 0 ? gs + c.tail_word[0] : NULL,
+                    vs + c.edge_word[2],
+                    c.tail_word[1] >= 0 ? vs + c.tail_word[1] : NULL};
+                for (int e = 0; e < 4; ++e)
+                    if (at[e]) *at[e] = pass ? *at[e] | c.edge_bits[e] : 0u;
+            }
+        words = VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
+    } else {
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);
+        });
+        words = count;
+    }
+    vgc_header(out, tid, gap ? VGC_FMT_GAP : VGC_FMT_POW2, count, a, b);
+    info[0] = VGC_HEADER_WORDS + words;
+    info[1] = count;
+    return info[0];
+}
+
+#endif /* CHAINER_VGC_GAP_CODER_H */

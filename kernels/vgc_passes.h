@@ -1,0 +1,437 @@
+/*
+ * chainer-vgc native CPU backend: the fused compress pass of each rule.
+ * Fig. "Basic" (vgc: accumulate, criterion eq. 4, decay, quantize and
+ * encode, Sec. 4.2), Fig. "Hybrid" and Strom's threshold method (+-tau, one
+ * pass, sign words), none (the dense gradient, FMT_RAW) and QSGD
+ * (Alistarh et al. 2017, a baseline of Table 1).
+ *
+ * An internal header of the native CPU backend: included once, by
+ * vgc_host.cpp (the one translation unit, so that the hot paths inline
+ * across these files); not a public interface.
+ */
+#ifndef CHAINER_VGC_PASSES_H
+#define CHAINER_VGC_PASSES_H
+
+#include "vgc_host_common.h"
+#include "vgc_gap_coder.h"
+#include "vgc_blocks.h"
+
+/* ---- Fig. "Basic" (vgc) ------------------------------------------------ */
+
+/* The arithmetic of one block of n elements (NN > 0: n == NN, a constant
+ * trip count the compiler unrolls and vectorizes). */
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_basic_block(int n, const G *__restrict g, const S *__restrict s,
+                const S *__restrict r_in, const S *__restrict v_in, S alpha,
+                S zeta, S *__restrict rr, S *__restrict vv, I *__restrict sel,
+                I *__restrict bad_g, I *__restrict bad_s, I *__restrict over_r,
+                I *__restrict over_v, I *__restrict maxbits) {
+    typedef vgc_float_traits<S> T;
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+            S gi = vgc_load<G, S>(g, j), si = s[j], ri = r_in[j], vi = v_in[j];
+            bad_g[j] |= (I)!vgc_finite(gi);
+            bad_s[j] |= (I)!vgc_good_sqsum(si);
+            I sl = (I)vgc_basic_select<S>(gi, si, alpha, zeta, ri, vi);
+            I mag = (I)(vgc_bits(ri) & T::ABS_MASK);
+            I cand = sl ? mag : (I)0;
+            maxbits[j] = cand > maxbits[j] ? cand : maxbits[j];
+            over_r[j] |= (I)(sl == 0) & (I)!vgc_finite(ri);
+            over_v[j] |= (I)(sl == 0) & (I)!vgc_finite(vi);
+            sel[j] = sl;
+            rr[j] = ri;
+            vv[j] = vi;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_basic_pass(vgc_chunk &c, const G *g, const S *s, const S *r_in,
+                           const S *v_in, S *r_out, S *v_out, S alpha, S zeta,
+                           bool reset) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0},
+      maxbits[B] = {0};
+    vgc_block_loop<S>(
+        c, r_out, v_out,
+        [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sel) {
+            vgc_basic_block<decltype(nn)::value>(
+                n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, rr, vv,
+                sel, bad_g, bad_s, over_r, over_v, maxbits);
+        },
+        [&](int64_t i0, int n, S *rr, S *vv, I *sel) {
+            vgc_stage_selected<S>(c, sel, n, i0, rr, vv, reset);
+        });
+    c.maxbits = (uint64_t)vgc_lane_max(maxbits, B);
+    c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
+}
+
+/* Quantize the staged values of a chunk in place (Sec. 4.2): the words of
+ * the representable ones, in index order.  keep: an unrepresentable element
+ * stays in r (and v keeps its decayed value); otherwise it was reset in
+ * pass 1 and is dropped, as the paper's Encode() does. */
+template <typename S>
+static void vgc_quantize_chunk(vgc_chunk &c, int e_k, bool keep, S *r_out,
+                               S *v_out) {
+    int64_t w = 0;
+    const S *values = vgc_stage<S>::values(c).data();
+    if (e_k == VGC_LOG2_ZERO) { /* every selected value is subnormal */
+        if (keep)
+            for (int64_t j = 0; j < c.count; ++j) {
+                if (!vgc_finite(values[j])) c.flags |= VGC_OVERFLOW_R;
+                if (!vgc_finite(vgc_stage<S>::vs(c)[j]))
+                    c.flags |= VGC_OVERFLOW_V;
+            }
+        c.out = 0;
+        return;
+    }
+    if (!keep) { /* compaction without branches: w <= j */
+        for (int64_t j = 0; j < c.count; ++j) {
+            uint32_t word;
+            bool ok = vgc_pow2_encode<S>(values[j], e_k,
+                                         (long long)c.words[j], word);
+            c.words[w] = word;
+            w += ok;
+        }
+        c.out = w;
+        return;
+    }
+    for (int64_t j = 0; j < c.count; ++j) {
+        /* staged: the index's low 32 bits (the chunk has <= 2**28) */
+        const int64_t index =
+            c.begin + (int64_t)(uint32_t)(c.words[j] - (uint32_t)c.begin);
+        uint32_t word;
+        S x = values[j];
+        if (vgc_pow2_encode<S>(x, e_k, (long long)index, word)) {
+            c.words[w++] = word;
+            r_out[index] = (S)0;
+            v_out[index] = (S)0;
+        } else {
+            if (!vgc_finite(x)) c.flags |= VGC_OVERFLOW_R;
+            if (!vgc_finite(vgc_stage<S>::vs(c)[j])) c.flags |= VGC_OVERFLOW_V;
+        }
+    }
+    c.out = w;
+}
+
+template <typename G, typename S>
+static int64_t vgc_basic(vgc_workspace *ws, int tid, const G *g, const S *s,
+                         const S *r_in, const S *v_in, S *r_out, S *v_out,
+                         int64_t n, double alpha_d, double zeta_d,
+                         int quantize, int keep_unrep, int coding,
+                         uint32_t *out, int64_t *info) {
+    typedef vgc_float_traits<S> T;
+    const S alpha = (S)alpha_d, zeta = (S)zeta_d;
+    const bool keep = quantize && keep_unrep;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_basic_pass<G, S>(c, g, s, r_in, v_in, r_out, v_out, alpha, zeta,
+                             !keep);
+    });
+    int64_t count = 0;
+    uint64_t maxbits = 0;
+    for (size_t k = 0; k < ws->chunks.size(); ++k) {
+        count += ws->chunks[k].count;
+        maxbits = std::max(maxbits, ws->chunks[k].maxbits);
+    }
+    info[0] = info[1] = 0;
+    if (count == 0) {
+        info[2] = vgc_flags(ws);
+        return 0;
+    }
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    if (!quantize) {
+        /* FMT_RAW: index words (unless all are sent), then the values */
+        const bool dense = count == n;
+        const int vw = sizeof(S) / 4;
+        for (size_t k = 0; k < ws->chunks.size(); ++k)
+            ws->chunks[k].out = ws->chunks[k].count;
+        vgc_offsets(ws);
+        uint32_t *values = body + (dense ? 0 : count);
+        vgc_for_chunks(ws, [&](vgc_chunk &c) {
+            if (!dense && c.count)
+                memcpy(body + c.offset, c.words.data(), 4 * c.count);
+            const S *staged = vgc_stage<S>::values(c).data();
+            for (int64_t j = 0; j < c.count; ++j) {
+                S x = staged[j];
+                memcpy(values + (c.offset + j) * vw, &x, sizeof x);
+            }
+        });
+        vgc_header(out, tid, VGC_FMT_RAW, count,
+                   (dense ? VGC_RAW_DENSE : 0) |
+                       (sizeof(S) == 8 ? VGC_RAW_FLOAT64 : 0),
+                   0);
+        info[0] = VGC_HEADER_WORDS + (dense ? 0 : count) + count * vw;
+        info[1] = count;
+        info[2] = vgc_flags(ws);
+        return info[0];
+    }
+    /* e_k = floor(log2 max |r|) over the selected elements (Sec. 4.2) */
+    typename T::U mb = (typename T::U)maxbits;
+    S maxval;
+    memcpy(&maxval, &mb, sizeof maxval);
+    const int e_k = vgc_floor_log2<S>(maxval);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_quantize_chunk<S>(c, e_k, keep, r_out, v_out);
+    });
+    return vgc_emit(ws, tid, n, coding, false, (uint32_t)e_k,
+                    vgc_f32_bits(1.0f), out, info);
+}
+
+/* ---- Fig. "Hybrid" and Strom: +-tau, one pass -------------------------- */
+
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_hybrid_block(int n, const G *__restrict g, const S *__restrict s,
+                 const S *__restrict r_in, const S *__restrict v_in, S alpha,
+                 S zeta, S tau, S *__restrict rr, S *__restrict vv,
+                 I *__restrict sign, I *__restrict bad_g, I *__restrict bad_s,
+                 I *__restrict over_r, I *__restrict over_v) {
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+        S gi = vgc_load<G, S>(g, j), si = s[j], ri = r_in[j], vi = v_in[j];
+        bad_g[j] |= (I)!vgc_finite(gi);
+        bad_s[j] |= (I)!vgc_good_sqsum(si);
+        I sg = (I)vgc_hybrid_step<S>(gi, si, alpha, zeta, tau, ri, vi);
+        over_r[j] |= (I)!vgc_finite(ri);
+        over_v[j] |= (I)!vgc_finite(vi);
+        sign[j] = sg;
+        rr[j] = ri;
+        vv[j] = vi;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_hybrid_pass(vgc_chunk &c, const G *g, const S *s,
+                            const S *r_in, const S *v_in, S *r_out, S *v_out,
+                            S alpha, S zeta, S tau) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0};
+    vgc_block_loop<S>(
+        c, r_out, v_out,
+        [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sign) {
+            vgc_hybrid_block<decltype(nn)::value>(
+                n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, tau, rr,
+                vv, sign, bad_g, bad_s, over_r, over_v);
+        },
+        [&](int64_t i0, int n, S *, S *, I *sign) {
+            vgc_stage_signs<S>(c, sign, n, i0);
+        });
+    c.out = c.count;
+    c.flags = vgc_lane_flags(bad_g, bad_s, over_r, over_v, B);
+}
+
+template <int NN, typename G, typename S, typename I>
+static inline __attribute__((always_inline)) void
+vgc_strom_block(int n, const G *__restrict g, const S *__restrict r_in,
+                S tau, S *__restrict rr, I *__restrict sign,
+                I *__restrict bad_g, I *__restrict over_r) {
+    const int m = NN > 0 ? NN : n;
+    for (int j = 0; j < m; ++j) {
+        S gi = vgc_load<G, S>(g, j), ri = r_in[j];
+        bad_g[j] |= (I)!vgc_finite(gi);
+        I sg = (I)vgc_strom_step<S>(gi, tau, ri);
+        over_r[j] |= (I)!vgc_finite(ri);
+        sign[j] = sg;
+        rr[j] = ri;
+    }
+}
+
+template <typename G, typename S>
+static void vgc_strom_pass(vgc_chunk &c, const G *g, const S *r_in, S *r_out,
+                           S tau) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, over_r[B] = {0};
+    vgc_block_loop<S>(
+        c, r_out, (S *)NULL,
+        [&](auto nn, int64_t i0, int n, S *rr, S *, I *sign) {
+            vgc_strom_block<decltype(nn)::value>(n, g + i0, r_in + i0, tau,
+                                                 rr, sign, bad_g, over_r);
+        },
+        [&](int64_t i0, int n, S *, S *, I *sign) {
+            vgc_stage_signs<S>(c, sign, n, i0);
+        });
+    c.out = c.count;
+    c.flags = vgc_lane_flags(bad_g, (I *)NULL, over_r, (I *)NULL, B);
+}
+
+/* The staged sign words as a FMT_POW2 or FMT_GAP (SIGN_ONLY) group
+ * (e_k 0, scale tau). */
+static int64_t vgc_sign_group(vgc_workspace *ws, int tid, int64_t n,
+                              float tau, int coding, uint32_t *out,
+                              int64_t *info) {
+    return vgc_emit(ws, tid, n, coding, true, 0u, vgc_f32_bits(tau), out,
+                    info);
+}
+
+template <typename G, typename S>
+static int64_t vgc_hybrid(vgc_workspace *ws, int tid, const G *g, const S *s,
+                          const S *r_in, const S *v_in, S *r_out, S *v_out,
+                          int64_t n, double alpha_d, double zeta_d,
+                          double tau_d, int coding, uint32_t *out,
+                          int64_t *info) {
+    const float tau32 = (float)tau_d; /* the value on the wire */
+    const S alpha = (S)alpha_d, zeta = (S)zeta_d, tau = (S)tau32;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_hybrid_pass<G, S>(c, g, s, r_in, v_in, r_out, v_out, alpha, zeta,
+                              tau);
+    });
+    return vgc_sign_group(ws, tid, n, tau32, coding, out, info);
+}
+
+template <typename G, typename S>
+static int64_t vgc_strom(vgc_workspace *ws, int tid, const G *g,
+                         const S *r_in, S *r_out, int64_t n, double tau_d,
+                         int coding, uint32_t *out, int64_t *info) {
+    const float tau32 = (float)tau_d;
+    const S tau = (S)tau32;
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        vgc_strom_pass<G, S>(c, g, r_in, r_out, tau);
+    });
+    return vgc_sign_group(ws, tid, n, tau32, coding, out, info);
+}
+
+/* ---- none: the dense gradient in the state dtype (FMT_RAW, dense) ------ */
+
+template <typename G, typename S>
+static int64_t vgc_none(vgc_workspace *ws, int tid, const G *g, int64_t n,
+                        uint32_t *out, int64_t *info) {
+    info[0] = info[1] = info[2] = 0;
+    if (n == 0) return 0;
+    vgc_plan(ws, n);
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        bool bad = false;
+        for (int64_t i = c.begin; i < c.end; ++i) {
+            S x = vgc_load<G, S>(g, i);
+            bad |= !vgc_finite(x);
+            memcpy(body + i * (int64_t)(sizeof(S) / 4), &x, sizeof x);
+        }
+        c.flags = bad ? VGC_BAD_GRAD : 0;
+    });
+    vgc_header(out, tid, VGC_FMT_RAW, n,
+               VGC_RAW_DENSE | (sizeof(S) == 8 ? VGC_RAW_FLOAT64 : 0), 0);
+    info[0] = VGC_HEADER_WORDS + n * (int64_t)(sizeof(S) / 4);
+    info[1] = n;
+    info[2] = vgc_flags(ws);
+    return info[0];
+}
+
+/* ---- QSGD (Alistarh et al. 2017), a baseline of Table 1 --------------- */
+
+/* NumPy's pairwise summation (numpy/core/src/umath/loops_utils.h) of the
+ * squares of x[0..n) in float64, x[k] read as 0 for k >= valid (the zero
+ * padding of the last bucket): the reference computes the bucket norms with
+ * ``(padded.reshape(nb, b) ** 2).sum(axis=1)``, and this reproduces its
+ * rounding exactly. */
+template <typename G>
+static double vgc_pairwise_sq(const G *x, int64_t n, int64_t valid) {
+    if (n < 8) {
+        double res = 0.;
+        for (int64_t i = 0; i < n; ++i) {
+            double v = i < valid ? (double)x[i] : 0.0;
+            res += v * v;
+        }
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; ++j) {
+            double v = j < valid ? (double)x[j] : 0.0;
+            r[j] = v * v;
+        }
+        int64_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; ++j) {
+                double v = i + j < valid ? (double)x[i + j] : 0.0;
+                r[j] += v * v;
+            }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) +
+                     ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) {
+            double v = i < valid ? (double)x[i] : 0.0;
+            res += v * v;
+        }
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return vgc_pairwise_sq(x, n2, valid) +
+           vgc_pairwise_sq(x + n2, n - n2, valid - n2);
+}
+
+/* The bucket's sum of squares as the reference's reduction computes it:
+ * NumPy's reduction loop sees a row in pieces of its buffer size (8192
+ * elements) and adds each piece's pairwise sum to the running total. */
+template <typename G>
+static double vgc_bucket_sq(const G *x, int64_t bucket, int64_t valid) {
+    const int64_t piece = 8192;
+    double total = 0.0;
+    for (int64_t off = 0; off < bucket; off += piece)
+        total += vgc_pairwise_sq(x + off, std::min(piece, bucket - off),
+                                 valid - off);
+    return total;
+}
+
+/* One tensor, one pass: per bucket its norm, the stochastic levels
+ * l = floor(|g| / n * levels + u) with the uniform draws u given, a record
+ * (id, count, scale) for a bucket that sends something and one staged word
+ * per sent element; then the FMT_QSGD group: the records, the words. */
+template <typename G, typename S>
+static int64_t vgc_qsgd(vgc_workspace *ws, int tid, const G *g, const S *u,
+                        int64_t n, int64_t bucket, int levels, uint32_t *out,
+                        int64_t *info) {
+    info[0] = info[1] = info[2] = 0;
+    vgc_plan(ws, 0); /* one chunk, serial */
+    vgc_chunk &c = ws->chunks[0];
+    c.words.clear();
+    c.records.clear();
+    const int64_t nb = (n + bucket - 1) / bucket;
+    bool bad = false;
+    for (int64_t k = 0; k < nb; ++k) {
+        const int64_t lo = k * bucket, len = std::min(bucket, n - lo);
+        for (int64_t i = lo; i < lo + len; ++i)
+            bad |= !vgc_finite((double)g[i]);
+        const double norm = sqrt(vgc_bucket_sq(g + lo, bucket, len));
+        const double safe = norm > 0 ? norm : 1.0;
+        const size_t first = c.words.size();
+        for (int64_t i = lo; i < lo + len; ++i) {
+            double x = (double)g[i];
+            double scaled = (x < 0 ? -x : x) / safe * (double)levels;
+            double lv = floor(scaled + (double)u[i]);
+            int64_t level = norm > 0 ? (int64_t)lv : 0;
+            level = level < 0 ? 0 : (level > levels ? levels : level);
+            if (level)
+                c.words.push_back((std::signbit(x) ? 0x80000000u : 0u) |
+                                  ((uint32_t)level << VGC_QSGD_OFFSET_BITS) |
+                                  (uint32_t)(i - lo));
+        }
+        const size_t sent = c.words.size() - first;
+        if (!sent) continue;
+        uint32_t rec[VGC_QSGD_RECORD_WORDS];
+        double scale = norm / (double)levels;
+        rec[0] = (uint32_t)k;
+        rec[1] = (uint32_t)sent;
+        memcpy(rec + 2, &scale, sizeof scale);
+        c.records.insert(c.records.end(), rec, rec + VGC_QSGD_RECORD_WORDS);
+    }
+    info[2] = bad ? VGC_BAD_GRAD : 0;
+    const int64_t count = (int64_t)c.words.size();
+    if (count == 0) return 0;
+    const int64_t n_rec = (int64_t)c.records.size() / VGC_QSGD_RECORD_WORDS;
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    memcpy(body, c.records.data(), 4 * c.records.size());
+    memcpy(body + c.records.size(), c.words.data(), 4 * count);
+    vgc_header(out, tid, VGC_FMT_QSGD, count, (uint32_t)n_rec,
+               ((uint32_t)levels << 24) | (uint32_t)bucket);
+    info[0] = VGC_HEADER_WORDS + (int64_t)c.records.size() + count;
+    info[1] = count;
+    return info[0];
+}
+
+#endif /* CHAINER_VGC_PASSES_H */
