@@ -42,6 +42,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), 'examples'))
 
 from chainer_vgc import codec  # NOQA: E402
+from chainer_vgc.codec.gap import bit_length  # NOQA: E402
+from chainer_vgc.codec.gap import index_gaps  # NOQA: E402
+from chainer_vgc.codec.gap import span_parts  # NOQA: E402
+from chainer_vgc.codec.message import walk  # NOQA: E402
 from chainer_vgc import datasets  # NOQA: E402
 from chainer_vgc import GradientCompressor  # NOQA: E402
 from chainer_vgc.simulation import SimulatedWorkers  # NOQA: E402
@@ -59,18 +63,18 @@ def groups_of(message, sizes):
     """(size, index, nibbles) per tensor of every pow2/gap group of a
     message (a FMT_GAP group spanning tensors split over them)."""
     return [(sizes[t], index, nib)
-            for g in codec._walk(message, sizes)
+            for g in walk(message, sizes)
             if g.fmt in (codec.FMT_POW2, codec.FMT_GAP)
-            for t, index, nib in codec._span_parts(g, sizes)]
+            for t, index, nib in span_parts(g, sizes)]
 
 
 def _floor_log2(v):
-    return codec._bit_length(v) - 1
+    return bit_length(v) - 1
 
 
 def index_bits(size, index):
     """{code: bits of the index part} of one group."""
-    gaps = codec._gaps(index)
+    gaps = index_gaps(index)
     count = gaps.size
     bits = {}
     bits['rice'] = int(codec.gap_code_lengths(

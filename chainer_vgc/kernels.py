@@ -1,5 +1,9 @@
 """CuPy ElementwiseKernels built from the CUDA source in ``kernels/``.
 
+Device primitives only: this module knows nothing of the wire format (it
+imports no part of :mod:`chainer_vgc.codec`, which builds on it: the
+FMT_GAP body on the device is :func:`chainer_vgc.codec.gap.device_gap_body`).
+
 Every kernel body is one call into ``kernels/vgc_numerics.cuh``; that file is
 the kernels' ``preamble``.  :data:`SPECS` is the one table of kernel
 signatures and operation strings: :func:`get_kernel` turns an entry into a
@@ -58,7 +62,8 @@ SPECS = collections.OrderedDict([
     ('vgc_scale', KernelSpec('S x, S k', 'S y', 'y = vgc_mul(x, k)')),
     # y = x / k
     ('vgc_divide', KernelSpec('S x, S k', 'S y', 'y = vgc_div(x, k)')),
-    # FMT_GAP (issue 14), integers only; see gap_body.  Element i of the
+    # FMT_GAP (issue 14), integers only; see
+    # chainer_vgc.codec.gap.device_gap_body.  Element i of the
     # sorted indices: its gap (index[i] - index[i-1] - 1, index[-1] = -1)
     # and the bit length of its code with Rice parameter k.
     ('vgc_gap_lengths', KernelSpec(
@@ -189,67 +194,3 @@ def _with_scalar(name, x, k, host_op):
         get_kernel(name)(x, k, out)
         return out
     return host_op(x, k)
-
-
-# ---- FMT_GAP body on the device (issue 14) ---------------------------------
-
-#: FMT_GAP constants (chainer_vgc.codec holds the same; spec of issue 14)
-GAP_ESCAPE = 16
-GAP_SIGN_ONLY = 64
-GAP_PARAM_WORDS = 2
-
-
-def gap_body(index, nibbles, k, sign_only):
-    """The uint32 FMT_GAP body ``[param, G, stream (G words), values]`` of
-    the sorted unique ``index`` (int64 or int32) and their value nibbles
-    (``sign << 3 | d``; with ``sign_only`` only the sign bit 3 is sent),
-    Rice parameter ``k``.
-
-    NumPy input: :func:`chainer_vgc.codec.gap_body`, the reference.  CuPy
-    input: built on the device by three kernels and one scan, reading back
-    one scalar (the total code bit count, which sizes the body):
-
-    1. ``vgc_gap_lengths``: each element's gap and code length;
-    2. ``cupy.cumsum`` of the lengths (int64, so exact in any summation
-       order): element i's code ends at bit ``end[i]``; the total is
-       ``end[-1]``, the one scalar read;
-    3. ``vgc_gap_write``: each code ORed into the zeroed stream at
-       ``end[i] - length[i]`` (so the padding bits stay 0);
-    4. ``vgc_gap_values``: one thread per value word gathers its fields.
-    """
-    xp = backend.get_array_module(index)
-    if not backend.is_cupy(xp):
-        from chainer_vgc import codec
-        return codec.gap_body(index, nibbles, k, sign_only)
-    k = int(k)
-    if not 0 <= k <= 63:
-        raise ValueError('Rice parameter k must be in 0..63, got {}'.format(
-            k))
-    index = xp.ascontiguousarray(index.reshape(-1))
-    nibbles = xp.ascontiguousarray(nibbles.reshape(-1))
-    count = index.size
-    if nibbles.size != count:
-        raise ValueError('{} nibbles for {} indices'.format(nibbles.size,
-                                                            count))
-    if count:
-        gap = xp.empty(count, dtype=numpy.int64)
-        length = xp.empty(count, dtype=numpy.int64)
-        get_kernel('vgc_gap_lengths')(index, numpy.int32(k), gap, length)
-        end = xp.cumsum(length)
-        total = int(end[-1])  # the one device-to-host read
-    else:
-        total = 0
-    stream_words = -(-total // 32)
-    value_words = -(-count * (1 if sign_only else 4) // 32)
-    body = xp.zeros(GAP_PARAM_WORDS + stream_words + value_words,
-                    dtype=numpy.uint32)
-    body[0] = k | (GAP_SIGN_ONLY if sign_only else 0)
-    body[1] = stream_words
-    start = GAP_PARAM_WORDS
-    if count:
-        get_kernel('vgc_gap_write')(gap, end, numpy.int32(k),
-                                    body[start:start + stream_words])
-        get_kernel('vgc_gap_values')(nibbles, numpy.int64(count),
-                                     bool(sign_only),
-                                     body[start + stream_words:])
-    return body

@@ -1,13 +1,15 @@
 """Loading MPI, with an error that says how to get an MPI library.
 
-chainer-vgc (through ChainerMN) imports ``mpi4py.MPI`` when it is imported.
+chainer-vgc's communicator (through ChainerMN) imports ``mpi4py.MPI``.
 mpi4py from PyPI is a wheel without an MPI library: it loads one at import
 time (``libmpi.so.12``, MPICH's ABI, or ``libmpi.so.40``, Open MPI's), and
 an mpi4py built from source is linked against the MPI it was built with.
 Without that library, mpi4py fails with a loader message that does not say
 what to install.  :func:`import_mpi` turns that failure into an
 :class:`MPILibraryError` (an :class:`ImportError`) naming the missing
-library and the ways to get one; ``chainer_vgc/__init__.py`` calls it first.
+library and the ways to get one; ``chainer_vgc/__init__.py`` calls it when a
+name that needs MPI (``chainer_vgc.create_communicator``, ...) is first
+used (``import chainer_vgc`` itself loads no MPI).
 """
 
 import re
@@ -86,8 +88,8 @@ def import_mpi():
             raise
         raise ImportError(
             'chainer-vgc needs mpi4py, which is not installed: '
-            "pip install 'mpi4py>=3.1' mpich (or see chainer-vgc's README "
-            'for a cluster MPI)') from e
+            "pip install 'mpi4py>=3.1' mpich (or see chainer-vgc's "
+            'docs/install.md for a cluster MPI)') from e
     # mpi4py >= 4 raises RuntimeError('cannot load MPI library ...'); an
     # mpi4py built against a library raises ImportError('libmpi.so.40: ...');
     # ctypes-style loading raises OSError

@@ -30,8 +30,11 @@ import numpy
 
 from chainer_vgc import kernels
 
-#: the sources the library is built from (hash compiled in by setup.py)
-SOURCES = ('vgc_host.cpp', 'vgc_numerics.cuh')
+#: the sources the library is built from (hash compiled in by setup.py,
+#: whose NATIVE_SOURCES names the same files in the same order):
+#: vgc_host.cpp, the one translation unit, and the headers it includes
+SOURCES = ('vgc_host.cpp', 'vgc_host_common.h', 'vgc_gap_coder.h',
+           'vgc_blocks.h', 'vgc_passes.h', 'vgc_decode.h', 'vgc_numerics.cuh')
 
 #: dtype codes of the C++ side
 DTYPE_CODES = {numpy.dtype(numpy.float16): 0, numpy.dtype(numpy.float32): 1,
@@ -362,54 +365,3 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
     if rc != 0:
         return None
     return touched[:n], elements[:p]
-
-
-def rice_parameter(count, size):
-    """``codec.rice_parameter`` computed by the library (for the tests)."""
-    return int(load().vgc_native_rice_parameter(int(count), int(size)))
-
-
-def gap_encode(index, nibbles, k, sign_only):
-    """The FMT_GAP body (uint32) of the elements at ``index`` (strictly
-    increasing, >= 0) with table entries ``nibbles`` (sign << 3 | d; with
-    ``sign_only`` only the sign, ``nibbles >> 3``, is written) and Rice
-    parameter ``k``: the fast path of ``codec.gap_body``.  ValueError for
-    invalid arguments."""
-    lib = load()
-    index = numpy.ascontiguousarray(index, dtype=numpy.int64).reshape(-1)
-    nibbles = numpy.ascontiguousarray(nibbles, dtype=numpy.uint8).reshape(-1)
-    if index.size != nibbles.size:
-        raise ValueError('gap_encode: index and nibbles differ in length')
-    args = (index.ctypes.data, nibbles.ctypes.data, index.size, int(k),
-            int(bool(sign_only)))
-    words = lib.vgc_native_gap_encode(*args, None)
-    if words < 0:
-        raise ValueError('gap_encode: indices must be strictly increasing '
-                         'and >= 0, nibbles < 16, k in 0..63')
-    body = numpy.empty(words, dtype=numpy.uint32)
-    lib.vgc_native_gap_encode(*args, body.ctypes.data)
-    return body
-
-
-def gap_decode(body, count, size):
-    """``(index int64, nibbles uint8)`` of the FMT_GAP body ``body`` (exactly
-    the body's words) of a group of ``count`` elements over one index space
-    of ``size`` elements (a group spanning tensors: its span_size, the
-    indices in their concatenation), every decoder check of the format
-    applied; None if it is invalid (the fast path of
-    ``codec.gap_decode_body``, which names the fault).  The span (param
-    word bits 8..31) is the caller's and ignored here, as by codec; bit 7
-    is reserved.  ``nibbles`` are the value-table entries sign << 3 | d
-    (d = 0 for SIGN_ONLY)."""
-    lib = load()
-    body = numpy.ascontiguousarray(body, dtype=numpy.uint32).reshape(-1)
-    count, size = int(count), int(size)
-    if count < 0 or count >= 2 ** 32 or size < 0:
-        return None
-    index = numpy.empty(count, dtype=numpy.int64)
-    nibbles = numpy.empty(count, dtype=numpy.uint8)
-    rc = lib.vgc_native_gap_decode(body.ctypes.data, body.size, count, size,
-                                   index.ctypes.data, nibbles.ctypes.data)
-    if rc != 0:
-        return None
-    return index, nibbles

@@ -18,6 +18,7 @@ same result:
     chunk schedule from the block sizes (exchanged first with a small
     ``Allgather``), so each send has a matching receive; zero-length blocks,
     even all of them, need no special case and cannot hang.
+
 ``'mpi'`` -- MPI's own ``Allgatherv``.
 
 Buffers are host (NumPy) arrays; a GPU message is copied to the host first
@@ -25,11 +26,6 @@ by the caller.
 """
 
 import numpy
-
-try:
-    from mpi4py import MPI
-except ImportError:  # pragma: no cover - mpi4py is a dependency
-    MPI = None
 
 #: default pipelining chunk (words): 256 KiB
 DEFAULT_CHUNK_WORDS = 65536
@@ -107,6 +103,7 @@ def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
 
 def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
     """:func:`ring_allgatherv` with ``chunk_words`` already checked."""
+    from mpi4py import MPI  # here: importing this module loads no MPI
     sendbuf = _as_words(sendbuf)
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)
@@ -149,6 +146,7 @@ def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
 def mpi_allgatherv(comm, sendbuf, counts=None):
     """MPI's own Allgatherv; same ``(blocks, counts)`` as
     :func:`ring_allgatherv`."""
+    from mpi4py import MPI  # here: importing this module loads no MPI
     sendbuf = _as_words(sendbuf)
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)

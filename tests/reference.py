@@ -8,7 +8,7 @@ it checks:
   Sec. 4.2 quantization (e_k = floor(log2 max |r|) over the *selected*
   elements, g' = nearest power of two, ties up, truncated at 2**e_k,
   d = e_k - log2 g', d > 7 not sent);
-- :func:`decode_group`: the wire format of ``chainer_vgc/codec.py``'s
+- :func:`decode_group`: the wire format of ``chainer_vgc/codec``'s
   module docstring, one word at a time;
 - :func:`parse_message`: the message structure (magic, groups, counts);
 - :func:`ring_simulation`: the pipelined ring allgatherv of
@@ -154,7 +154,7 @@ def _f64(lo, hi):
 
 def decode_group(tensor_id, fmt, count, a, b, body, size, sizes=None):
     """(indices, values) of one group, word by word, from the format in
-    ``codec.py``'s docstring (values as Python floats, before any cast).
+    ``chainer_vgc.codec``'s docstring (values as Python floats, before any cast).
 
     A FMT_GAP group spanning several tensors (param word bits 8..31, see
     :func:`gap_span`) needs ``sizes`` (the model's tensor sizes; ``size``

@@ -285,9 +285,9 @@ def test_views_copies_and_ufunc_methods(xp):
 
 
 def test_int64_cumsum_stays_on_device(xp):
-    """The FMT_GAP encoder's scan (kernels.gap_body): cumsum of int64 code
-    lengths on the device is free and exact; reading its last element is
-    the one scalar read."""
+    """The FMT_GAP encoder's scan (codec.gap.device_gap_body): cumsum of
+    int64 code lengths on the device is free and exact; reading its last
+    element is the one scalar read."""
     lengths = xp.asarray(numpy.array([5, 2 ** 40, 7, 141], numpy.int64))
     xp.reset()
     end = xp.cumsum(lengths)

@@ -14,6 +14,7 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
+from chainer_vgc.codec.gap import device_gap_body
 from chainer_vgc.backend import state_dtype
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import QSGD
@@ -479,12 +480,12 @@ def gap_body_reference(index, nibbles, k, sign_only):
     for i in (int(x) for x in index):
         gap, prev = i - prev - 1, i
         q, low = gap >> k, gap & ((1 << k) - 1)
-        if q < kernels.GAP_ESCAPE:
+        if q < codec.GAP_ESCAPE:
             bits += [0] * q + [1]
         else:
-            v = q - kernels.GAP_ESCAPE + 1
+            v = q - codec.GAP_ESCAPE + 1
             n = v.bit_length() - 1
-            bits += [0] * (kernels.GAP_ESCAPE + n) + [1]
+            bits += [0] * (codec.GAP_ESCAPE + n) + [1]
             bits += [(v >> b) & 1 for b in range(n)]
         bits += [(low >> b) & 1 for b in range(k)]
     vbits = 1 if sign_only else 4
@@ -501,7 +502,7 @@ def gap_body_reference(index, nibbles, k, sign_only):
 
     stream = words(bits)
     assert len(values) == len(index) * vbits
-    head = [k | (kernels.GAP_SIGN_ONLY if sign_only else 0), stream.size]
+    head = [k | (codec.GAP_SIGN_ONLY if sign_only else 0), stream.size]
     return numpy.concatenate([numpy.array(head, numpy.uint32), stream,
                               words(values)]).astype(numpy.uint32)
 
@@ -556,7 +557,7 @@ def test_gap_reference_worked_example():
     assert gap_body_reference(index, nibbles, 4, False).tolist() == want
     if hasattr(codec, 'gap_body'):
         assert codec.gap_body(index, nibbles, 4, False).tolist() == want
-        assert kernels.gap_body(index, nibbles, 4, False).tolist() == want
+        assert device_gap_body(index, nibbles, 4, False).tolist() == want
 
 
 def test_gap_reference_agrees_with_codec():
@@ -591,7 +592,7 @@ def test_gap_length_kernel_matches_the_spec(host_kernels):
             assert (gap == want_gap).all()
             for g, n in zip(want_gap.tolist(), length.tolist()):
                 q = g >> k
-                esc = kernels.GAP_ESCAPE
+                esc = codec.GAP_ESCAPE
                 want = (q + 1 if q < esc else
                         esc + 2 * ((q - esc + 1).bit_length() - 1) + 1) + k
                 assert n == want, (g, k)
@@ -618,7 +619,7 @@ def _gap_lengths(host_kernels, index, k):
 
 
 def _host_gap_body(host_kernels, index, nibbles, k, sign_only):
-    """kernels.gap_body's steps with the host-compiled kernels on NumPy
+    """device_gap_body's steps with the host-compiled kernels on NumPy
     arrays (the scan by numpy.cumsum)."""
     count = index.size
     gap, length = _gap_lengths(host_kernels, index, k)
@@ -683,7 +684,7 @@ def test_gap_values_kernel_fields_and_padding(host_kernels, ndt):
 
 
 def test_gap_body_on_the_device_matches_the_reference(device):
-    """kernels.gap_body end to end on (fake) device arrays, its kernels
+    """device_gap_body end to end on (fake) device arrays, its kernels
     run host-compiled: the spec's body bit for bit, built on the device
     with one scalar read (the total bit count) and no other transfer."""
     for n, (size, index, nibbles, k, sign_only) in enumerate(_gap_cases()):
@@ -692,7 +693,7 @@ def test_gap_body_on_the_device_matches_the_reference(device):
         d_index = device.asarray(index.astype(idt))
         d_nib = device.asarray(nibbles.astype(ndt))
         device.reset()
-        body = kernels.gap_body(d_index, d_nib, k, sign_only)
+        body = device_gap_body(d_index, d_nib, k, sign_only)
         assert isinstance(body, device.ndarray)
         assert body.dtype == numpy.uint32
         assert device.log == [('scalar', 8, 'int')], device.log
@@ -707,11 +708,11 @@ def test_gap_body_on_the_device_edge_arguments(device):
     a nibble count that differs from the index count: ValueError."""
     empty = device.zeros(0, numpy.int64)
     device.reset()
-    body = kernels.gap_body(empty, device.zeros(0, numpy.uint8), 3, True)
+    body = device_gap_body(empty, device.zeros(0, numpy.uint8), 3, True)
     assert device.asnumpy(body).tolist() == [3 | 64, 0]
     assert device.count('scalar') == 0
     index = device.asarray(numpy.arange(3))
     with pytest.raises(ValueError):
-        kernels.gap_body(index, device.zeros(3, numpy.uint8), 64, False)
+        device_gap_body(index, device.zeros(3, numpy.uint8), 64, False)
     with pytest.raises(ValueError):
-        kernels.gap_body(index, device.zeros(2, numpy.uint8), 1, False)
+        device_gap_body(index, device.zeros(2, numpy.uint8), 1, False)

@@ -213,7 +213,8 @@ def test_chainer_missing_a_dependency_is_reported_unchanged(tmp_path):
     fake = tmp_path / 'chainer'
     fake.mkdir()
     (fake / '__init__.py').write_text('import six_vgc_missing\n')
-    proc = python('import chainer_vgc', extra_path=str(tmp_path))
+    proc = python('import chainer_vgc; chainer_vgc.create_communicator',
+                  extra_path=str(tmp_path))
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         "ModuleNotFoundError: No module named 'six_vgc_missing'")
@@ -225,7 +226,8 @@ def test_chainer_failing_anyway_says_what_and_how_to_fix(tmp_path):
     (fake / '__init__.py').write_text(
         "raise AttributeError(\"module 'numpy' has no attribute "
         "'some_future_removal'\")\n")
-    proc = python('import chainer_vgc', extra_path=str(tmp_path))
+    proc = python('import chainer_vgc; chainer_vgc.create_communicator',
+                  extra_path=str(tmp_path))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith('ImportError: chainer_vgc: Chainer 7.8.1 failed '

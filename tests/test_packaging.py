@@ -5,6 +5,8 @@ import subprocess
 import sys
 import zipfile
 
+from chainer_vgc import native
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,10 @@ def test_wheel_ships_kernel_sources_and_finds_them(tmp_path):
         names = z.namelist()
         z.extractall(str(site))
     assert 'chainer_vgc/kernel_src/vgc_numerics.cuh' in names
+    # every source of the native backend ships (native.source_hash() reads
+    # them to tell a stale build)
+    for name in native.SOURCES:
+        assert 'chainer_vgc/kernel_src/' + name in names, name
     assert 'chainer_vgc/rules/vgc.py' in names
     out = subprocess.run(
         [sys.executable, '-c', 'import chainer_vgc.kernels as k; '

@@ -1,8 +1,10 @@
 """The wire-format constants that chainer_vgc.codec and the C++/CUDA sources
 both define agree: the ``#define VGC_...`` lines of kernels/vgc_numerics.cuh
-(the CuPy kernels' source) and kernels/vgc_host.cpp are parsed and compared
-with codec by :func:`chainer_vgc.codec.check_kernel_constants`; the native
-backend compares its compiled constants at load (tests/test_native.py)."""
+(the CuPy kernels' source) and of the native backend's sources
+(kernels/vgc_host.cpp and its headers, chainer_vgc.native.SOURCES) are parsed
+and compared with codec by :func:`chainer_vgc.codec.check_kernel_constants`;
+the native backend compares its compiled constants at load
+(tests/test_native.py)."""
 
 import os
 import re
@@ -10,6 +12,7 @@ import re
 import pytest
 
 from chainer_vgc import codec
+from chainer_vgc.codec.c_defines import c_int
 from chainer_vgc import kernels
 from chainer_vgc import native
 
@@ -32,11 +35,18 @@ def test_kernel_source_matches_codec():
 
 
 def test_host_source_matches_codec():
-    path = os.path.join(kernels.source_dir(), 'vgc_host.cpp')
-    if not os.path.isfile(path):
-        pytest.skip('kernels/vgc_host.cpp is not shipped here')
-    with open(path) as f:
-        text = f.read()
+    # the native backend's sources (native.SOURCES: kernels/vgc_host.cpp and
+    # the headers it includes), wherever among them the constants live
+    paths = [os.path.join(kernels.source_dir(), name)
+             for name in native.SOURCES]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        pytest.skip('the native sources are not shipped here: {}'.format(
+            ', '.join(missing)))
+    text = ''
+    for path in paths:
+        with open(path) as f:
+            text += f.read() + '\n'
     names = [n for n in codec.C_CONSTANTS if n not in codec.KERNEL_CONSTANTS]
     found = codec.check_kernel_constants(text, names)
     assert sorted(found) == sorted(names)
@@ -84,12 +94,12 @@ def test_every_definition_is_checked():
     ('08', None),
 ])
 def test_c_integer_expressions(expr, value):
-    assert codec._c_int(expr) == value
+    assert c_int(expr) == value
 
 
-def test_kernels_gap_constants_equal_codec():
-    """chainer_vgc.kernels cannot import codec (codec imports it): its copy
-    of the FMT_GAP constants must agree."""
-    assert (kernels.GAP_ESCAPE, kernels.GAP_SIGN_ONLY,
-            kernels.GAP_PARAM_WORDS) == (codec.GAP_ESCAPE, codec.GAP_SIGN_ONLY,
-                                         codec.GAP_PARAM_WORDS)
+def test_wire_constants_are_defined_once():
+    """chainer_vgc.kernels (device primitives; codec builds on it) holds no
+    copy of the wire-format constants: they live in chainer_vgc.codec."""
+    for name in dir(codec.constants):
+        if name.isupper():
+            assert not hasattr(kernels, name), name

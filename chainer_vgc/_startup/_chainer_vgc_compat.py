@@ -47,16 +47,16 @@ at interpreter start-up and calls :func:`install`, which puts
 :class:`ChainerImportHook` at the front of ``sys.meta_path``.  The hook
 does nothing until a module named ``chainer`` is imported; then it runs
 :func:`prepare_chainer_import`, removes itself and lets the import go on.
-``import chainer_vgc`` calls :func:`prepare_chainer_import` as well, so
-the order of imports does not matter, and neither do ``python -S`` runs
-that import chainer_vgc first.  This module imports nothing at start-up
+``import chainer_vgc`` installs the hook as well (or, were Chainer
+imported already, calls :func:`prepare_chainer_import`), so the order of
+imports does not matter, and neither do ``python -S`` runs that import
+chainer_vgc first.  This module imports nothing at start-up
 beyond ``sys`` and ``importlib.util`` (its finder and loader are plain
 classes: ``importlib.abc`` would pull in a dozen modules at every start);
 NumPy is imported only when Chainer is.
 
 This file is installed as the top-level module ``_chainer_vgc_compat``
-(it must be importable without ``chainer_vgc/__init__.py``, which imports
-MPI and Chainer).  docs/stacks.md lists the same names.
+(the ``.pth`` imports it at every start-up, before any package).  docs/stacks.md lists the same names.
 """
 
 import importlib.util

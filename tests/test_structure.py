@@ -1,0 +1,394 @@
+"""The package's structure, checked from its source (``ast``), not by
+importing it:
+
+* the import graph among ``chainer_vgc`` modules has no cycle (every
+  ``import chainer_vgc.x``, ``from chainer_vgc import x``, ``from
+  chainer_vgc.x import y`` and relative import counts, inside functions
+  too; dynamic imports by ``importlib`` do not);
+* no module imports another module's private (``_name``) names, except
+  between modules of one subpackage (``chainer_vgc.codec.*`` share theirs);
+  nor does a test, benchmark or example use a private name of
+  ``chainer_vgc.codec`` or ``chainer_vgc.kernels``;
+* every module has at most 400 lines, except the ones in
+  :data:`OVER_400`, which may only shrink;
+* the core imports neither Chainer nor MPI (a fresh interpreter);
+* setup.cfg ships every package.
+"""
+
+import ast
+import configparser
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = 'chainer_vgc'
+MAX_LINES = 400
+
+#: modules over MAX_LINES today: {path: lines}.  A listed module may not
+#: grow; one that is back under the limit must be removed from here.
+OVER_400 = {}
+
+#: imports of another module's private names that exist today:
+#: (importer, owner module, name).  May only shrink.
+KNOWN_PRIVATE_IMPORTS = set()
+
+#: the chainer-free core: imports neither Chainer nor MPI
+CORE = ('chainer_vgc', 'chainer_vgc.codec', 'chainer_vgc.kernels',
+        'chainer_vgc.rules', 'chainer_vgc.compressor', 'chainer_vgc.exchange',
+        'chainer_vgc.transport')
+FORBIDDEN = ('chainer', 'chainermn', 'mpi4py')
+
+
+# ---- the modules and their imports ------------------------------------------
+
+def _is_private(name):
+    return name.startswith('_') and not (name.startswith('__')
+                                         and name.endswith('__'))
+
+
+def package_modules(root=ROOT):
+    """{dotted name: path} of every module of the package (directories with
+    an ``__init__.py``; a package is named by its ``__init__.py``)."""
+    modules = {}
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, PACKAGE)):
+        if '__init__.py' not in filenames:
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if d != '__pycache__')
+        rel = os.path.relpath(dirpath, root).split(os.sep)
+        for f in sorted(filenames):
+            if not f.endswith('.py'):
+                continue
+            parts = rel if f == '__init__.py' else rel + [f[:-3]]
+            modules['.'.join(parts)] = os.path.join(dirpath, f)
+    return modules
+
+
+def is_package(name, modules):
+    return modules.get(name, '').endswith('__init__.py')
+
+
+def package_of(name, modules):
+    """The package a module belongs to (a package: itself)."""
+    return name if is_package(name, modules) else name.rpartition('.')[0]
+
+
+class Import(object):
+    """One imported module (``target``), with the name taken from it
+    (``name``, or None for a whole-module import) and the source line."""
+
+    def __init__(self, target, name, line):
+        self.target, self.name, self.line = target, name, line
+
+
+def _resolve_from(node, importer, modules):
+    """The absolute module of a ``from ... import`` statement."""
+    if node.level == 0:
+        return node.module or ''
+    base = package_of(importer, modules).split('.')
+    base = base[:len(base) - (node.level - 1)]
+    return '.'.join(base + ([node.module] if node.module else []))
+
+
+def imports_of(importer, tree, modules):
+    """The imports of chainer_vgc modules in ``tree`` (the whole tree:
+    imports inside functions count), and the names bound to modules:
+    ``([Import], {local name: module})``."""
+    found, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split('.')[0] != PACKAGE:
+                    continue
+                found.append(Import(alias.name, None, node.lineno))
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    bound[PACKAGE] = PACKAGE
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_from(node, importer, modules)
+            if base.split('.')[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                sub = base + '.' + alias.name
+                if sub in modules:  # a module: from chainer_vgc import codec
+                    found.append(Import(sub, None, node.lineno))
+                    bound[alias.asname or alias.name] = sub
+                else:  # a name defined in ``base``
+                    found.append(Import(base, alias.name, node.lineno))
+    return found, bound
+
+
+def parse(path):
+    with open(path) as f:
+        return ast.parse(f.read(), filename=path)
+
+
+def import_graph(modules):
+    """{module: sorted modules it imports} among ``modules``."""
+    graph = {}
+    for name, path in modules.items():
+        found, _ = imports_of(name, parse(path), modules)
+        graph[name] = sorted({i.target for i in found
+                              if i.target in modules and i.target != name})
+    return graph
+
+
+def find_cycle(graph):
+    """A cycle of ``graph`` ({node: [successors]}) as the list of its nodes
+    in order (the first repeated at the end), or None."""
+    state = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(graph.get(start, ()))]
+        state[start] = 1
+        while stack:
+            for nxt in stack[-1]:
+                if state.get(nxt) == 1:
+                    return path[path.index(nxt):] + [nxt]
+                if not state.get(nxt):
+                    state[nxt] = 1
+                    path.append(nxt)
+                    stack.append(iter(graph.get(nxt, ())))
+                    break
+            else:
+                state[path.pop()] = 2
+                stack.pop()
+    return None
+
+
+# ---- (a) no import cycle ----------------------------------------------------
+
+@pytest.mark.parametrize('graph,cycle', [
+    ({'a': ['b'], 'b': ['c'], 'c': ['a']}, ['a', 'b', 'c', 'a']),
+    ({'a': ['b'], 'b': ['b']}, ['b', 'b']),
+    ({'a': ['b', 'c'], 'b': ['d'], 'c': ['d'], 'd': []}, None),
+    ({'a': ['x'], 'b': ['c'], 'c': ['d'], 'd': ['b']},
+     ['b', 'c', 'd', 'b']),
+])
+def test_cycle_finder_finds_cycles(graph, cycle):
+    assert find_cycle(graph) == cycle
+
+
+def test_cycle_finder_sees_function_level_and_relative_imports(tmp_path):
+    """The old circle (codec imports kernels, kernels imports codec inside
+    a function), rebuilt in a scratch package: found."""
+    pkg = tmp_path / PACKAGE
+    (pkg / 'sub').mkdir(parents=True)
+    (pkg / '__init__.py').write_text('')
+    (pkg / 'codec.py').write_text('from chainer_vgc import kernels\n')
+    (pkg / 'kernels.py').write_text(
+        'def f():\n    from chainer_vgc import codec\n')
+    (pkg / 'sub' / '__init__.py').write_text('from . import a\n')
+    (pkg / 'sub' / 'a.py').write_text('from .b import x\n')
+    (pkg / 'sub' / 'b.py').write_text('import chainer_vgc.sub.a as a\n')
+    modules = package_modules(str(tmp_path))
+    graph = import_graph(modules)
+    assert graph['chainer_vgc.kernels'] == ['chainer_vgc.codec']
+    assert graph['chainer_vgc.sub'] == ['chainer_vgc.sub.a']
+    assert find_cycle({k: v for k, v in graph.items()
+                       if 'sub' not in k}) == [
+        'chainer_vgc.codec', 'chainer_vgc.kernels', 'chainer_vgc.codec']
+    assert find_cycle({k: v for k, v in graph.items() if 'sub.' in k}) == [
+        'chainer_vgc.sub.a', 'chainer_vgc.sub.b', 'chainer_vgc.sub.a']
+
+
+def test_no_import_cycle():
+    modules = package_modules()
+    assert 'chainer_vgc.codec.message' in modules  # the walk sees packages
+    cycle = find_cycle(import_graph(modules))
+    assert cycle is None, 'import cycle: ' + ' -> '.join(cycle)
+
+
+def test_kernels_is_below_codec():
+    """kernels.py holds device primitives only: it imports no codec module
+    (codec builds on it) and defines no wire-format constant."""
+    modules = package_modules()
+    graph = import_graph(modules)
+    assert not [m for m in graph['chainer_vgc.kernels']
+                if m.startswith('chainer_vgc.codec')]
+    tree = parse(modules['chainer_vgc.kernels'])
+    constants = {t.id for n in tree.body if isinstance(n, ast.Assign)
+                 for t in n.targets if isinstance(t, ast.Name)}
+    codec_constants = {t.id for n in parse(
+        modules['chainer_vgc.codec.constants']).body
+        if isinstance(n, ast.Assign) for t in n.targets}
+    assert not constants & codec_constants
+
+
+# ---- (b) private names stay private -----------------------------------------
+
+def private_uses(importer, tree, modules):
+    """``[(owner module, private name, line)]`` taken by ``importer`` from
+    another chainer_vgc module: ``from m import _x`` and ``m._x`` where
+    ``m`` is bound by an import of a chainer_vgc module (``import
+    chainer_vgc.m``: the chain ``chainer_vgc.m._x``)."""
+    found, bound = imports_of(importer, tree, modules)
+    uses = []
+    for imp in found:
+        leaf = imp.target.rpartition('.')[2]
+        if imp.name is not None and _is_private(imp.name):
+            uses.append((imp.target, imp.name, imp.line))
+        elif imp.name is None and _is_private(leaf):  # a private module
+            uses.append((imp.target.rpartition('.')[0], leaf, imp.line))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in bound:
+            continue
+        owner = '.'.join([bound[value.id]] + chain[::-1])
+        if owner in modules:
+            uses.append((owner, node.attr, node.lineno))
+    return uses
+
+
+def allowed(importer, owner, name, modules):
+    """Whether ``importer`` may use ``owner``'s private ``name``: a
+    private submodule inside its package; a private name within one
+    subpackage (not across the top-level package)."""
+    if importer == owner:
+        return True
+    if owner + '.' + name in modules:  # a private module of package owner
+        return importer == owner or importer.startswith(owner + '.')
+    shared = package_of(owner, modules)
+    return shared != PACKAGE and package_of(importer, modules) == shared
+
+
+def private_imports(modules):
+    out = set()
+    for importer, path in modules.items():
+        for owner, name, line in private_uses(importer, parse(path),
+                                              modules):
+            if not allowed(importer, owner, name, modules):
+                out.add((importer, owner, name))
+    return out
+
+
+def test_private_name_check_can_fail(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / 'codec').mkdir(parents=True)
+    (pkg / '__init__.py').write_text('from chainer_vgc import _hook\n')
+    (pkg / '_hook.py').write_text('')
+    (pkg / 'codec' / '__init__.py').write_text('')
+    (pkg / 'codec' / 'gap.py').write_text('_x = 1\n')
+    (pkg / 'codec' / 'message.py').write_text(
+        'from chainer_vgc.codec.gap import _x\n')
+    (pkg / 'a.py').write_text(
+        'from chainer_vgc.codec.gap import _x\n'
+        'import chainer_vgc.codec.gap\n'
+        'from chainer_vgc import codec as c\n'
+        'def f():\n'
+        '    return chainer_vgc.codec.gap._y + c._z + c.gap.__name__\n')
+    (pkg / 'b.py').write_text('from chainer_vgc.a import _p\n')
+    (pkg / 'c.py').write_text('from . import _hook\n')
+    modules = package_modules(str(tmp_path))
+    assert private_imports(modules) == {
+        ('chainer_vgc.a', 'chainer_vgc.codec.gap', '_x'),
+        ('chainer_vgc.a', 'chainer_vgc.codec.gap', '_y'),
+        ('chainer_vgc.a', 'chainer_vgc.codec', '_z'),
+        ('chainer_vgc.b', 'chainer_vgc.a', '_p'),
+    }
+
+
+def test_no_private_imports_between_modules():
+    found = private_imports(package_modules())
+    new = found - KNOWN_PRIVATE_IMPORTS
+    assert not new, 'private names imported from another module: {}'.format(
+        sorted(new))
+    fixed = KNOWN_PRIVATE_IMPORTS - found
+    assert not fixed, 'no longer imported, remove from ' \
+        'KNOWN_PRIVATE_IMPORTS: {}'.format(sorted(fixed))
+
+
+def _scripts():
+    for top in ('tests', 'benchmarks', 'examples'):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if d != '__pycache__']
+            for f in filenames:
+                if f.endswith('.py'):
+                    yield os.path.join(dirpath, f)
+
+
+def test_scripts_use_no_private_codec_or_kernels_names():
+    """Tests, benchmarks and examples use the public names of codec and
+    kernels (a helper they need is public in its codec module)."""
+    modules = package_modules()
+    bad = []
+    for path in _scripts():
+        for owner, name, line in private_uses('__main__', parse(path),
+                                              modules):
+            if owner.startswith(('chainer_vgc.codec', 'chainer_vgc.kernels')):
+                bad.append('{}:{}: {}.{}'.format(
+                    os.path.relpath(path, ROOT), line, owner, name))
+    assert not bad
+
+
+# ---- (c) module size --------------------------------------------------------
+
+def _line_counts():
+    counts = {}
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, PACKAGE)):
+        dirnames[:] = [d for d in dirnames if d != '__pycache__']
+        for f in filenames:
+            if f.endswith('.py'):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    counts[os.path.relpath(path, ROOT)] = sum(1 for _ in fh)
+    return counts
+
+
+def test_modules_have_at_most_400_lines():
+    counts = _line_counts()
+    over = {p: n for p, n in counts.items()
+            if n > MAX_LINES and p not in OVER_400}
+    assert not over, 'modules over {} lines: {}'.format(MAX_LINES, over)
+    grown = {p: (OVER_400[p], counts[p]) for p in OVER_400
+             if p in counts and counts[p] > OVER_400[p]}
+    assert not grown, 'OVER_400 modules grew (recorded, now): {}'.format(
+        grown)
+    done = sorted(p for p in OVER_400 if counts.get(p, 0) <= MAX_LINES)
+    assert not done, 'now at most {} lines (or gone): remove from ' \
+        'OVER_400: {}'.format(MAX_LINES, done)
+
+
+# ---- (d) the core imports neither Chainer nor MPI ---------------------------
+
+def test_core_imports_neither_chainer_nor_mpi():
+    code = textwrap.dedent('''
+        import importlib, json, sys
+        forbidden = {!r}
+        out = {{}}
+        for name in {!r}:
+            importlib.import_module(name)
+            out[name] = sorted(m for m in sys.modules
+                               if m.split('.')[0] in forbidden)
+        print(json.dumps(out))
+    ''').format(FORBIDDEN, CORE)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(loaded) == sorted(CORE)
+    assert {m: v for m, v in loaded.items() if v} == {}
+
+
+# ---- (e) packaging ----------------------------------------------------------
+
+def test_setup_cfg_lists_every_package():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, 'setup.cfg'))
+    listed = set(cfg.get('options', 'packages').split())
+    modules = package_modules()
+    packages = {m for m in modules if is_package(m, modules)}
+    assert packages <= listed, sorted(packages - listed)
