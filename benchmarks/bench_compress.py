@@ -6,7 +6,7 @@ VGG-like tensors) and times one full step (accumulate, criterion, decay,
 quantize, pack into the message) against numpy.copyto of the gradient
 bytes, on the native backend and on the NumPy reference side by side; then
 decodes 4 such messages (as from 4 ranks) into the gradients with the 1/4
-mean (chainer_vgc.communicator.mean_gradients).  Prints medians of
+mean (chainer_vgc.exchange.mean_gradients).  Prints medians of
 --repeat runs and the ratios to copyto.
 """
 
@@ -22,7 +22,7 @@ import chainer  # NOQA: E402
 import numpy  # NOQA: E402
 
 from chainer_vgc import GradientCompressor  # NOQA: E402
-from chainer_vgc import communicator  # NOQA: E402
+from chainer_vgc import exchange  # NOQA: E402
 from chainer_vgc import native  # NOQA: E402
 
 from bench_common import hyperparameters  # NOQA: E402
@@ -115,7 +115,7 @@ def main():
         def decode():
             for p, g in zip(params, local):
                 p.grad = g
-            communicator.mean_gradients(messages, comp, params, local, 4,
+            exchange.mean_gradients(messages, comp, params, local, 4,
                                         True, False)
         return median_time(decode, args.repeat)
 

@@ -103,16 +103,22 @@ def main():
     opt.setup(model)
 
     exchange, phases = [], []
-    # chainer_vgc's optimizer calls comm.exchange (ChainerMN's calls
-    # multi_node_mean_grad): time whichever the step calls
-    name = 'exchange' if hasattr(comm, 'exchange') else \
-        'multi_node_mean_grad'
-    inner = getattr(comm, name)
+    # chainer_vgc's exchanges, now or in the background, run
+    # step.run_exchange (ChainerMN's optimizer calls multi_node_mean_grad):
+    # time whichever the step runs
+    if hasattr(comm, 'exchange_async'):
+        from chainer_vgc import step as owner
+        name = 'run_exchange'
+    else:
+        owner, name = comm, 'multi_node_mean_grad'
+    inner = getattr(owner, name)
 
     def timed_exchange(*a, **k):
-        exchange.append(timed(inner, *a, **k)[1])
-        phases.append(dict(getattr(comm, 'last_timing', {})))
-    setattr(comm, name, timed_exchange)
+        result, seconds, _ = timed(inner, *a, **k)
+        exchange.append(seconds)
+        phases.append(dict(getattr(result, 'timing', None) or {}))
+        return result
+    setattr(owner, name, timed_exchange)
 
     steps = []
     before = None

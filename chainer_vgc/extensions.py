@@ -10,17 +10,15 @@ with a dense allreduce, and how do Chainer trainers see it?  The arithmetic
 Every step the communicator reports, with ``chainer.reporter``, figures
 aggregated over all ranks:
 
-``vgc/compression``  parameters / average elements sent per rank in
-                     this step (the paper's definition, Sec. 6; over an
-                     interval use ``vgc/interval_compression`` below, not
-                     LogReport's mean of this ratio)
-``vgc/density``      its inverse
-``vgc/bytes``        bytes each rank sends on the wire (ring allgatherv:
-                     (p - 1) / p of all messages)
-``vgc/bits_per_element``  bits of the messages per element they carry,
-                     headers included (the paper's word: 32 and a little
-                     more; gap-coded indices, FMT_GAP: fewer); absent in a
-                     step that sent nothing
+- ``vgc/compression``: parameters / average elements sent per rank in
+  this step (the paper's definition, Sec. 6; over an interval use
+  ``vgc/interval_compression`` below, not LogReport's mean of this ratio);
+- ``vgc/density``: its inverse;
+- ``vgc/bytes``: bytes each rank sends on the wire (ring allgatherv:
+  (p - 1) / p of all messages);
+- ``vgc/bits_per_element``: bits of the messages per element they carry,
+  headers included (the paper's word: 32 and a little more; gap-coded
+  indices, FMT_GAP: fewer); absent in a step that sent nothing;
 
 so ``LogReport``, ``PrintReport(['epoch', 'main/loss', 'vgc/compression',
 ...])`` and ``PlotReport(['vgc/compression'])`` show them directly.

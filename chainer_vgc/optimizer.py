@@ -8,11 +8,8 @@ works unchanged.  The compressor's residual state is part of the optimizer's
 serialized state (trainer snapshots).
 """
 
-import atexit
 import copy
 import json
-import threading
-import weakref
 
 import chainer
 import numpy
@@ -43,7 +40,7 @@ class VGCMultiNodeOptimizer(object):
 
     #: attributes of the wrapper itself (everything else is forwarded)
     _OWN = ('communicator', 'actual_optimizer', 'zero_fill', 'target_params',
-            '_first_update_done', '_resumed')
+            '_first_update_done', '_resumed', '_stats')
 
     def __init__(self, actual_optimizer, communicator, zero_fill=True):
         if not isinstance(communicator, VGCCommunicator):
@@ -58,6 +55,8 @@ class VGCMultiNodeOptimizer(object):
         self.target_params = []
         self._first_update_done = False
         self._resumed = False
+        #: the per-sample statistics hook of the target (ours)
+        self._stats = None
 
     def __getattr__(self, name):
         return getattr(self.actual_optimizer, name)
@@ -72,6 +71,16 @@ class VGCMultiNodeOptimizer(object):
         self.actual_optimizer.setup(link)
         return self
 
+    @property
+    def method_state(self):
+        """The target's :class:`~chainer_vgc.method_state.MethodState`
+        (the communicator keeps one per model)."""
+        return self.communicator.state(self.target)
+
+    def _uncovered(self):
+        """What the last backward's statistics left uncovered."""
+        return tuple(getattr(self._stats, 'uncovered_names', ()) or ())
+
     def update(self, lossfun=None, *args, **kwds):
         target = self.target
         comm = self.communicator
@@ -82,9 +91,10 @@ class VGCMultiNodeOptimizer(object):
             comm.bcast_data(target)
             return
         opt = self.actual_optimizer
-        comm.exchange(target, self.zero_fill, sqsums=sqsums,
-                      loss_scale=opt._loss_scale)
-        if comm.skipped and not opt._loss_scaling_is_dynamic:
+        result = comm.exchange(target, self.zero_fill, sqsums=sqsums,
+                               loss_scale=opt._loss_scale,
+                               uncovered=self._uncovered())
+        if result.skipped and not opt._loss_scaling_is_dynamic:
             # a rank's gradients were not finite and no loss scaler will
             # skip the NaN update: keep the parameters (vgc/skipped)
             return
@@ -103,19 +113,19 @@ class VGCMultiNodeOptimizer(object):
 
     def _needs_sqsum(self):
         """Whether this step's backward computes the statistics."""
-        return self.communicator.needs_sqsum
+        return self.method_state.needs_sqsum
 
     def _backward(self, loss, lossfun, args, kwds):
         """``loss.backward``, with the per-sample statistics when the
         communicator needs them (returned; None otherwise)."""
-        comm = self.communicator
         scale = self.actual_optimizer._loss_scale
         if not self._needs_sqsum():
             loss.backward(loss_scale=scale)
             return None
         batch, loss_fn = _batch_of(lossfun, args, kwds)
-        return comm.statistics(self.target).backward(
-            loss, loss_fn=loss_fn, batch=batch, loss_scale=scale)
+        self._stats = self.method_state.statistics(self.target, self._stats)
+        return self._stats.backward(loss, loss_fn=loss_fn, batch=batch,
+                                    loss_scale=scale)
 
     def _broadcast_now(self, target):
         """ChainerMN's rule (broadcast while the parameter set changes),
@@ -128,7 +138,7 @@ class VGCMultiNodeOptimizer(object):
             if self.communicator.mpi_comm.allreduce(resumed, op=_mpi_min()):
                 self.is_changed(target)  # record: no broadcast now
             else:
-                self.communicator.sync_run()
+                self.communicator.sync_run(target)
         return self.is_changed(target)
 
     def is_changed(self, target):
@@ -193,23 +203,17 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
     """
 
     _OWN = VGCMultiNodeOptimizer._OWN + (
-        '_xcomm', '_shadow', '_thread', '_error', '_flight', '_ready',
-        '_loaded')
+        '_shadow', '_handle', '_flight_scale', '_ready', '_loaded')
 
     def __init__(self, actual_optimizer, communicator, zero_fill=True):
         super(VGCDoubleBufferingOptimizer, self).__init__(
             actual_optimizer, communicator, zero_fill)
         check_thread_level()
-        #: the background exchange's communicator (collective: every rank
-        #: creates its optimizer)
-        self._xcomm = communicator.mpi_comm.Dup()
         self._shadow = None
-        self._thread = None
-        self._error = None
-        self._flight = None   # (view, loss scale) of the exchange running
+        self._handle = None   # the exchange running (ExchangeHandle)
+        self._flight_scale = None   # its loss scale
         self._ready = None    # {'scale', 'skipped', 'last'}: mean to apply
         self._loaded = None   # a snapshot's mean, installed at next update
-        _RUNNING.add(self)
 
     def update(self, lossfun=None, *args, **kwds):
         target = self.target
@@ -220,8 +224,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             sqsums = self._loss_backward(lossfun, args, kwds)
         # what the statistics left uncovered, read here: the next
         # backward rewrites it while the exchange runs
-        uncovered = tuple(getattr(self.communicator._stats,
-                                  'uncovered_names', ()) or ())
+        uncovered = self._uncovered()
         if self._broadcast_now(target):
             self._complete()  # (a collective: every rank has it in flight)
             self._ready, self._loaded, self._shadow = None, None, None
@@ -246,9 +249,9 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
     def _needs_sqsum(self):
         """The statistics are computed unless the coming exchange is surely
         a warm-up one (the exchange in flight may not have counted yet)."""
-        comm = self.communicator
-        return comm.needs_sqsum_after(comm.totals['steps'] +
-                                      (self._thread is not None))
+        st = self.method_state
+        return st.needs_sqsum_after(st.totals['steps'] +
+                                    (self._handle is not None))
 
     def _swap(self, target):
         """Step t's gradients to the shadow model, its completed mean (or
@@ -274,68 +277,29 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         return ready
 
     def _start(self, sqsums, scale, uncovered):
-        comm = self.communicator
-        # one exchange at a time per communicator (two optimizers sharing
-        # it: the other's completes first)
-        other = getattr(comm, '_flight_owner', None)
-        if other is not None and other is not self:
-            other._complete()
-        comm._flight_owner = self
-        view = comm.background_view(self._xcomm)
-        shadow, zero_fill = self._shadow, self.zero_fill
-        first = next((p.array for _, p in shadow.namedparams()
-                      if p.array is not None), None)
-        debug = chainer.is_debug()  # (Chainer's config is per thread)
-        ready = backend.stream_marker(first)  # the backward's work, queued
-
-        def work():
-            try:
-                with backend.device_scope(first), \
-                        chainer.using_config('debug', debug):
-                    backend.wait_marker(ready)
-                    comm.run_in_view(view, comm.exchange, shadow, zero_fill,
-                                     sqsums=sqsums, loss_scale=scale,
-                                     uncovered=uncovered)
-                    backend.finish_stream(first)
-            except BaseException as e:  # raised on the main thread
-                self._error = e
-
-        self._flight = (view, scale)
-        self._thread = threading.Thread(target=work, daemon=True,
-                                        name='chainer_vgc exchange')
-        self._thread.start()
-
-    def _join(self):
-        """Wait for the exchange in flight, if any; returns (its error,
-        its (view, loss scale)), or None when nothing was in flight."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return None
-        thread.join()
-        comm = self.communicator
-        if getattr(comm, '_flight_owner', None) is self:
-            comm._flight_owner = None
-        error, self._error = self._error, None
-        flight, self._flight = self._flight, None
-        return error, flight
+        """Step t's exchange, on the shadow model, in the background."""
+        self._handle = self.communicator.exchange_async(
+            self._shadow, self.zero_fill, sqsums=sqsums, loss_scale=scale,
+            uncovered=uncovered, state=self.method_state, background=True)
+        self._flight_scale = scale
 
     def _complete(self):
         """Wait for the exchange in flight: raise its error, or commit its
         totals and keep its mean for the next update."""
-        joined = self._join()
-        if joined is None:
+        handle, self._handle = self._handle, None
+        if handle is None:
             return
-        error, (view, scale) = joined
-        if error is not None:
-            raise error
-        self.communicator.commit(view)
-        self._ready = {'scale': scale, 'skipped': view['skipped'],
-                       'last': extensions.reported(view['last'])}
+        result = handle.wait()
+        self._ready = {'scale': self._flight_scale,
+                       'skipped': result.skipped,
+                       'last': extensions.reported(result.figures)}
 
     def _drop(self):
         """Wait for the exchange in flight and forget it (its totals are
         not committed): a snapshot is being loaded over this run."""
-        self._join()
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.discard()
         self._ready, self._shadow = None, None
 
     def wait(self):
@@ -378,32 +342,6 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                     'means': {n: numpy.asarray(backend.to_numpy(
                         serializer(key + 'mean' + n, None))) for n in names}}
         super(VGCDoubleBufferingOptimizer, self).serialize(serializer)
-
-
-#: double-buffering optimizers whose exchange may be in flight at exit
-_RUNNING = weakref.WeakSet()
-
-
-@atexit.register
-def _complete_at_exit():
-    """Let every exchange in flight finish before MPI is finalized
-    (registered after mpi4py's own handler, so it runs first); one that
-    failed aborts the job, as it would have at the next update (the other
-    ranks may be waiting in its collectives)."""
-    for opt in list(_RUNNING):
-        thread = opt._thread
-        if thread is None:
-            continue
-        thread.join()
-        if opt._error is not None:
-            import sys
-            import traceback
-            traceback.print_exception(type(opt._error), opt._error,
-                                      opt._error.__traceback__)
-            print('chainer_vgc: the last exchange failed on this rank; '
-                  'aborting the job', file=sys.stderr, flush=True)
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(1)
 
 
 def check_thread_level():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc import communicator
+from chainer_vgc import exchange
 from chainer_vgc import extensions
 from chainer_vgc import optimizer
 from chainer_vgc import transport
@@ -83,7 +83,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
         dense_elements = 17 * p if trial % 2 else 0
         dense_wire = 2 * (p - 1) * 4 * 17 / p if trial % 2 else 0.0
         n_compressed = n_params - 17 if trial % 2 else None
-        fig = communicator.step_figures(
+        fig = extensions.step_figures(
             blocks, n_params, None, 4 * n_params, size=p,
             dense_elements=dense_elements, dense_wire=dense_wire,
             n_compressed=n_compressed)
@@ -117,7 +117,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
                 else float('inf'))
         # elements given by the caller win over counting
         given_elements = [7] * p
-        fig2 = communicator.step_figures(blocks, n_params, given_elements,
+        fig2 = extensions.step_figures(blocks, n_params, given_elements,
                                          size=p)
         assert fig2['_elements'] == 7 * p
         assert fig2['vgc/bytes'] == pytest.approx(sum(per_rank) / p)
@@ -127,7 +127,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
 
 def test_report_step_adds_to_the_totals_and_reports():
     rng = numpy.random.default_rng(9)
-    totals = communicator.new_totals()
+    totals = extensions.new_totals()
     reporter = chainer.Reporter()
     seen = []
     want = dict(steps=0, elements=0, bytes=0.0, dense_bytes=0.0,
@@ -136,7 +136,7 @@ def test_report_step_adds_to_the_totals_and_reports():
         blocks = [_message(rng, 30) for _ in range(4)]
         obs = {}
         with reporter.scope(obs):
-            fig = communicator.report_step(blocks, 90, totals,
+            fig = extensions.report_step(blocks, 90, totals,
                                            param_bytes=2 * 90)
         seen.append(obs)
         counts = [int(b.size) for b in blocks]
@@ -206,7 +206,7 @@ class _FakeCommunicator(object):
     def __init__(self, size):
         self.size = size
         self.compressor = _FakeCompressor()
-        self.totals = communicator.new_totals()
+        self.totals = extensions.new_totals()
 
 
 def _report(ext):
@@ -358,7 +358,7 @@ def test_vgc_with_unrepresentable_elements_matches_the_oracle(backend, dtype,
 
 def _partial_exchange(backend, alpha, grads_of, p=2, steps=4, seed=0):
     """``p`` simulated ranks exchange messages with
-    :func:`communicator.mean_gradients` (zero_fill=False); ``grads_of(rank,
+    :func:`exchange.mean_gradients` (zero_fill=False); ``grads_of(rank,
     step)`` says which of the 2 tensors have a gradient.  Returns, per step,
     every rank's resulting grads and the oracle's mean."""
     rng = numpy.random.default_rng(seed)
@@ -396,7 +396,7 @@ def _partial_exchange(backend, alpha, grads_of, p=2, steps=4, seed=0):
             # communicator's agreement tells every rank
             present = [any(grads_of(r, step)[k] for r in range(p))
                        for k in range(len(shapes))]
-            communicator.mean_gradients(
+            exchange.mean_gradients(
                 msgs, comps[rank], params[rank],
                 [prm.grad for prm in params[rank]], p, False, False,
                 present=present)

@@ -288,12 +288,88 @@ def check_dict_batch_and_lazy_unused_params():
     assert (comm_world.bcast(w) == w).all()
 
 
+def residuals_of(comm, model):
+    st = comm.state(model).compressor.states
+    return [{k: a.copy() for k, a in sorted((x or {}).items())} for x in st]
+
+
+def check_two_models_keep_their_own_states():
+    """Two models trained through one communicator, updates interleaved,
+    with and without double buffering: each keeps its own residuals and
+    totals, bit for bit those of a communicator of its own."""
+    for db in (False, True):
+        def create(opt, comm):
+            return chainer_vgc.create_multi_node_optimizer(
+                opt, comm, double_buffering=db)
+        shared = chainer_vgc.create_communicator('vgc', comm_world,
+                                                 alpha=1.0)
+        own = [chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+               for _ in range(2)]
+        runs = []
+        for comms in ([shared, shared], own):
+            models = [make(seed=s) for s in (0, 1)]
+            opts = [create(chainer.optimizers.SGD(0.1), c).setup(m)
+                    for c, m in zip(comms, models)]
+            for step in range(5):
+                for k, (o, m) in enumerate(zip(opts, models)):
+                    o.update(m, *data(3 * step + k))
+            for o in opts:
+                getattr(o, 'wait', lambda: None)()
+            runs.append([(params_of(m), residuals_of(c, m),
+                          dict(c.state(m).totals))
+                         for c, m in zip(comms, models)])
+        for (pa, ra, ta), (pb, rb, tb) in zip(*runs):
+            assert ta == tb and ta['steps'] == 4, (ta, tb)
+            for a, b in zip(pa, pb):
+                assert (a == b).all()
+            for a, b in zip(ra, rb):
+                assert sorted(a) == sorted(b)
+                for key in a:
+                    assert (a[key] == b[key]).all()
+        # the two models' states differ (they were not one state)
+        (pa, ra, _), (pb, rb, _) = runs[0]
+        assert any((a['r'] != b['r']).any() for a, b in zip(ra, rb) if a)
+        shared.finalize()
+
+
+def check_exchange_async_handle():
+    """``exchange_async(background=True)`` then ``wait()``: the mean, the
+    figures and the totals of a synchronous exchange, bit for bit; the
+    result is committed once however often ``wait()`` is called."""
+    means, figures = [], []
+    for background in (False, True):
+        comm = chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+        model = make()
+        x, t = data(7)
+        model.cleargrads()
+        sq = comm.statistics(model).backward(model(x, t), batch=(x,))
+        handle = comm.exchange_async(model, True, sqsums=sq,
+                                     background=background)
+        result = handle.wait()
+        assert handle.wait() is result and handle.done()
+        assert comm.totals['steps'] == 1 and not result.skipped
+        assert comm.last == result.figures
+        means.append(params_grads(model))
+        figures.append(result.figures)
+        comm.finalize()
+    assert figures[0] == figures[1]
+    for a, b in zip(*means):
+        assert (a == b).all()
+
+
+def params_grads(model):
+    return [p.grad.copy() for _, p in sorted(model.namedparams())
+            if p.grad is not None]
+
+
 CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
           check_dict_batch_and_lazy_unused_params,
           check_trainer_reports, check_vgc_alpha_tiny_equals_mean_gradient,
           check_conservation_across_ranks,
           check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
-          check_mismatched_models_fail_on_every_rank]
+          check_mismatched_models_fail_on_every_rank,
+          check_two_models_keep_their_own_states,
+          check_exchange_async_handle]
 
 
 def main():

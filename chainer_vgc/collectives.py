@@ -1,0 +1,195 @@
+"""Moving bytes between the ranks: the collectives one exchange runs.
+
+The question this module answers: how do the bytes of one exchange travel,
+and nothing else?  :class:`Collectives` is a ChainerMN communicator (on
+ChainerMN's ``MpiCommunicatorBase``) that knows no method and no model
+state: the allgatherv of the compressed messages (paper Sec. 4.3: every
+worker sends its elements to every other worker;
+:mod:`chainer_vgc.transport`), small object allgathers for the checks
+every rank must agree on, the dense group's allreduce (ChainerMN's naive
+mean, or one float16 allreduce as ChainerMN's ``allreduce_grad_dtype``),
+and rank 0's parameters to every rank.  Device arrays travel through host
+memory unless ``cuda_aware_mpi``.
+
+:class:`~chainer_vgc.communicator.VGCCommunicator` is one; a background
+exchange (double buffering) runs on a second one over a duplicate of the
+MPI communicator, so that its collectives never mix with the main thread's.
+"""
+
+from chainer_vgc import mpi_support
+
+# ChainerMN loads mpi4py.MPI, which needs an MPI library: without one, fail
+# here with an error that says how to get it
+mpi_support.import_mpi()
+
+from chainermn.communicators import mpi_communicator_base  # NOQA: E402
+import numpy  # NOQA: E402
+
+from chainer_vgc import backend  # NOQA: E402
+from chainer_vgc import extensions  # NOQA: E402
+from chainer_vgc import transport  # NOQA: E402
+
+
+class Collectives(mpi_communicator_base.MpiCommunicatorBase):
+    """The collectives of one exchange over ``mpi_comm``.
+
+    Args:
+        mpi_comm: an mpi4py communicator.
+        allgatherv: ``'ring'`` (pipelined ring on point-to-point calls) or
+            ``'mpi'`` (``MPI_Allgatherv``).
+        chunk_words: pipelining chunk of the ring, in 32-bit words.
+        cuda_aware_mpi: declare that MPI accepts device pointers; by
+            default (False) every collective on GPU arrays goes through
+            host memory (the compressed exchange always does).
+    """
+
+    def __init__(self, mpi_comm, allgatherv='ring',
+                 chunk_words=transport.DEFAULT_CHUNK_WORDS,
+                 cuda_aware_mpi=False):
+        allgatherv, chunk_words = transport.check_arguments(allgatherv,
+                                                            chunk_words)
+        super(Collectives, self).__init__(mpi_comm)
+        self.allgatherv_method = allgatherv
+        self.chunk_words = chunk_words
+        self.cuda_aware_mpi = bool(cuda_aware_mpi)
+
+    def transport_settings(self):
+        """What every rank must agree on about the transport."""
+        return (self.allgatherv_method, self.chunk_words,
+                backend.cpu_backend())
+
+    def duplicate(self):
+        """The same collectives on a duplicate of the MPI communicator
+        (collective: every rank calls it)."""
+        return Collectives(self.mpi_comm.Dup(), self.allgatherv_method,
+                           self.chunk_words, self.cuda_aware_mpi)
+
+    def free(self):
+        """Free the MPI communicator (one made by :meth:`duplicate`)."""
+        from mpi4py import MPI
+        if not MPI.Is_finalized() and self.mpi_comm != MPI.COMM_NULL:
+            self.mpi_comm.Free()
+
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        """ChainerMN's naive exchange: every gradient's mean, uncompressed."""
+        self.dense_mean([p for _, p in sorted(model.namedparams())],
+                        zero_fill)
+
+    # -- the exchange's collectives ------------------------------------------
+    def allgather_obj(self, obj):
+        """Every rank's ``obj``, in rank order (one small allgather)."""
+        return self.mpi_comm.allgather(obj)
+
+    def allgatherv_words(self, message):
+        """Every rank's uint32 message, in rank order: (blocks, counts)."""
+        return transport.allgatherv(self.mpi_comm, message,
+                                    method=self.allgatherv_method,
+                                    chunk_words=self.chunk_words)
+
+    def dense_mean(self, params, zero_fill, dense_dtype=None):
+        """The dense group's gradients become their mean over the ranks:
+        ChainerMN's naive exchange (one allreduce per parameter, float16
+        summed in float32, non-finite values passed through, ValueError in
+        debug mode), or with ``dense_dtype`` float16 one allreduce of the
+        whole group in float16.  Returns (elements per rank, bytes each
+        rank sends with a ring allreduce)."""
+        grads = []
+        for param in params:  # model_params order: the same on every rank
+            if zero_fill and param.grad is None:
+                if param.data is None:
+                    continue
+                param.grad = param.xp.zeros_like(param.data)
+            if param.grad is not None:
+                grads.append(param)
+        if not grads:
+            return 0, 0.0
+        p = self.size
+        if dense_dtype is None:
+            for q in grads:
+                self._multi_node_mean(None, q.grad)
+        else:
+            allreduce_mean_float16(self.mpi_comm, grads)
+        wire = extensions.allreduce_wire(grads, p,
+                                         float16=dense_dtype is not None)
+        return sum(q.size for q in grads), (wire if p > 1 else 0.0)
+
+    def bcast_data(self, model):
+        """Rank 0's parameters to every rank (ChainerMN's first update).
+
+        Unless ``cuda_aware_mpi``, the parameters travel through one host
+        buffer (their bytes, float16 included), so MPI never sees a device
+        pointer; the result equals ChainerMN's ``bcast_data`` bit for bit.
+        """
+        if self.cuda_aware_mpi:
+            return super(Collectives, self).bcast_data(model)
+        params = [p for _, p in sorted(model.namedparams())
+                  if p.array is not None]
+        hosts = [numpy.ascontiguousarray(backend.to_numpy(p.array))
+                 for p in params]
+        buf = numpy.empty(sum(h.nbytes for h in hosts), dtype=numpy.uint8)
+        pos = 0
+        for h in hosts:
+            buf[pos:pos + h.nbytes] = h.reshape(-1).view(numpy.uint8)
+            pos += h.nbytes
+        self.mpi_comm.Bcast(buf, root=0)
+        pos = 0
+        for p, h in zip(params, hosts):
+            got = buf[pos:pos + h.nbytes].view(h.dtype).reshape(h.shape)
+            pos += h.nbytes
+            p.array[...] = p.xp.asarray(got)
+
+    def _multi_node_mean(self, sendbuf, recvbuf):
+        """ChainerMN's mean of one array over the ranks; a device array is
+        staged through host memory unless ``cuda_aware_mpi`` (same
+        per-array Allreduce, so the same sums)."""
+        if self.cuda_aware_mpi or isinstance(recvbuf, numpy.ndarray):
+            return super(Collectives, self)._multi_node_mean(sendbuf,
+                                                             recvbuf)
+        host = backend.to_numpy(recvbuf)
+        src = None if sendbuf is None else backend.to_numpy(sendbuf)
+        super(Collectives, self)._multi_node_mean(src, host)
+        with recvbuf.device:  # a CuPy array: back onto its device
+            recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
+
+
+def allreduce_mean_float16(mpi_comm, params):
+    """The mean of the ``params``' gradients over the ranks, through one
+    allreduce of all of them cast to float16 (summed in float16, pairwise
+    in whatever order MPI chooses, each sum rounded once), then times 1/p
+    in float32 and cast back: ChainerMN's ``allreduce_grad_dtype`` float16.
+    Device gradients are staged through one host buffer."""
+    from mpi4py import MPI
+    sizes = [q.size for q in params]
+    on_device = any(backend.get_array_module(q.grad) is not numpy
+                    for q in params)
+    buf = backend.host_buffer(sum(sizes), numpy.float16, pinned=on_device)
+    pos = 0
+    for q, n in zip(params, sizes):
+        buf[pos:pos + n] = backend.to_numpy(q.grad).reshape(-1)
+        pos += n
+    mpi_comm.Allreduce(MPI.IN_PLACE, [buf.view(numpy.uint16),
+                                      MPI.UINT16_T], op=_float16_sum())
+    mean = buf.astype(numpy.float32) * numpy.float32(1.0 / mpi_comm.size)
+    pos = 0
+    for q, n in zip(params, sizes):
+        part = mean[pos:pos + n].reshape(q.shape).astype(q.dtype)
+        pos += n
+        with backend.device_scope(q.grad):
+            q.grad[...] = q.xp.asarray(part)
+
+
+_FLOAT16_SUM = []
+
+
+def _float16_sum():
+    """MPI reduction op: elementwise float16 sum of 16-bit words."""
+    if not _FLOAT16_SUM:
+        from mpi4py import MPI
+
+        def add(inbuf, outbuf, datatype):
+            a = numpy.frombuffer(inbuf, dtype=numpy.float16)
+            b = numpy.frombuffer(outbuf, dtype=numpy.float16)
+            with numpy.errstate(over='ignore', invalid='ignore'):
+                b[...] = (a.astype(numpy.float32) + b).astype(numpy.float16)
+        _FLOAT16_SUM.append(MPI.Op.Create(add, commute=True))
+    return _FLOAT16_SUM[0]

@@ -1,0 +1,277 @@
+"""One exchange of one model, now or in the background.
+
+The question this module answers: in what order does one exchange run,
+from this rank's gradients to ``param.grad`` = the mean over the ranks?
+(paper Sec. 4.3, Alg. 1):
+
+1. the parameters the statistics left uncovered join the dense group
+   (``uncovered='dense'``), and every rank checks that it has the same
+   model and settings (:meth:`MethodState.setup
+   <chainer_vgc.method_state.MethodState.setup>`);
+2. the compressed group: this worker's gradients, unscaled, to the rule
+   and one uint32 message (:class:`~chainer_vgc.compressor.
+   GradientCompressor`; a rank whose gradients are not finite makes every
+   rank skip the step), the allgatherv, every message decoded and summed
+   in rank order times 1/p into ``param.grad``
+   (:func:`chainer_vgc.exchange.mean_gradients`);
+3. the dense group (and, during the warm-up, every parameter): allreduce;
+4. the figures (:mod:`chainer_vgc.extensions`).
+
+:func:`exchange_async` returns an :class:`ExchangeHandle`; ``wait()``
+gives the :class:`ExchangeResult` and makes its totals and figures the
+state's.  With ``background=True`` the exchange runs on a thread, on
+collectives over a duplicate MPI communicator (double buffering); the
+state's totals are then those of the last exchange waited for.
+"""
+
+import atexit
+import threading
+import time
+
+import chainer
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import exchange
+from chainer_vgc import extensions
+from chainer_vgc.faults import SkippedStep
+
+
+class ExchangeResult(object):
+    """What one exchange did: ``figures`` (the reported figures, and the
+    totals' increments under '_' keys), ``skipped`` (a rank's gradients
+    were not finite: nothing was exchanged, the gradients are NaN),
+    ``timing`` (seconds of this rank's phases) and ``totals`` (the run
+    totals after it)."""
+
+    def __init__(self, totals):
+        self.totals = totals
+        self.figures = {}
+        self.skipped = False
+        self.timing = {}
+
+
+class ExchangeHandle(object):
+    """An exchange started by :func:`exchange_async`.
+
+    :meth:`wait` completes it (joins its thread), raises its error if it
+    failed, makes its totals and figures the state's (once) and returns the
+    :class:`ExchangeResult`; :meth:`done` says whether waiting would block.
+    """
+
+    def __init__(self, state, run, background):
+        self.state = state
+        self._result = None
+        self._error = None
+        self._committed = False
+        self._thread = None
+        if background:
+            _UNWAITED.add(self)
+            _register_exit()
+            self._thread = threading.Thread(
+                target=self._run, args=(run,), daemon=True,
+                name='chainer_vgc exchange')
+            self._thread.start()
+        else:
+            self._run(run)
+
+    def _run(self, run):
+        try:
+            self._result = run()
+        except BaseException as e:  # raised by wait(), on the caller's thread
+            self._error = e
+
+    def done(self):
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self):
+        """Wait for the exchange to end, without raising its error or
+        committing anything; returns the error (None if none)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._error
+
+    def discard(self):
+        """Wait for the exchange to end and forget it: no error is raised
+        and nothing is committed (a snapshot is loaded over the run)."""
+        self.join()
+        self._error, self._committed = None, True
+        _UNWAITED.discard(self)
+
+    def wait(self):
+        error = self.join()
+        _UNWAITED.discard(self)
+        if error is not None:
+            raise error
+        if not self._committed:
+            self._committed = True
+            r = self._result
+            self.state.commit(r.totals, r.figures, r.skipped, r.timing)
+        return self._result
+
+
+#: background exchanges not waited for yet: kept alive, so that at exit each
+#: completes before MPI is finalized
+_UNWAITED = set()
+_EXIT_HOOK = []
+
+
+def _register_exit():
+    """Registers :func:`_complete_at_exit` once, at the first background
+    exchange: MPI is loaded by then, so it runs before MPI's own exit
+    handler."""
+    if not _EXIT_HOOK:
+        atexit.register(_complete_at_exit)
+        _EXIT_HOOK.append(_complete_at_exit)
+
+
+def _complete_at_exit():
+    """Let every background exchange not waited for finish before MPI is
+    finalized; one that failed aborts the job, as it would have at the
+    next update (the other ranks may be waiting in its collectives)."""
+    for handle in list(_UNWAITED):
+        error = handle.join()
+        if error is not None:
+            import sys
+            import traceback
+            traceback.print_exception(type(error), error,
+                                      error.__traceback__)
+            print('chainer_vgc: the last exchange failed on this rank; '
+                  'aborting the job', file=sys.stderr, flush=True)
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Abort(1)
+
+
+def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
+                   loss_scale=None, uncovered=(), background=False):
+    """Start one exchange of ``model``'s gradients for ``state`` on
+    ``collectives``; returns its :class:`ExchangeHandle`.
+
+    ``sqsums``: this step's per-sample sums of squares, aligned with
+    ``model_params(model)`` (needed when ``state.needs_sqsum``);
+    ``loss_scale``: the loss scale S of this step's gradients (None: none):
+    gradients and sums of squares are unscaled (g / S, s / S**2) before
+    the rule sees them and the mean is scaled back (x S) for Chainer to
+    unscale; ``uncovered``: the names this step's statistics did not
+    cover.  With ``background``, the exchange runs on a thread (its
+    collectives must then be the background ones, and its device work is
+    ordered after the work queued so far on the current stream)."""
+    totals = dict(state.totals)
+    if not background:
+        return ExchangeHandle(state, lambda: run_exchange(
+            collectives, state, model, zero_fill, sqsums, loss_scale,
+            uncovered, totals), False)
+    first = next((p.array for _, p in sorted(model.namedparams())
+                  if p.array is not None), None)
+    debug = chainer.is_debug()  # (Chainer's config is per thread)
+    ready = backend.stream_marker(first)  # the backward's work, queued
+
+    def run():
+        with backend.device_scope(first), \
+                chainer.using_config('debug', debug):
+            backend.wait_marker(ready)
+            result = run_exchange(collectives, state, model, zero_fill,
+                                  sqsums, loss_scale, uncovered, totals)
+            backend.finish_stream(first)
+            return result
+    return ExchangeHandle(state, run, True)
+
+
+def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
+                 uncovered, totals):
+    """The exchange itself (see the module's steps); ``totals`` (a copy of
+    the state's) is updated and returned in the result."""
+    state.note_uncovered(uncovered, collectives)
+    state.setup(model, collectives)
+    compressed, dense = state.split(model, totals['steps'])
+    result = ExchangeResult(totals)
+    blocks, elements = [], None
+    if compressed:
+        state.ramp_alpha(totals['steps'])
+        params = [p for _, p in compressed]
+        if sqsums is not None:  # aligned with all parameters
+            sqsums = [sqsums[i] for i, _ in compressed]
+        out = _compressed_mean(collectives, state, params, sqsums,
+                               zero_fill, loss_scale, result)
+        if out is None:  # skipped on every rank
+            for _, p in dense:
+                p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
+            return result
+        blocks, elements = out
+    n_dense, dense_wire = collectives.dense_mean(
+        [p for _, p in dense], zero_fill, state.dense_dtype)
+    result.figures = extensions.report_step(
+        blocks, sum(p.size for _, p in compressed) +
+        sum(p.size for _, p in dense), totals, elements,
+        sum(p.size * p.dtype.itemsize for _, p in compressed + dense),
+        size=collectives.size, dense_elements=n_dense * collectives.size,
+        dense_wire=dense_wire,
+        n_compressed=sum(p.size for _, p in compressed))
+    return result
+
+
+def _compressed_mean(collectives, state, params, sqsums, zero_fill,
+                     loss_scale, result):
+    """The compressed group's exchange; (blocks, elements per block), or
+    None when a rank's gradients were not finite (skipped)."""
+    comp = state.compressor
+    if comp.rule.needs_sqsum and sqsums is None:
+        raise RuntimeError(
+            "method {!r} needs per-sample statistics of this step's "
+            'backward pass: make the optimizer with '
+            'chainer_vgc.create_multi_node_optimizer and pass the loss '
+            'function to optimizer.update (StandardUpdater does), or run '
+            'comm.statistics(model).backward(loss) and '
+            'comm.set_sqsums(...) instead of loss.backward()'.format(
+                state.method))
+    grads, sqsums = exchange.local_gradients(params, sqsums, zero_fill)
+    has_grad = tuple(g is not None for g in grads)
+    present = []
+
+    def agree(code):
+        """Every rank's fault code (one small allgather), with which
+        compressed parameters have a gradient on that rank: with
+        ``zero_fill=False`` a parameter some rank has a gradient for gets
+        the mean on every rank, even when nobody sent anything for it."""
+        both = collectives.allgather_obj((int(code), has_grad))
+        present[:] = [any(bits) for bits in zip(*(b for _, b in both))]
+        return [c for c, _ in both]
+
+    rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
+    t0 = time.perf_counter()
+    try:
+        message = comp.compress(rule_grads, rule_sqsums, copy=False,
+                                agree=agree)
+    except SkippedStep as e:
+        _skip(params, e, result)
+        return None
+    t1 = time.perf_counter()
+    # the message is in host memory on every path (codec.pack): MPI never
+    # sees a device pointer; the blocks stay on the host, where the
+    # headers, checks and reports read them
+    blocks, _ = collectives.allgatherv_words(message)
+    t2 = time.perf_counter()
+    # the mean, times the loss scale for Chainer to divide again
+    elements = exchange.mean_gradients(blocks, comp, params, grads,
+                                       collectives.size, zero_fill, False,
+                                       rescale=loss_scale, present=present)
+    result.timing = {'compress': t1 - t0, 'transport': t2 - t1,
+                     'decode': time.perf_counter() - t2}
+    return blocks, elements
+
+
+def _skip(params, error, result):
+    """A rank's gradients were not finite: nothing was exchanged and no
+    residual changed.  The gradients become NaN, so that Chainer's dynamic
+    loss scaling skips the update and lowers the scale (the optimizer
+    wrapper skips it without); ``vgc/skipped`` is reported.  In debug mode
+    (``chainer.set_debug(True)``) a ValueError instead, as ChainerMN's
+    communicators raise."""
+    if chainer.is_debug():
+        raise ValueError('Parameters diverged: {}'.format(error))
+    for p in params:
+        p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
+    result.skipped = True
+    result.totals['skipped'] += 1
+    result.figures = {'vgc/skipped': 1.0}
+    chainer.reporter.report(result.figures)
