@@ -19,9 +19,16 @@ import numpy
 
 from chainer_vgc import backend as _backend
 from chainer_vgc import codec
+from chainer_vgc import fast_paths
+from chainer_vgc import faults
 from chainer_vgc import native
+from chainer_vgc import native_gap
+from chainer_vgc import native_paths  # NOQA: F401 (registers its paths)
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
+
+# (raised by compress: importable from here too)
+SkippedStep = faults.SkippedStep
 
 
 class GradientCompressor(object):
@@ -60,8 +67,7 @@ class GradientCompressor(object):
             if dtype.kind != 'f':
                 raise TypeError('parameter {!r}: dtype {} is not floating '
                                 'point'.format(name, dtype))
-            if (rule.uses_index_words and rule.index_coding == 'fixed'
-                    and size > codec.MAX_INDEX):
+            if rule.index_coding == 'fixed' and size > codec.MAX_INDEX:
                 raise ValueError(
                     'parameter {!r} has {} elements; the 32-bit word format '
                     '(sign | 3-bit d | 28-bit index, paper Sec. 4.2) '
@@ -71,7 +77,9 @@ class GradientCompressor(object):
                     .format(name, size, codec.MAX_INDEX))
         self.states = [None] * len(self.names)
         self.backend = _backend.cpu_backend(backend)
-        if self.backend == 'native' and rule.compress_native is not None:
+        #: the backend's fast path for the rule (None: the rule's compress)
+        self.fast_path = fast_paths.find(self.backend, rule)
+        if self.fast_path is not None and self.backend == 'native':
             native.load()  # a missing or stale build is reported now
         self._workspace = None
         self._spares = [None] * len(self.names)
@@ -98,7 +106,7 @@ class GradientCompressor(object):
 
     def uses_native(self, grads):
         """Whether :meth:`compress` runs the native passes for ``grads``."""
-        if (self.backend != 'native' or self.rule.compress_native is None
+        if (self.backend != 'native' or self.fast_path is None
                 or any(dt not in native.DTYPE_CODES for dt in self.dtypes)):
             return False
         return all(g is None or _backend.get_array_module(g) is numpy
@@ -132,8 +140,8 @@ class GradientCompressor(object):
                 'expected shape {} dtype {} (the model must match the one '
                 'the compressor was built for)'.format(
                     name, tuple(g.shape), g.dtype, shape, dtype))
-        if values and not _all_finite(g):
-            raise _bad_gradient(name)
+        if values and not faults.all_finite(g):
+            raise faults.bad_gradient(name)
         if not self.rule.needs_sqsum:
             return
         if s is None:
@@ -146,9 +154,9 @@ class GradientCompressor(object):
                 'per-sample sum of squares of parameter {!r} has shape {} '
                 'dtype {}; expected shape {} floating point'.format(
                     name, tuple(s.shape), s.dtype, shape))
-        if values and s.size and not (_all_finite(s) and
+        if values and s.size and not (faults.all_finite(s) and
                                       float(s.min()) >= 0):
-            raise _bad_sqsum(name)
+            raise faults.bad_sqsum(name)
 
     def compress(self, grads, sqsums=None, copy=True, agree=None):
         """One step: returns the message, a uint32 NumPy array (host memory
@@ -191,16 +199,17 @@ class GradientCompressor(object):
                 group = self.rule.compress(i, g.reshape(-1), flat_s,
                                            self.states[i])
                 overflowed = [(key, arr) for key, arr in
-                              self.states[i].items() if not _all_finite(arr)]
+                              self.states[i].items()
+                              if not faults.all_finite(arr)]
             for key, arr in overflowed[:1]:
                 if agree is not None:  # the others must not wait
-                    _settle(agree(OVERFLOW),
-                            _overflow(key, self.names[i], arr.dtype))
-                raise _overflow(key, self.names[i], arr.dtype)
+                    faults.settle(agree(faults.OVERFLOW), faults.overflow(
+                        key, self.names[i], arr.dtype))
+                raise faults.overflow(key, self.names[i], arr.dtype)
             if group is not None:
                 groups.append(group)
         if agree is not None:
-            _settle(agree(OK), None)
+            faults.settle(agree(faults.OK), None)
         message = self._merge_spans(codec.pack(groups, xp))
         self.last_sent = sum(grp.count for grp in groups)
         return message
@@ -211,7 +220,7 @@ class GradientCompressor(object):
         native backend's gap codec when it is the CPU backend; sets
         :attr:`last_bytes`."""
         rule = self.rule
-        if rule.uses_index_words and rule.index_coding != 'fixed':
+        if rule.index_coding not in (None, 'fixed'):
             message = codec.merge_spans(message, self.sizes,
                                         *self.gap_codec())
         self.last_bytes = int(message.nbytes)
@@ -222,7 +231,7 @@ class GradientCompressor(object):
         the native ones, or ``(None, None)`` for the NumPy reference
         (:func:`chainer_vgc.codec.gap_decode_body`, ``gap_body``)."""
         if self.backend == 'native':
-            return native.gap_decode, native.gap_encode
+            return native_gap.gap_decode, native_gap.gap_encode
         return None, None
 
     def _validate(self, grads, sqsums, values, agree):
@@ -232,12 +241,12 @@ class GradientCompressor(object):
         calls.  Returns the sums of squares."""
         try:
             sqsums = self._check(grads, sqsums, values=values)
-        except _InputFault as e:
+        except faults.InputFault as e:
             if agree is None:
                 raise
-            _settle(agree(NONFINITE), e)
+            faults.settle(agree(faults.NONFINITE), e)
         if agree is not None:
-            _settle(agree(OK), None)
+            faults.settle(agree(faults.OK), None)
         return sqsums
 
     def _compress_native(self, grads, sqsums, agree=None):
@@ -248,18 +257,17 @@ class GradientCompressor(object):
         buffer.  Only when no tensor reported a fault are the spares swapped
         in, so a NaN gradient or an overflow leaves every state untouched.
         """
-        rule = self.rule
-        sqsums = self._validate(grads, sqsums,
-                                not rule.native_checks_inputs, agree)
+        rule, path = self.rule, self.fast_path
+        sqsums = self._validate(grads, sqsums, not path.checks_inputs, agree)
         rule.begin_step()
         if self._workspace is None:
             self._workspace = native.Workspace()
             self._buffer = numpy.empty(2 + sum(
-                rule.max_words(n, dt) for n, dt in zip(self.sizes,
+                path.max_words(n, dt) for n, dt in zip(self.sizes,
                                                        self.dtypes)),
                 dtype=numpy.uint32)
         buf, pos, n_groups, sent = self._buffer, 2, 0, 0
-        faults, done = [], []
+        flagged, done = [], []
         for i, (g, s) in enumerate(zip(grads, sqsums)):
             if g is None:
                 continue
@@ -274,21 +282,22 @@ class GradientCompressor(object):
             flat_s = None
             if s is not None and rule.needs_sqsum:
                 flat_s = numpy.ascontiguousarray(s, dtype=sdt).reshape(-1)
-            words, count, flags = rule.compress_native(
+            words, count, flags = path.compress(
                 self._workspace, i, flat_g, flat_s, self.states[i],
                 self._spares[i], buf[pos:])
             if flags:
-                faults.append((i, flags))
+                flagged.append((i, flags))
             if words:
                 pos += words
                 n_groups += 1
                 sent += count
             done.append(i)
-        error = self._fault(faults) if faults else None
+        error = self._fault(flagged) if flagged else None
         if agree is not None:
-            code = OK if error is None else (
-                NONFINITE if isinstance(error, _InputFault) else OVERFLOW)
-            _settle(agree(code), error)
+            code = faults.OK if error is None else (
+                faults.NONFINITE if isinstance(error, faults.InputFault)
+                else faults.OVERFLOW)
+            faults.settle(agree(code), error)
         elif error is not None:
             raise error
         for i in done:
@@ -298,16 +307,16 @@ class GradientCompressor(object):
         self.last_bytes = 4 * pos
         return buf[:pos]
 
-    def _fault(self, faults):
+    def _fault(self, flagged):
         """The error the reference would raise first: bad inputs (gradient
         before sum of squares) in parameter order, then a tensor whose
         group cannot be encoded, then overflows."""
-        for i, flags in faults:
+        for i, flags in flagged:
             if flags & native.BAD_GRAD:
-                return _bad_gradient(self.names[i])
+                return faults.bad_gradient(self.names[i])
             if flags & native.BAD_SQSUM:
-                return _bad_sqsum(self.names[i])
-        for i, flags in faults:
+                return faults.bad_sqsum(self.names[i])
+        for i, flags in flagged:
             if flags & native.UNENCODABLE:
                 return ValueError(
                     'parameter {!r}: {} elements selected in one step; a '
@@ -315,9 +324,9 @@ class GradientCompressor(object):
                     "index_coding='fixed' at most 2**28 elements a tensor); "
                     'the residual state is unchanged'.format(
                         self.names[i], self.sizes[i]))
-        i, flags = faults[0]
+        i, flags = flagged[0]
         key = 'r' if flags & native.OVERFLOW_R else 'v'
-        return _overflow(key, self.names[i], _backend.state_dtype(
+        return faults.overflow(key, self.names[i], _backend.state_dtype(
             self.dtypes[i]), unchanged=True)
 
     def decode_buffer(self, i):
@@ -347,80 +356,3 @@ class GradientCompressor(object):
                 for shape, dt in zip(self.shapes, self.dtypes)]
         self.decode_into(message, outs)
         return outs
-
-
-#: fault codes exchanged by :meth:`GradientCompressor.compress`'s ``agree``
-OK, NONFINITE, OVERFLOW = 0, 1, 2
-
-
-class SkippedStep(Exception):
-    """Some worker's gradients held NaN or Inf: no worker compressed this
-    step, every residual state is as it was.  ``ranks``: the workers whose
-    gradients were not finite."""
-
-    def __init__(self, message, ranks):
-        super(SkippedStep, self).__init__(message)
-        self.ranks = ranks
-
-
-class _InputFault(FloatingPointError):
-    """A NaN/Inf gradient or sum of squares (not an overflow)."""
-
-
-def _settle(codes, error):
-    """Act on every worker's fault codes: continue, skip, or fail."""
-    codes = list(codes)
-    # a non-finite gradient anywhere skips the step on every rank (no state
-    # was committed), even where another rank's residual overflowed
-    worst = NONFINITE if NONFINITE in codes else max(codes or [OK])
-    if worst == OK:
-        return
-    bad = [r for r, c in enumerate(codes) if c == worst]
-    if worst == NONFINITE:
-        raise SkippedStep(
-            'chainer_vgc: gradients of rank(s) {} hold NaN or Inf ({}); this '
-            'step is skipped on every rank and no residual changed'.format(
-                bad, error if error is not None else 'not this rank'), bad)
-    if error is not None and not isinstance(error, _InputFault):
-        raise error
-    raise FloatingPointError(
-        'chainer_vgc: the accumulated residual state of rank(s) {} '
-        'overflowed; scale the loss down'.format(bad))
-
-
-def _bad_gradient(name):
-    return _InputFault(
-        'gradient of parameter {!r} contains NaN or Inf; nothing was '
-        'compressed and the residual state is unchanged'.format(name))
-
-
-def _bad_sqsum(name):
-    return _InputFault(
-        'per-sample sum of squares of parameter {!r} contains NaN, Inf or '
-        'negative values; the residual state is unchanged'.format(name))
-
-
-def _overflow(key, name, dtype, unchanged=False):
-    return FloatingPointError(
-        'the accumulated {} of parameter {!r} overflowed {} (finite '
-        'gradients too large to sum); scale the loss down{}'.format(
-            key, name, numpy.dtype(dtype),
-            '; the residual state is unchanged' if unchanged else ''))
-
-
-def _all_finite(a):
-    """No NaN/Inf in ``a``, without a temporary of its size.
-
-    A finite sum of squares (one BLAS dot) proves it; otherwise (a NaN, an
-    infinity, or finite values whose squares overflow) min and max decide:
-    NaN makes both NaN and an infinity shows up in one of them.
-    """
-    if a.size == 0:
-        return True
-    flat = a.reshape(-1)
-    if a.dtype in (numpy.float32, numpy.float64):
-        with numpy.errstate(over='ignore', invalid='ignore'):
-            if numpy.isfinite(flat.dot(flat)):
-                return True
-    return bool(numpy.isfinite(float(a.min())) and
-                numpy.isfinite(float(a.max())))

@@ -9,6 +9,7 @@ and the one-process :class:`~chainer_vgc.simulation.SimulatedWorkers` make
 and check their settings here, the same way; nothing here needs MPI.
 """
 
+import inspect
 import numbers
 
 import numpy
@@ -58,10 +59,14 @@ def make_rule(method, hyperparams):
             'method must be a rule name ({}) or a '
             'chainer_vgc.rules.CompressionRule object, got {!r}'.format(
                 ', '.join(sorted(RULES)), method))
-    missing = [m for m in ('compress', 'max_words')
-               if getattr(type(method), m) is getattr(CompressionRule, m)
-               and not (m == 'max_words' and
-                        method.compress_native is None)]
+    missing = [m for m in ('compress',)
+               if getattr(type(method), m) is getattr(CompressionRule, m)]
+    init = type(method).__init__
+    takes = [] if init is object.__init__ else [
+        n for n in inspect.signature(init).parameters if n != 'self']
+    if takes and not method.hyperparameters:
+        missing.append('hyperparameters (the names of its settings, '
+                       'e.g. hyperparameters = {!r})'.format(tuple(takes)))
     if not isinstance(method.name, str) or not method.name:
         missing.insert(0, 'name (a string)')
     if method.exchange not in ('allgatherv', 'allreduce'):

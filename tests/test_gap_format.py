@@ -39,6 +39,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chainer_vgc import codec
+from chainer_vgc.codec.message import walk
 
 from reference import ESC  # NOQA: F401 (the oracle, tests/reference.py)
 from reference import SIGN_ONLY
@@ -344,7 +345,7 @@ def test_codec_worked_example():
 # ---- round trips ------------------------------------------------------------
 
 def _check_encoder(encode, index, nibbles, k, sign_only):
-    """``encode`` (codec.gap_body, native.gap_encode) gives the oracle's
+    """``encode`` (codec.gap_body, native_gap.gap_encode) gives the oracle's
     words; returns them."""
     want = oracle_encode(index, nibbles, k, sign_only)
     body = encode(numpy.array(index, dtype=numpy.int64),
@@ -855,7 +856,7 @@ def _large_case(size, index, coding='auto'):
     g = codec.pow2_best_group(0, words, index, 1, 1.0, size, coding=coding)
     assert g.fmt == FMT_GAP
     msg = codec.pack([g])
-    walked = list(codec._walk(msg, [size]))
+    walked = list(walk(msg, [size]))
     assert len(walked) == 1 and walked[0].fmt == FMT_GAP
     assert walked[0].count == index.size
     (dec,) = codec.unpack(msg, [size], [numpy.float32])
@@ -985,8 +986,8 @@ def test_coding_argument():
 # ---- the native backend -----------------------------------------------------
 
 def _native_has_gap():
-    from chainer_vgc import native
-    return hasattr(native, 'gap_decode') and hasattr(native, 'gap_encode')
+    from chainer_vgc import native_gap  # (ships with the package)
+    return callable(native_gap.gap_decode) and callable(native_gap.gap_encode)
 
 
 needs_native_gap = pytest.mark.skipif(
@@ -995,16 +996,16 @@ needs_native_gap = pytest.mark.skipif(
 
 
 def native_agree(body, count, size):
-    """native.gap_decode (None: invalid) and the oracle agree on one body.
+    """native_gap.gap_decode (None: invalid) and the oracle agree on one body.
     Returns True when accepted."""
-    from chainer_vgc import native
+    from chainer_vgc import native_gap
     try:
         want = oracle_decode_body(body, count, size)
     except Reject as e:
         want = e
     with deadline():
-        got = native.gap_decode(numpy.array(body, dtype=numpy.uint32), count,
-                                size)
+        got = native_gap.gap_decode(numpy.array(body, dtype=numpy.uint32),
+                                    count, size)
     if got is None:
         assert isinstance(want, Reject), (
             'native rejects a body the oracle accepts: count {} size {} '
@@ -1021,22 +1022,22 @@ def native_agree(body, count, size):
 @needs_native_gap
 @given(gap_cases())
 def test_native_gap_codec_matches_oracle(case):
-    from chainer_vgc import native
+    from chainer_vgc import native_gap
     size, index, nibbles, k, sign_only = case
-    want = _check_encoder(native.gap_encode, index, nibbles, k, sign_only)
+    want = _check_encoder(native_gap.gap_encode, index, nibbles, k, sign_only)
     assert native_agree(want, len(index), size)
 
 
 @needs_native_gap
 def test_native_worked_example_and_k_63():
-    from chainer_vgc import native
-    body = native.gap_encode(numpy.array(WORKED_INDEX), numpy.array(
+    from chainer_vgc import native_gap
+    body = native_gap.gap_encode(numpy.array(WORKED_INDEX), numpy.array(
         WORKED_NIBBLES, dtype=numpy.uint8), 4, False)
     assert body.tolist() == WORKED_BODY
     assert native_agree(WORKED_BODY, 3, 100)
     for index in ([0], [5], [2 ** 62, 2 ** 62 + 1]):
         body = oracle_encode(index, [2] * len(index), 63, False)
-        assert native.gap_encode(numpy.array(index), numpy.array(
+        assert native_gap.gap_encode(numpy.array(index), numpy.array(
             [2] * len(index), dtype=numpy.uint8), 63, False).tolist() == body
         assert native_agree(body, len(index), index[-1] + 1)
 
@@ -1688,7 +1689,7 @@ def test_merge_spans_with_the_native_gap_codec():
     compressor passes on the native backend) gives the oracle's words."""
     if not _native_has_gap():
         pytest.skip('no native gap codec')
-    from chainer_vgc import native
+    from chainer_vgc import native_gap
     rnd = random.Random(3)
     for trial in range(60):
         n = rnd.randrange(2, 7)
@@ -1713,6 +1714,6 @@ def test_merge_spans_with_the_native_gap_codec():
             continue
         message = span_message(groups)
         want = reference.oracle_merge_spans(message, sizes)
-        got = codec.merge_spans(message, sizes, native.gap_decode,
-                                native.gap_encode)
+        got = codec.merge_spans(message, sizes, native_gap.gap_decode,
+                                native_gap.gap_encode)
         assert got.tolist() == want, trial

@@ -16,7 +16,9 @@ import pytest
 from chainer_vgc import GradientCompressor
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc.codec.message import walk
 from chainer_vgc import communicator
+from chainer_vgc import exchange
 
 from reference import assert_bitwise
 
@@ -93,14 +95,14 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
             assert fake.count('upload') == 0
             assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
                 SHAPES)
-            formats.update(g.fmt for g in codec._walk(blocks[-1], None))
+            formats.update(g.fmt for g in walk(blocks[-1], None))
         # rank 0 decodes every rank's message into its device gradients
         grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(SHAPES,
                                                                 DTYPES)]
         params = [param(fake, fake.zeros(s, d), g)
                   for s, d, g in zip(SHAPES, DTYPES, grads)]
         fake.reset()
-        elements = communicator.mean_gradients(
+        elements = exchange.mean_gradients(
             blocks, comps[0], params, grads, RANKS, True, False)
         assert fake.count('upload') == 1
         # the messages, their gap-coded groups expanded on the host to
@@ -112,7 +114,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
         # the CPU decoder's means of the same messages, bit for bit
         host = [param(numpy, numpy.zeros(s, d), numpy.ones(s, d))
                 for s, d in zip(SHAPES, DTYPES)]
-        communicator.mean_gradients(blocks, comps[0], host,
+        exchange.mean_gradients(blocks, comps[0], host,
                                     [h.grad for h in host], RANKS, True,
                                     False)
         for h, p in zip(host, params):
@@ -120,12 +122,12 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
         # and in the rank-order tree ('dense', the simulation's 'none')
         for ps in (host, params):
-            communicator.mean_gradients(blocks, comps[0], ps,
+            exchange.mean_gradients(blocks, comps[0], ps,
                                         [p.grad for p in ps], RANKS, True,
                                         True)
         for h, p in zip(host, params):
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
-    if comps[0].rule.uses_index_words:  # gap-coded groups went through
+    if comps[0].rule.index_coding:  # gap-coded groups went through
         assert codec.FMT_GAP in formats, formats
 
 
@@ -146,7 +148,7 @@ def test_a_bad_message_is_refused_on_the_host_before_any_transfer(device):
         codec.unpack(bad, comp.sizes, comp.dtypes)
     fake.reset()
     with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
-        communicator.mean_gradients([good, bad], comp, params,
+        exchange.mean_gradients([good, bad], comp, params,
                                     [p.grad for p in params], 2, True,
                                     False)
     assert fake.count('upload') == 0
@@ -172,7 +174,7 @@ def test_state_and_sums_live_on_the_parameters_device(device, method, kw):
     for st in comp.states:
         assert all(a.device.id == 1 for a in (st or {}).values())
     for dense in (False, True):
-        communicator.mean_gradients([message, message], comp, params,
+        exchange.mean_gradients([message, message], comp, params,
                                     [p.grad for p in params], 2, True, dense)
         assert all(p.grad.device.id == 1 for p in params)
     assert fake.cuda.Device().id == 0
@@ -300,7 +302,7 @@ def test_device_decoders_keep_subnormals_where_cupy_flushes(device):
     got = [param(fake, fake.zeros(n, dt), fake.zeros(n, dt))
            for n, dt in zip(sizes, dtypes)]
     for ps in (want, got):
-        communicator.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
+        exchange.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
                                     2, True, False)
     for w, g in zip(want, got):
         assert_bitwise(w.grad, fake.asnumpy(g.grad))

@@ -23,9 +23,13 @@ import pytest
 
 from chainer_vgc import backend
 from chainer_vgc import codec
-from chainer_vgc import communicator
+from chainer_vgc.codec.gap import bits_to_words
+from chainer_vgc.codec.header import f32_bits
+from chainer_vgc.codec.message import walk
+from chainer_vgc import exchange
 from chainer_vgc import GradientCompressor
 from chainer_vgc import native
+from chainer_vgc import native_gap
 from chainer_vgc import WireFormatError
 from wire_messages import random_message
 
@@ -211,7 +215,7 @@ def _mean(blocks, comp, shapes, dtype, grads, zero_fill, dense=False):
     params = [_Param(s, dtype) for s in shapes]
     for p, g in zip(params, grads):
         p.grad = None if g is None else g.copy()
-    elements = communicator.mean_gradients(
+    elements = exchange.mean_gradients(
         blocks, comp, params, [p.grad for p in params], len(blocks),
         zero_fill, dense)
     return [p.grad for p in params], elements
@@ -317,7 +321,7 @@ def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype,
             for p, g in zip(params, grads):
                 p.grad = g
             with pytest.raises(WireFormatError) as info:
-                communicator.mean_gradients(blocks, comp, params, grads,
+                exchange.mean_gradients(blocks, comp, params, grads,
                                             len(blocks), True, False)
             assert str(info.value) == ref_error
             assert all((g == 5).all() for g in grads)
@@ -595,7 +599,7 @@ def test_no_corrupt_message_decodes_to_non_finite_values(state_dtype, isa):
 
 def _format_of(msg, tensor_id):
     """Format of the group of ``tensor_id`` in a valid message."""
-    return next(g.fmt for g in codec._walk(msg, None)
+    return next(g.fmt for g in walk(msg, None)
                 if g.tensor_id == tensor_id)
 
 
@@ -620,7 +624,7 @@ def _gap_patterns(rng, size, count):
 
 
 def test_gap_body_and_decode_match_codec(isa):
-    """native.gap_encode / gap_decode / rice_parameter equal codec's
+    """native_gap.gap_encode / gap_decode / rice_parameter equal codec's
     gap_body / gap_decode_body / rice_parameter on uniform, clustered and
     extreme index patterns, every k (escapes included), 4-bit and
     sign-only values, tensors up to 2**40 elements."""
@@ -629,7 +633,7 @@ def test_gap_body_and_decode_match_codec(isa):
     for size in sizes:
         for count in sorted({1, 2, 3, 17, 64, 65, 500} & set(
                 range(1, min(size, 500) + 1)) | {min(size, 500)}):
-            assert native.rice_parameter(count, size) == \
+            assert native_gap.rice_parameter(count, size) == \
                 codec.rice_parameter(count, size)
             for index in _gap_patterns(rng, size, count):
                 n = index.size
@@ -641,17 +645,17 @@ def test_gap_body_and_decode_match_codec(isa):
                           int(rng.integers(0, 64)), 63}
                     for k in ks:
                         want = codec.gap_body(index, nib, k, sign_only)
-                        got = native.gap_encode(index, nib, k, sign_only)
+                        got = native_gap.gap_encode(index, nib, k, sign_only)
                         _assert_same(want, got, (size, n, k, sign_only))
-                        ix, nb = native.gap_decode(got, n, size)
+                        ix, nb = native_gap.gap_decode(got, n, size)
                         assert numpy.array_equal(ix, index)
                         assert numpy.array_equal(nb, nib)
-    assert native.gap_encode([3, 4, 40], [1, 8, 2], 4, False).tolist() == \
+    assert native_gap.gap_encode([3, 4, 40], [1, 8, 2], 4, False).tolist() == \
         [4, 1, 0x7027, 0x281]  # the worked example of the spec
     with pytest.raises(ValueError):
-        native.gap_encode([3, 3], [0, 0], 0, False)
+        native_gap.gap_encode([3, 3], [0, 0], 0, False)
     with pytest.raises(ValueError):
-        native.gap_encode([1], [0], 64, False)
+        native_gap.gap_encode([1], [0], 64, False)
 
 
 def _gap_body_corruptions(rng, body):
@@ -692,7 +696,7 @@ def _gap_body_corruptions(rng, body):
 
 
 def test_gap_decode_rejects_what_codec_rejects(isa):
-    """native.gap_decode accepts exactly the bodies codec.gap_decode_body
+    """native_gap.gap_decode accepts exactly the bodies codec.gap_decode_body
     accepts (with the same result), over thousands of corruptions, among
     them every decoder check of the format."""
     rng = numpy.random.default_rng(41)
@@ -715,7 +719,7 @@ def test_gap_decode_rejects_what_codec_rejects(isa):
             want = codec.gap_decode_body(bad, bad_count, size)
         except WireFormatError:
             want = None
-        got = native.gap_decode(bad, bad_count, size)
+        got = native_gap.gap_decode(bad, bad_count, size)
         if want is None:
             rejected[how] += 1
             assert got is None, (trial, how)
@@ -731,7 +735,7 @@ def test_gap_decode_extreme_codes(isa):
     allowed) that overruns any tensor, one of 64 zeros, gaps that land on
     the last element or one past it, k = 63."""
     def body(bits, count, vbits=4, param=None, k=0):
-        stream = codec._bits_to_words(numpy.array(bits, numpy.uint8))
+        stream = bits_to_words(numpy.array(bits, numpy.uint8))
         values = numpy.zeros(-(-count * vbits // 32), numpy.uint32)
         p = k if param is None else param
         return numpy.concatenate([numpy.array([p, stream.size],
@@ -742,7 +746,7 @@ def test_gap_decode_extreme_codes(isa):
             want = codec.gap_decode_body(b, count, size)
         except WireFormatError:
             want = None
-        got = native.gap_decode(b, count, size)
+        got = native_gap.gap_decode(b, count, size)
         assert (want is None) == (got is None)
         if want is not None:
             assert numpy.array_equal(want[0], got[0])
@@ -1013,7 +1017,7 @@ def test_tensor_over_2_28_elements_is_gap_coded():
                 (g[index] < 0).astype(numpy.uint32) << numpy.uint32(31)),
             index, 0, 0.5, n, coding=coding, sign_only=True)
         _assert_same(codec.pack([want])[2:], out[:words], coding)
-        got = native.gap_decode(out[5:words], count, n)
+        got = native_gap.gap_decode(out[5:words], count, n)
         assert got[0].tolist() == index.tolist()
     with pytest.raises(ValueError, match='2\\*\\*28'):
         native.compress_strom(ws, 0, g, r, r_out, 0.5, out,
@@ -1052,7 +1056,7 @@ def _span_group(tid, parts, sizes, e_k, scale, sign_only=False, k=None):
     body = codec.gap_body(index, nib, k, sign_only, span=last - tid)
     return codec.Group(tid, codec.FMT_GAP, int(index.size),
                        int(numpy.int32(e_k).view(numpy.uint32)),
-                       codec._f32_bits(scale), body)
+                       f32_bits(scale), body)
 
 
 def _random_parts(rng, sizes, tensors, sign_only, empty=0.3):
@@ -1106,7 +1110,7 @@ def _span_message(rng, sizes, merge=True):
 
 
 def _spans_of(msg, sizes):
-    return [g.span for g in codec._walk(msg, sizes) if g.fmt == codec.FMT_GAP]
+    return [g.span for g in walk(msg, sizes) if g.fmt == codec.FMT_GAP]
 
 
 def _reference_sums(blocks, sizes, dtypes):
@@ -1177,7 +1181,7 @@ def _span_corruptions(rng, msg, sizes):
     """A span message with one fault in a FMT_GAP group (the span past the
     model, over the next group's tensor, one shorter so that its last
     indices overrun, count above span_size, a body fault) or anywhere."""
-    groups = list(codec._walk(msg, sizes))
+    groups = list(walk(msg, sizes))
     pos, where = 2, []
     for g in groups:
         if g.fmt == codec.FMT_GAP:
@@ -1249,29 +1253,29 @@ def test_corrupt_span_messages_are_rejected_as_the_reference_rejects(isa):
 
 
 def test_span_fast_paths_equal_the_reference():
-    """native.gap_decode ignores the span bits (8..31) as
+    """native_gap.gap_decode ignores the span bits (8..31) as
     codec.gap_decode_body does (only bit 7 is reserved); codec.merge_spans
-    with native.gap_decode / gap_encode as its fast decoder and encoder
+    with native_gap.gap_decode / gap_encode as its fast decoder and encoder
     writes the reference's message."""
     index, nib = numpy.array([3, 4, 40]), numpy.array([1, 8, 2], numpy.uint8)
     for span in (0, 1, 2 ** 24 - 1):
         body = codec.gap_body(index, nib, 4, False, span=span)
         want = codec.gap_decode_body(body, 3, 100)
-        got = native.gap_decode(body, 3, 100)
+        got = native_gap.gap_decode(body, 3, 100)
         assert numpy.array_equal(got[0], want[0])
         assert numpy.array_equal(got[1], want[1])
         body[0] |= numpy.uint32(codec.GAP_RESERVED)
         with pytest.raises(WireFormatError):
             codec.gap_decode_body(body, 3, 100)
-        assert native.gap_decode(body, 3, 100) is None
+        assert native_gap.gap_decode(body, 3, 100) is None
     rng = numpy.random.default_rng(3)
     for _ in range(20):
-        msg = codec.pack(list(codec._walk(_span_message(rng, SPAN_SIZES,
+        msg = codec.pack(list(walk(_span_message(rng, SPAN_SIZES,
                                                         merge=False),
                                           SPAN_SIZES)))
         raw = _span_message(rng, SPAN_SIZES, merge=True)
         for m in (msg, raw):
             want = codec.merge_spans(m, SPAN_SIZES)
-            got = codec.merge_spans(m, SPAN_SIZES, native.gap_decode,
-                                    native.gap_encode)
+            got = codec.merge_spans(m, SPAN_SIZES, native_gap.gap_decode,
+                                    native_gap.gap_encode)
             _assert_same(want, got, 'merge_spans')

@@ -1,5 +1,10 @@
 """The interface every compression rule implements, and argument checks.
 
+A rule is the method: its state, its declared hyperparameters and its
+``compress``, in plain NumPy (and CuPy).  The wire formats are the codec's
+(:data:`chainer_vgc.codec.FORMATS`); a backend's faster step for a rule is
+registered with :func:`chainer_vgc.fast_paths.register`.
+
 A rule turns one parameter's minibatch gradient (and, for the variance-based
 rules, the per-sample sum of squares) plus its own per-parameter state into
 the elements to send, as a :class:`chainer_vgc.codec.Group`.  Rules see flat
@@ -21,40 +26,20 @@ class CompressionRule(object):
     name = None
     #: whether :meth:`compress` needs the per-sample sum of squares
     needs_sqsum = False
-    #: whether the rule sends FMT_POW2 words (sign | d | 28-bit index)
-    uses_index_words = True
-    #: how those words' indices go on the wire (:data:`chainer_vgc.codec.
-    #: CODINGS`): ``'fixed'`` limits tensors to 2**28 elements.  A rule that
-    #: builds its groups with :func:`chainer_vgc.codec.pow2_best_group`
-    #: sets ``_index_coding`` (vgc, hybrid, strom: their ``index_coding``
-    #: argument).  Lossless, so not a hyperparameter: ranks and resumed
-    #: runs may differ in it.
-    index_coding = property(lambda self: getattr(self, '_index_coding',
-                                                 'fixed'))
+    #: the names of the rule's hyperparameters, declared: the settings
+    #: that define the method, recorded with snapshots and compared across
+    #: ranks (:meth:`hyperparams`)
+    hyperparameters = ()
+    #: how the indices of the rule's FMT_POW2 words go on the wire
+    #: (:data:`chainer_vgc.codec.CODINGS`: ``'fixed'`` limits tensors to
+    #: 2**28 elements); None: the rule sends no FMT_POW2 words.  Lossless,
+    #: so not a hyperparameter: ranks and resumed runs may differ in it
+    index_coding = None
     #: how workers combine what they send: ``'allgatherv'`` (every worker's
     #: message to every worker, decoded and averaged, paper Sec. 4.3) or
     #: ``'allreduce'`` (the gradients are not compressed: a dense MPI
     #: allreduce, as ChainerMN's naive communicator)
     exchange = 'allgatherv'
-
-    #: the native CPU backend's step for this rule: a method
-    #: ``compress_native(workspace, tensor_id, grad, sqsum, state, new_state,
-    #: out)`` that reads ``state``, writes the next state into ``new_state``
-    #: (same keys) and the group into ``out`` (a uint32 array of at least
-    #: :meth:`max_words` words), returning ``(words, elements, flags)``
-    #: (:mod:`chainer_vgc.native`).  None: the rule runs on NumPy only.
-    compress_native = None
-    #: whether :attr:`compress_native` checks its inputs (finite gradient,
-    #: finite non-negative sums of squares) itself; False: the compressor
-    #: checks them before any tensor is compressed (a rule with state that
-    #: is not in its state arrays, like a random generator, needs this to
-    #: leave everything untouched on a bad gradient)
-    native_checks_inputs = True
-
-    def max_words(self, size, dtype):
-        """Most words a group of a tensor of ``size`` elements of ``dtype``
-        can take (header included); needed with :attr:`compress_native`."""
-        raise NotImplementedError
 
     def init_state(self, size, dtype, xp):
         """Fresh per-parameter state: dict of flat arrays (may be empty)."""
@@ -69,11 +54,10 @@ class CompressionRule(object):
         """Restore what :meth:`get_extra_state` returned."""
 
     def hyperparams(self):
-        """The rule's settings as {name: plain value}: recorded with
-        snapshots and compared across ranks.  Default: the public instance
-        attributes."""
-        return {k: v for k, v in sorted(vars(self).items())
-                if not k.startswith('_')}
+        """The rule's settings as {name: value}, those that
+        :attr:`hyperparameters` declares: recorded with snapshots and
+        compared across ranks."""
+        return {k: getattr(self, k) for k in self.hyperparameters}
 
     def for_rank(self, rank):
         """The rule worker ``rank`` runs (its own copy).  Default: a copy of
@@ -93,8 +77,7 @@ class CompressionRule(object):
 
     def __repr__(self):
         args = ', '.join('{}={!r}'.format(k, v)
-                         for k, v in sorted(vars(self).items())
-                         if not k.startswith('_'))
+                         for k, v in sorted(self.hyperparams().items()))
         return '{}({})'.format(type(self).__name__, args)
 
 

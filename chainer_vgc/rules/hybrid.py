@@ -27,7 +27,6 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
-from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -36,26 +35,16 @@ class Hybrid(base.CompressionRule):
 
     name = 'hybrid'
     needs_sqsum = True
+    hyperparameters = ('tau', 'alpha', 'zeta')
 
     def __init__(self, tau=0.01, alpha=2.0, zeta=0.999, index_coding='auto'):
         self.tau = base.check_real('tau', tau, low=0)
         self.alpha = base.check_real('alpha', alpha, low=0)
         self.zeta = base.check_real('zeta', zeta, low=0, high=1)
-        self._index_coding = base.check_coding(index_coding)
+        self.index_coding = base.check_coding(index_coding)
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
-
-    def max_words(self, size, dtype):
-        return codec.pow2_max_words(size, self._index_coding)
-
-    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
-                        out):
-        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
-        return native.compress_hybrid(
-            ws, tensor_id, grad, sqsum, state['r'], state['v'],
-            new_state['r'], new_state['v'], self.alpha, self.zeta, self.tau,
-            out, coding=self._index_coding)
 
     def step(self, grad, sqsum, state):
         """One step of Fig. "Hybrid"; returns int8 signs (+1, -1, 0)."""
@@ -89,4 +78,4 @@ class Hybrid(base.CompressionRule):
         sign = self.step(grad, sqsum, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
                                      state['r'].dtype,
-                                     coding=self._index_coding)
+                                     coding=self.index_coding)

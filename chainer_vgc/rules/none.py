@@ -3,7 +3,6 @@ exactly (dense FMT_RAW group)."""
 
 from chainer_vgc import backend
 from chainer_vgc import codec
-from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -13,17 +12,7 @@ class NoCompression(base.CompressionRule):
     simulation, a compressor used alone)."""
 
     name = 'none'
-    uses_index_words = False
     exchange = 'allreduce'
-
-    def max_words(self, size, dtype):
-        value_words = backend.state_dtype(dtype).itemsize // 4
-        return codec.HEADER_WORDS + size * value_words
-
-    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
-                        out):
-        """:meth:`compress` as one copy (``kernels/vgc_host.cpp``)."""
-        return native.compress_none(ws, tensor_id, grad, out)
 
     def compress(self, tensor_id, grad, sqsum, state):
         if grad.size == 0:

@@ -3,10 +3,10 @@
 Each tensor is cut into buckets of ``bucket`` elements.  With
 ``levels = 2**bits - 1`` (``bits`` excludes the sign bit, as in the paper's
 table) and n the bucket's L2 norm, element g is sent as
-``sign(g) * n * l / levels`` where l = floor(|g| / n * levels + u),
-u ~ U[0, 1): stochastic rounding, unbiased.  Elements with l = 0 are not sent.
-No residual is kept.  The uniform draws come from a seedable generator:
-``numpy.random.default_rng(seed)`` on the CPU; on the GPU, a fresh
+``sign(g) * n * l / levels`` where ``l = floor(|g| / n * levels + u)``,
+``u ~ U[0, 1)``: stochastic rounding, unbiased.  Elements with l = 0 are
+not sent.  No residual is kept.  The uniform draws come from a seedable
+generator: ``numpy.random.default_rng(seed)`` on the CPU; on the GPU, a fresh
 Philox4x32-10 generator from ``SeedSequence(entropy, spawn_key=(step,))``
 each step, so that its whole state is ``(entropy, step)``.  The two streams
 differ.  Both states are saved with snapshots (:meth:`get_extra_state`).
@@ -18,7 +18,6 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
-from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -27,7 +26,7 @@ class QSGD(base.CompressionRule):
     1..2**23, seed: int or None."""
 
     name = 'qsgd'
-    uses_index_words = False
+    hyperparameters = ('bits', 'bucket', 'seed')
 
     def __init__(self, bits=2, bucket=128, seed=None):
         self.bits = base.check_int('bits', bits, 1, 8)
@@ -39,8 +38,8 @@ class QSGD(base.CompressionRule):
         #: the GPU stream: entropy of the seed, and the step it is at
         self._entropy = numpy.random.SeedSequence(seed).entropy
         self._step = 0
-        #: dtype -> buffer of the native path's uniform draws, grown to the
-        #: largest parameter
+        #: dtype -> buffer of :meth:`uniform_draws`, grown to the largest
+        #: parameter
         self._draws = {}
 
     def _rng(self, xp):
@@ -62,35 +61,23 @@ class QSGD(base.CompressionRule):
         seed = None if self.seed is None else int(self.seed) + int(rank)
         return type(self)(bits=self.bits, bucket=self.bucket, seed=seed)
 
-    def hyperparams(self):
-        return {'bits': self.bits, 'bucket': self.bucket, 'seed': self.seed}
-
     def begin_step(self):
         """A new step: the GPU generator is re-seeded from (entropy, step)
         at its first draw."""
         self._step += 1
         self._rngs.pop('cupy', None)
 
-    native_checks_inputs = False  # the generator must not draw on a fault
-
-    def max_words(self, size, dtype):
-        buckets = -(-size // self.bucket)
-        return (codec.HEADER_WORDS + codec.QSGD_RECORD_WORDS * buckets
-                + size)
-
-    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
-                        out):
-        """:meth:`compress` in two passes over the tensor
-        (``kernels/vgc_host.cpp``); the uniform draws come from the same
-        NumPy generator, into a buffer kept between steps."""
-        dtype = backend.state_dtype(grad.dtype)
+    def uniform_draws(self, n, dtype):
+        """The next ``n`` uniform draws of the CPU generator, in ``dtype``
+        (a buffer kept between steps, grown to the largest parameter): what
+        :meth:`quantize` draws for a NumPy tensor of ``n`` elements, for a
+        fast path that quantizes itself."""
         buf = self._draws.get(dtype)
-        if buf is None or buf.size < grad.size:
-            buf = self._draws[dtype] = numpy.empty(grad.size, dtype)
-        u = buf[:grad.size]
+        if buf is None or buf.size < n:
+            buf = self._draws[dtype] = numpy.empty(n, dtype)
+        u = buf[:n]
         self._rng(numpy).random(dtype=dtype, out=u)
-        return native.compress_qsgd(ws, tensor_id, grad, u, self.bucket,
-                                    self.levels, out)
+        return u
 
     def get_extra_state(self):
         """Both generators' states (JSON), so a resumed run draws the same

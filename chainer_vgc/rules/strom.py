@@ -2,7 +2,8 @@
 and the threshold that Fig. "Hybrid" (Sec. 4.5) combines with the variance
 criterion.
 
-Per element: r += g; if |r| > tau, send sign(r) * tau and r -= sign(r) * tau.
+Per element: ``r += g``; if ``|r| > tau``, send ``sign(r) * tau`` and
+``r -= sign(r) * tau``.
 The residual is kept; no variance is used.  Values on the wire as for the
 hybrid rule: float32(tau) (:func:`chainer_vgc.codec.wire_scale`), in a
 FMT_POW2 group (:func:`chainer_vgc.codec.pow2_sign_group`).
@@ -13,7 +14,6 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
-from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -21,23 +21,14 @@ class Strom(base.CompressionRule):
     """Strom's threshold (the paper's Table 1 baseline): tau > 0."""
 
     name = 'strom'
+    hyperparameters = ('tau',)
 
     def __init__(self, tau=0.01, index_coding='auto'):
         self.tau = base.check_real('tau', tau, low=0)
-        self._index_coding = base.check_coding(index_coding)
+        self.index_coding = base.check_coding(index_coding)
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r',))
-
-    def max_words(self, size, dtype):
-        return codec.pow2_max_words(size, self._index_coding)
-
-    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
-                        out):
-        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
-        return native.compress_strom(ws, tensor_id, grad, state['r'],
-                                     new_state['r'], self.tau, out,
-                                     coding=self._index_coding)
 
     def step(self, grad, state):
         """Accumulate and threshold; returns int8 signs (+1, -1, 0)."""
@@ -60,4 +51,4 @@ class Strom(base.CompressionRule):
         sign = self.step(grad, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
                                      state['r'].dtype,
-                                     coding=self._index_coding)
+                                     coding=self.index_coding)

@@ -26,7 +26,6 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
-from chainer_vgc import native
 from chainer_vgc.rules import base
 
 
@@ -36,6 +35,7 @@ class VGC(base.CompressionRule):
 
     name = 'vgc'
     needs_sqsum = True
+    hyperparameters = ('alpha', 'zeta', 'quantize', 'keep_unrepresentable')
 
     def __init__(self, alpha=1.5, zeta=0.999, quantize=True,
                  keep_unrepresentable=False, index_coding='auto'):
@@ -43,8 +43,8 @@ class VGC(base.CompressionRule):
         self.zeta = base.check_real('zeta', zeta, low=0, high=1)
         self.quantize = bool(quantize)
         self.keep_unrepresentable = bool(keep_unrepresentable)
-        self.uses_index_words = self.quantize
-        self._index_coding = base.check_coding(index_coding)
+        #: the ``index_coding`` argument (used when quantizing)
+        self.coding = base.check_coding(index_coding)
         #: dtype -> the two work arrays of :meth:`select` (NumPy path),
         #: grown to the largest parameter (private: not a hyperparameter)
         self._buffers = {}
@@ -52,20 +52,11 @@ class VGC(base.CompressionRule):
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'v'))
 
-    def max_words(self, size, dtype):
-        if self.quantize:
-            return codec.pow2_max_words(size, self._index_coding)
-        value_words = backend.state_dtype(dtype).itemsize // 4
-        return codec.HEADER_WORDS + size + size * value_words
-
-    def compress_native(self, ws, tensor_id, grad, sqsum, state, new_state,
-                        out):
-        """:meth:`compress` as one fused pass (``kernels/vgc_host.cpp``)."""
-        return native.compress_vgc(
-            ws, tensor_id, grad, sqsum, state['r'], state['v'],
-            new_state['r'], new_state['v'], self.alpha, self.zeta,
-            self.quantize, self.keep_unrepresentable, out,
-            coding=self._index_coding)
+    @property
+    def index_coding(self):
+        """FMT_POW2 words' index coding; None without quantization (the
+        exact residuals go in FMT_RAW groups)."""
+        return self.coding if self.quantize else None
 
     def _scratch(self, like):
         """Two work arrays shaped like ``like``: views of buffers kept for
@@ -123,4 +114,4 @@ class VGC(base.CompressionRule):
         if sent.size == 0:
             return None
         return codec.pow2_best_group(tensor_id, words[ok], sent, e_k, 1.0,
-                                     r.size, coding=self._index_coding)
+                                     r.size, coding=self.coding)

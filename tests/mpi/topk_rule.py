@@ -12,7 +12,7 @@ from chainer_vgc.rules import base
 class TopK(CompressionRule):
 
     name = 'topk_test'
-    uses_index_words = False
+    hyperparameters = ('ratio', 'kinds')
 
     def __init__(self, ratio=0.1, kinds=('W', 'b')):
         self.ratio = ratio

@@ -1,0 +1,59 @@
+"""Fast paths: a backend's fused step for a rule, registered by the backend.
+
+The question this module answers: which compiled step, if any, replaces a
+rule's readable :meth:`~chainer_vgc.rules.CompressionRule.compress` on a
+backend?  A rule is the method (paper Alg. 1 and its variants): state,
+hyperparameters and ``compress``, in plain NumPy/CuPy.  A backend that can
+do a rule's step faster, for the wire format the rule's settings choose,
+registers a factory here; the compressor asks :func:`find` and falls back
+to the rule's own ``compress`` when nothing is registered.  A fast path
+must give the same message and state as the rule, bit for bit (the tests
+compare them).
+
+The native CPU backend registers the paths of the rules that ship in
+:mod:`chainer_vgc.native_paths`; a rule of your own is one file, and its
+native path one more (``register('native', MyRule, factory)``).
+"""
+
+import collections
+
+#: A backend's step for one rule object.
+#:
+#: - ``compress(workspace, tensor_id, grad, sqsum, state, new_state, out)``
+#:   reads ``state``, writes the next state into ``new_state`` (same keys)
+#:   and the group into ``out`` (a uint32 array of at least ``max_words``
+#:   words), returning ``(words, elements, flags)``
+#:   (:mod:`chainer_vgc.native`);
+#: - ``max_words(size, dtype)``: the most words a group of a tensor of
+#:   ``size`` elements of ``dtype`` can take (header included);
+#: - ``checks_inputs``: whether ``compress`` checks its inputs (finite
+#:   gradient, finite non-negative sums of squares) itself; False: the
+#:   compressor checks them before any tensor is compressed (a rule with
+#:   state outside its state arrays, like a random generator, needs this to
+#:   leave everything untouched on a bad gradient).
+FastPath = collections.namedtuple('FastPath',
+                                  'compress max_words checks_inputs')
+
+#: (backend, rule class) -> factory(rule) -> FastPath or None
+_FACTORIES = {}
+
+
+def register(backend, rule_class, factory):
+    """Register ``factory(rule) -> FastPath or None`` (None: no fast path
+    for that rule's settings) as ``backend``'s step for ``rule_class`` and
+    its subclasses (a subclass's own registration wins)."""
+    _FACTORIES[(backend, rule_class)] = factory
+
+
+def find(backend, rule):
+    """The :data:`FastPath` ``backend`` registered for ``rule``'s class,
+    or for the nearest base class whose ``compress`` the rule still uses
+    (a subclass that overrides ``compress`` runs its own); None without
+    one."""
+    for cls in type(rule).__mro__:
+        factory = _FACTORIES.get((backend, cls))
+        if factory is not None:
+            if type(rule).compress is not cls.compress:
+                return None
+            return factory(rule)
+    return None
