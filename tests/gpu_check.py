@@ -4,7 +4,7 @@ references, then timings.
 
 Two modes:
 
-``python benchmarks/gpu_check.py record DIR``
+``python tests/gpu_check.py record DIR``
     On a machine with the project's environment (either stack, the native
     backend built; Chainer is not needed; ``make gpu-bundle`` records on
     the np2 stack, as the GPU runbook carries it).  Generates deterministic inputs,
@@ -15,9 +15,10 @@ Two modes:
     and mean): about 16 MB, 10 s.  Record from the same working tree that
     the GPU machine will run (the reference is this tree's NumPy path).
 
-``python3 benchmarks/gpu_check.py check DIR``
+``python3 tests/gpu_check.py check DIR``
     On the GPU machine (CuPy, no Chainer, no native backend: only the
-    chainer-free core is imported, without the package ``__init__``).
+    chainer-free core is imported; the package ``__init__`` imports neither
+    Chainer nor MPI).
     Runs the same cases with CuPy arrays, compares every message, residual
     state, decoded sum and mean and every kernel output bit for bit with
     the reference (NaN-safe bit patterns), prints one PASS/FAIL line per
@@ -72,9 +73,9 @@ import warnings
 
 import numpy
 
-from bench_common import shapes_for  # chainer-free, beside this file
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(REPO, 'benchmarks'))
+from bench_common import shapes_for  # NOQA: E402 (chainer-free)
 F16, F32, F64 = 'float16', 'float32', 'float64'
 STEPS = 4
 WORKERS = 4
@@ -223,17 +224,14 @@ CORE = ('cuda_support', 'backend', 'kernels', 'codec', 'native', 'rules',
 
 
 def import_core(no_nvrtc_preload=False):
-    """chainer_vgc's chainer-free modules, without running the package
-    __init__ (which imports Chainer): a bare package module first.
-    ``no_nvrtc_preload``: cuda_support.preload_nvrtc (which the backend
-    calls at import) loads nothing."""
+    """chainer_vgc's chainer-free modules (the package ``__init__`` imports
+    neither Chainer nor MPI), from this tree unless chainer_vgc is already
+    imported.  ``no_nvrtc_preload``: cuda_support.preload_nvrtc (which the
+    backend calls at import) loads nothing."""
     warnings.filterwarnings('ignore', category=UserWarning,
                             module=r'cupy\._environment')
     if 'chainer_vgc' not in sys.modules:
-        pkg = types.ModuleType('chainer_vgc')
-        pkg.__path__ = [os.path.join(REPO, 'chainer_vgc')]
-        pkg.__file__ = os.path.join(REPO, 'chainer_vgc', '__init__.py')
-        sys.modules['chainer_vgc'] = pkg
+        sys.path.insert(0, REPO)
     mods = {}
     for name in CORE:
         mods[name] = importlib.import_module('chainer_vgc.' + name)
@@ -419,7 +417,7 @@ def record_compression(core, arrays, meta, native_ok, problems):
                                                 key, name, w, t))
         kinds = sorted({core.codec.FORMATS[g.fmt].name
                         for w in range(WORKERS)
-                        for g in core.codec._walk(
+                        for g in core.codec.message.walk(
                             arrays['msg/{}/{}/{}'.format(name, STEPS - 1, w)],
                             None)})
         print('  {:14s} {:9,d} elements sent over {} messages; formats of '
@@ -646,7 +644,8 @@ def record_sum_squares(add, rng):
     """Exact cases: every partial sum is exact (small integers times powers
     of two), so any order of the additions gives the same bits; the
     squares and sums are subnormal in some.  Random cases: the GPU's
-    order differs from NumPy's (README), checked against an error bound."""
+    order differs from NumPy's (docs/gpu.md), checked against an error
+    bound."""
     for sdt in (F32, F64):
         dt = numpy.dtype(sdt)
         low = -74 if dt == numpy.float32 else -535  # squares subnormal
@@ -683,7 +682,7 @@ def record_sum_squares(add, rng):
 
 def record_gap_bodies(codec, add, rng):
     """FMT_GAP bodies of a few index sets, huge gaps and escapes included
-    (codec.gap_body; on the device it runs kernels.gap_body)."""
+    (codec.gap_body; on the device it runs codec.gap.device_gap_body)."""
     sets = []
     idx = numpy.sort(rng.choice(10 ** 6, 5000, replace=False))
     sets.append(('sparse', idx, 10 ** 6))
@@ -879,7 +878,7 @@ def locate_word(codec, msg, pos):
         return 'message header'
     try:
         p = 2
-        for g in codec._walk(msg, None):
+        for g in codec.message.walk(msg, None):
             if pos < p + codec.HEADER_WORDS:
                 return 'header of the group of tensor {}'.format(g.tensor_id)
             p += codec.HEADER_WORDS
@@ -904,7 +903,7 @@ def setup_device(args, core):
     the fake CuPy over host-compiled kernels (--fake-cupy)."""
     env = {}
     if args.fake_cupy:
-        sys.path.insert(0, os.path.join(REPO, 'tests'))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import fake_cupy
         import kernel_harness
         fake = fake_cupy.FakeCupy()
@@ -1128,7 +1127,7 @@ def check(args):
 def check_kernels(ctx, ck):
     core, xp, ref = ctx.core, ctx.xp, ctx.ref
     codec, kernels, to_numpy = core.codec, core.kernels, core.backend.to_numpy
-    has_gap = hasattr(kernels, 'gap_body')
+    has_gap = hasattr(codec, 'device_gap_body')
     for spec in ctx.meta['kernel_checks']:
         name, kind, p = spec['name'], spec['kind'], spec['params']
         arr = {k: ref['k/{}/{}'.format(name, k)] for k in spec['arrays']}
@@ -1163,8 +1162,8 @@ def check_kernels(ctx, ck):
                 return check_sum_squares(ctx, ck, p, arr)
             elif kind == 'gap_body':
                 if not has_gap:
-                    raise Skip('chainer_vgc.kernels has no gap_body: no '
-                               'device FMT_GAP encoder to check')
+                    raise Skip('chainer_vgc.codec has no device_gap_body: '
+                               'no device FMT_GAP encoder to check')
                 body = codec.gap_body(xp.asarray(arr['index']),
                                       xp.asarray(arr['nibbles']), p['k'],
                                       p['sign_only'])
@@ -1534,7 +1533,7 @@ def run_timings(ctx):
             r['bits_per_sent_element'] = 8 * r['message_bytes'] / max(
                 1.0, float(numpy.mean(sent)))
             fmts = sorted({core.codec.FORMATS[g.fmt].name
-                           for g in core.codec._walk(msgs[-1], None)})
+                           for g in core.codec.message.walk(msgs[-1], None)})
             r['formats'] = fmts
             print('| {} | compress+encode | {:.2f} ms | {:.1f} x copy | '
                   'density {:.2%} | {:,.0f} bytes | {:.1f} bits/element | '
