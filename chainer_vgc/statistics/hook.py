@@ -235,6 +235,13 @@ class PerSampleSquares(chainer.FunctionHook):
 
     # -- hook --
     def backward_postprocess(self, function, in_data, out_grad):
+        """Chainer's function-hook callback, after ``function``'s backward.
+
+        For each parameter ``function`` consumes, adds the per-example
+        contributions of ``out_grad[0]`` to that parameter's sum of squares
+        (shared parameters: kept until the backward pass is over).  Does
+        nothing outside :meth:`backward`.
+        """
         current = self._pass
         if current is None:
             return
