@@ -34,7 +34,7 @@ VENV = .venv-$(STACK)
 PY = $(VENV)/bin/python
 
 .PHONY: demo demo-core paper-table test bench bench-network venv venvs \
-	clean gpu-bundle gpu-runbook-dry
+	clean gpu-bundle gpu-runbook-dry docs
 
 venv: $(VENV)/.native
 venvs: $(foreach s,$(STACKS),.venv-$(s)/.native)
@@ -53,7 +53,9 @@ venvs: $(foreach s,$(STACKS),.venv-$(s)/.native)
 # the native CPU backend (and the start-up hook), rebuilt whenever their
 # sources change (not again right after a fresh install: the stamp is then
 # missing, or $? holds only the .installed stamp)
-.venv-%/.native: .venv-%/.installed kernels/vgc_host.cpp kernels/vgc_numerics.cuh \
+.venv-%/.native: .venv-%/.installed kernels/vgc_host.cpp kernels/vgc_host_common.h \
+		kernels/vgc_gap_coder.h kernels/vgc_blocks.h kernels/vgc_passes.h \
+		kernels/vgc_decode.h kernels/vgc_numerics.cuh \
 		chainer_vgc/_startup/_chainer_vgc_compat.py
 	$(if $(wildcard $@),$(if $(filter-out .venv-$*/.installed,$?),.venv-$*/bin/python \
 		-m pip --disable-pip-version-check install -q --no-build-isolation --no-deps -e .))
@@ -77,12 +79,31 @@ paper-table: $(VENV)/.native
 	$(PY) examples/paper_table.py --workers 4 --epoch 1 --seeds 3 \
 		--out result/paper_table
 
-# the whole suite on every stack of STACKS, one after the other
-test: $(addprefix test-,$(STACKS))
+# the documentation first (where np2 is among STACKS), then the whole suite
+# on every stack of STACKS, one after the other
+test: $(if $(filter np2,$(STACKS)),docs) $(addprefix test-,$(STACKS))
 
+# TEST_WORKERS pytest-xdist workers (the multi-rank tests run one after the
+# other on one of them, the rest beside; 0: no workers); one BLAS thread
+# per process, as make demo
+TEST_WORKERS ?= 2
 test-%: .venv-%/.native
 	@echo "== make test: STACK=$* ($$(.venv-$*/bin/python -c 'import sys, numpy; print("Python %d.%d.%d" % sys.version_info[:3], "numpy", numpy.__version__)'))"
-	.venv-$*/bin/python -m pytest -q tests
+	OPENBLAS_NUM_THREADS=1 .venv-$*/bin/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
+
+# the documentation site: docs/ (MyST Markdown pages, API pages made by
+# autodoc from the docstrings) into build/docs/index.html, with the np2
+# venv (autodoc imports chainer_vgc); warnings are errors, and -E re-reads
+# every page so that a warning fails every run, not only the first
+docs: .venv-np2/.docs
+	OPENBLAS_NUM_THREADS=1 .venv-np2/bin/python -m sphinx -E -W --keep-going \
+		-b html docs build/docs
+
+# Sphinx and MyST (requirements/docs.txt) in the np2 venv, once
+.venv-np2/.docs: .venv-np2/.native requirements/docs.txt
+	.venv-np2/bin/python -m pip --disable-pip-version-check install -q -r requirements/docs.txt
+	touch $@
 
 bench: $(VENV)/.native
 	$(PY) benchmarks/bench_compress.py

@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 
 import bench_network  # NOQA: E402
 
+# multi-rank runs oversubscribe the cores: under pytest-xdist they run one
+# after the other, on one worker, beside the single-process tests
+pytestmark = pytest.mark.xdist_group('mpiexec')
+
 
 def test_plan_builds_isolated_hosts_shaped_links_and_mpmd_launch():
     plan = bench_network.Plan(4, tag=123)

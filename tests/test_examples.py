@@ -21,6 +21,10 @@ sys.path.insert(0, EXAMPLES)
 import paper_table  # NOQA: E402
 from chainer_vgc import datasets  # NOQA: E402
 
+# multi-rank runs oversubscribe the cores: under pytest-xdist they run one
+# after the other, on one worker, beside the single-process tests
+pytestmark = pytest.mark.xdist_group('mpiexec')
+
 
 def example(n, script, *args, expect):
     return run_ok(n, os.path.join(EXAMPLES, script), *args, expect=expect,

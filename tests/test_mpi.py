@@ -9,6 +9,10 @@ import pytest
 from mpirun import run
 from mpirun import run_ok
 
+# multi-rank runs oversubscribe the cores: under pytest-xdist they run one
+# after the other, on one worker, beside the single-process tests
+pytestmark = pytest.mark.xdist_group('mpiexec')
+
 
 @pytest.mark.parametrize('p', [1, 2, 3, 4, 5, 6, 7, 8])
 def test_ring_and_mpi_allgatherv_match_mpi(p):
