@@ -392,3 +392,17 @@ def test_setup_cfg_lists_every_package():
     modules = package_modules()
     packages = {m for m in modules if is_package(m, modules)}
     assert packages <= listed, sorted(packages - listed)
+
+
+def test_readme_is_a_front_door():
+    """README.md: at most 250 lines, opening with the two set-up commands,
+    the ChainerMN usage within its first 80 lines."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 250, len(lines)
+    first = '\n'.join(lines[:20])
+    assert 'make demo' in first and 'make test' in first
+    head = '\n'.join(lines[:80])
+    for name in ('chainer_vgc.create_communicator',
+                 'chainer_vgc.create_multi_node_optimizer'):
+        assert name in head, name
