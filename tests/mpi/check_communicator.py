@@ -362,6 +362,35 @@ def params_grads(model):
             if p.grad is not None]
 
 
+def check_gradient_on_some_ranks_nothing_sent():
+    """``zero_fill=False``, a parameter with a gradient on rank 0 only and
+    nothing sent for it by anyone (Strom with a huge tau): every rank ends
+    with the same gradient for it, the mean of what was sent (zeros), by
+    the ranks' agreement on which parameters have a gradient somewhere (a
+    rank's own view would leave it None on the other ranks)."""
+    comm = chainer_vgc.create_communicator('strom', comm_world, tau=1e30)
+    model = make()
+    x, t = data(0)
+    model.cleargrads()
+    model(x, t).backward()  # 'unused' gets no gradient
+    if comm_world.rank == 0:
+        for p in model.predictor.unused.params():
+            p.grad = numpy.ones_like(p.array)
+    comm.multi_node_mean_grad(model, zero_fill=False)
+    assert comm.last['vgc/bytes'] < 100  # (nothing sent but headers)
+    grads = [(n, None if p.grad is None else p.grad.copy())
+             for n, p in sorted(model.namedparams())]
+    everyone = comm_world.allgather(grads)
+    for other in everyone[1:]:
+        for (n, a), (m, b) in zip(everyone[0], other):
+            assert n == m and (a is None) == (b is None), (n, a, b)
+            if a is not None:
+                assert (a == b).all(), n
+    unused = [g for n, g in grads if '/unused/' in n]
+    assert len(unused) == 2
+    assert all(g is not None and not g.any() for g in unused), unused
+
+
 CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
           check_dict_batch_and_lazy_unused_params,
           check_trainer_reports, check_vgc_alpha_tiny_equals_mean_gradient,
@@ -369,7 +398,8 @@ CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
           check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
           check_mismatched_models_fail_on_every_rank,
           check_two_models_keep_their_own_states,
-          check_exchange_async_handle]
+          check_exchange_async_handle,
+          check_gradient_on_some_ranks_nothing_sent]
 
 
 def main():
