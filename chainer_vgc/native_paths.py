@@ -29,18 +29,16 @@ def _raw_words(size, dtype, indexed):
 def _vgc(rule):
     """Fig. "Basic": one fused pass; FMT_POW2 / FMT_GAP words, or FMT_RAW
     with quantization off."""
-    coding = rule.index_coding
-
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
         return native.compress_vgc(
             ws, tensor_id, grad, sqsum, state['r'], state['v'],
             new_state['r'], new_state['v'], rule.alpha, rule.zeta,
             rule.quantize, rule.keep_unrepresentable, out,
-            coding=coding or 'fixed')
+            coding=rule.coding)
 
     def max_words(size, dtype):
         if rule.quantize:
-            return codec.pow2_max_words(size, coding)
+            return codec.pow2_max_words(size, rule.coding)
         return _raw_words(size, dtype, True)
     return fast_paths.FastPath(compress, max_words, True)
 
