@@ -54,6 +54,8 @@ _LAZY = {
 _SUBMODULES = {
     'communicator': (True, True),
     'optimizer': (True, True),
+    'multi_node_optimizer': (True, True),
+    'double_buffering': (True, True),
     'datasets': (True, False),
     'extensions': (True, False),
     'groups': (True, False),

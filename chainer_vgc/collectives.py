@@ -16,6 +16,8 @@ exchange (double buffering) runs on a second one over a duplicate of the
 MPI communicator, so that its collectives never mix with the main thread's.
 """
 
+import weakref
+
 from chainer_vgc import mpi_support
 
 # ChainerMN loads mpi4py.MPI, which needs an MPI library: without one, fail
@@ -60,15 +62,22 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
 
     def duplicate(self):
         """The same collectives on a duplicate of the MPI communicator
-        (collective: every rank calls it)."""
-        return Collectives(self.mpi_comm.Dup(), self.allgatherv_method,
-                           self.chunk_words, self.cuda_aware_mpi)
+        (collective: every rank calls it).  The duplicate is freed by
+        :meth:`free`, or when the returned object is garbage-collected:
+        a run that makes and drops many (double-buffered optimizers in a
+        sweep) does not exhaust MPI's communicators."""
+        dup = Collectives(self.mpi_comm.Dup(), self.allgatherv_method,
+                          self.chunk_words, self.cuda_aware_mpi)
+        dup._free = weakref.finalize(dup, _free_mpi_comm, dup.mpi_comm)
+        dup._free.atexit = False  # (MPI_Finalize frees what is left)
+        return dup
 
     def free(self):
-        """Free the MPI communicator (one made by :meth:`duplicate`)."""
-        from mpi4py import MPI
-        if not MPI.Is_finalized() and self.mpi_comm != MPI.COMM_NULL:
-            self.mpi_comm.Free()
+        """Free the MPI communicator of one made by :meth:`duplicate` (at
+        most once; no-op after ``MPI.Finalize``)."""
+        release = getattr(self, '_free', None)
+        if release is not None:
+            release()
 
     def multi_node_mean_grad(self, model, zero_fill=False):
         """ChainerMN's naive exchange: every gradient's mean, uncompressed."""
@@ -150,6 +159,15 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         super(Collectives, self)._multi_node_mean(src, host)
         with recvbuf.device:  # a CuPy array: back onto its device
             recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
+
+
+def _free_mpi_comm(mpi_comm):
+    """``MPI_Comm_free`` of a duplicate, unless MPI is finalized (local in
+    MPICH and Open MPI: a rank frees its handle whenever its copy is
+    dropped; the context id returns when every rank has freed it)."""
+    from mpi4py import MPI
+    if not MPI.Is_finalized() and mpi_comm != MPI.COMM_NULL:
+        mpi_comm.Free()
 
 
 def allreduce_mean_float16(mpi_comm, params):

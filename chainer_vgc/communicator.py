@@ -132,9 +132,10 @@ class VGCCommunicator(Collectives):
             resume_other_method=resume_other_method, **hyperparams)
         self._unbound = self._current  # the first model's
         self._states = weakref.WeakKeyDictionary()
+        self._models = 0   # models served so far
         self._hooks = weakref.WeakKeyDictionary()
         self._background = None
-        self._in_flight = None
+        self._in_flight = []  # background exchanges not known to be done
         self._sqsums = None
         self._loss_scale = None
 
@@ -155,6 +156,11 @@ class VGCCommunicator(Collectives):
             if st is None:
                 st = MethodState(rank=self.rank, **self._current.settings())
             self._states[model] = st
+            st.index, self._models = self._models, self._models + 1
+            if self._models > 1:  # several models: each reports apart
+                for each in self._states.values():
+                    if each.label is None:
+                        each.label = 'model{}'.format(each.index)
         return st
 
     def setup(self, model):
@@ -209,7 +215,7 @@ class VGCCommunicator(Collectives):
 
     def exchange_async(self, model, zero_fill=False, sqsums=None,
                        loss_scale=None, uncovered=None, state=None,
-                       background=False):
+                       background=False, collectives=None):
         """Start one exchange of ``model``'s gradients; returns an
         :class:`~chainer_vgc.step.ExchangeHandle` (``handle.wait()``: the
         mean is in ``param.grad``, the result is returned and its totals
@@ -218,9 +224,11 @@ class VGCCommunicator(Collectives):
         ``state``: the :class:`~chainer_vgc.method_state.MethodState` to
         use (default: ``model``'s); ``uncovered``: the names this step's
         statistics did not cover (default: those of the last backward
-        through :meth:`statistics`); ``background``: run on a thread, on a
-        duplicate of the MPI communicator made at the first such call
-        (collective), one background exchange at a time; see
+        through :meth:`statistics`); ``background``: run on a thread, on
+        ``collectives`` (a :meth:`duplicate`; default: this
+        communicator's own, made at the first such call: collective).  A
+        background exchange first waits for the one in flight on the same
+        collectives or of the same state; see
         :func:`chainer_vgc.step.exchange_async` for the rest."""
         if state is None:
             state = self.state(model)
@@ -228,22 +236,31 @@ class VGCCommunicator(Collectives):
             uncovered = getattr(self._hooks.get(model), 'uncovered_names',
                                 ())
         self._current = state
-        collectives = self
         if background:
-            before, self._in_flight = self._in_flight, None
-            if before is not None:
-                before.join()  # its owner waits for it, and commits
-                if before.state is state:
-                    before.wait()
-            if self._background is None:
-                self._background = self.duplicate()
-            collectives = self._background
+            if collectives is None:
+                if self._background is None:
+                    self._background = self.duplicate()
+                collectives = self._background
+            self._wait_before(collectives, state)
+        else:
+            collectives = self
         handle = step.exchange_async(collectives, state, model, zero_fill,
                                      sqsums, loss_scale, uncovered or (),
                                      background)
         if background:
-            self._in_flight = handle
+            self._in_flight.append(handle)
         return handle
+
+    def _wait_before(self, collectives, state):
+        """Before a background exchange on ``collectives``: the one in
+        flight there ends first (one thread per MPI communicator), and one
+        of the same state is waited for (its totals committed)."""
+        for before in self._in_flight:
+            if before.collectives is collectives or before.state is state:
+                before.join()  # its owner waits for it, and commits
+                if before.state is state:
+                    before.wait()
+        self._in_flight = [h for h in self._in_flight if not h.done()]
 
     def sync_run(self, model):
         """Rank 0's run totals for ``model`` to every rank: when only some
@@ -263,11 +280,13 @@ class VGCCommunicator(Collectives):
         snapshot.serialize(state, model, serializer, self.size)
 
     def finalize(self):
-        """Wait for a background exchange in flight and free the duplicate
-        MPI communicator of background exchanges."""
-        if self._in_flight is not None:
-            self._in_flight.join()
-            self._in_flight = None
+        """Wait for the background exchanges in flight and free the
+        duplicate MPI communicator of this communicator's own background
+        exchanges (also freed when the communicator is garbage-collected;
+        a double-buffered optimizer frees its own: ``close()``)."""
+        for handle in self._in_flight:
+            handle.join()
+        self._in_flight = []
         if self._background is not None:
             self._background.free()
             self._background = None

@@ -100,19 +100,40 @@ def new_totals():
 
 
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
-                **dense):
+                observer=None, label=None, **dense):
     """Add one exchange to ``totals``, report its figures with
-    ``chainer.reporter`` and return them (``elements``: per message, when
-    already counted; ``param_bytes`` and ``dense``: see
-    :func:`step_figures`)."""
+    ``chainer.reporter`` (:func:`report`: ``observer``, ``label``) and
+    return them (``elements``: per message, when already counted;
+    ``param_bytes`` and ``dense``: see :func:`step_figures`)."""
     figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
     for key, value in figures.items():
         if key.startswith('_'):  # (totals of older snapshots lack some)
             totals[key[1:]] = totals.get(key[1:], 0.0) + value
     totals['steps'] += 1
     totals['param_elements'] += n_params
-    chainer.reporter.report(reported(figures))
+    report(figures, observer, label)
     return figures
+
+
+def report(figures, observer=None, label=None):
+    """Report the :func:`reported` figures of one model's exchange with
+    ``chainer.reporter``: as ``vgc/...`` when ``label`` is None (a
+    communicator serving one model); else under the model's name, so that
+    two models on one communicator (a GAN's generator and discriminator)
+    report apart: the trainer's name of ``observer`` (the optimizer's
+    name, ``gen/vgc/compression``) when the reporter knows it, otherwise
+    ``label/vgc/...``."""
+    values = reported(figures)
+    if label is None:
+        chainer.reporter.report(values)
+        return
+    if observer is not None:
+        try:
+            chainer.reporter.report(values, observer)
+            return
+        except KeyError:  # not an observer of the current reporter
+            pass
+    chainer.reporter.report({label + '/' + k: v for k, v in values.items()})
 
 
 def reported(figures):
@@ -171,19 +192,27 @@ class CompressionReport(extension.Extension):
     trigger = 1, 'epoch'
     priority = extension.PRIORITY_WRITER + 1  # before LogReport reads
 
-    def __init__(self, communicator, trigger=(1, 'epoch')):
+    def __init__(self, communicator, trigger=(1, 'epoch'), model=None):
         self.communicator = communicator
         self.trigger = trigger
+        #: whose totals (None: the model exchanged last); with several
+        #: models on one communicator, one CompressionReport per model
+        self.model = model
         self._last = None
 
+    def _state(self):
+        if self.model is None:
+            return self.communicator
+        return self.communicator.state(self.model)
+
     def summary(self):
-        return run_summary(self.communicator.totals,
-                           self.communicator.compressor,
-                           self.communicator.size)
+        st = self._state()
+        return run_summary(st.totals, st.compressor, self.communicator.size)
 
     def __call__(self, trainer):
         out = self.summary()
-        tot = self.communicator.totals
+        st = self._state()
+        tot = st.totals
         now = (tot['steps'], tot['elements'], tot.get('param_elements', 0))
         before = self._last or (0.0, 0.0, 0.0)
         self._last = now
@@ -192,4 +221,6 @@ class CompressionReport(extension.Extension):
             per_rank = elements / self.communicator.size
             out['vgc/interval_compression'] = (
                 params / per_rank if per_rank else float('inf'))
-        chainer.reporter.report(out)
+        label = getattr(st, 'label', None)
+        chainer.reporter.report(out if label is None else {
+            label + '/' + k: v for k, v in out.items()})

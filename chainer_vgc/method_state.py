@@ -87,6 +87,13 @@ class MethodState(object):
         self.skipped = False
         #: seconds of the last exchange's phases on this rank
         self.last_timing = {}
+        #: the model's name in reports, when a communicator serves several
+        #: models (None: one model, reported as ``vgc/...``; by default
+        #: ``model<index>``, ``index`` the order the communicator met the
+        #: model in; yours: ``comm.state(model).label = 'gen'``): see
+        #: :func:`chainer_vgc.extensions.report`
+        self.label = None
+        self.index = 0
 
     def settings(self):
         """The arguments that make an equal, fresh state."""

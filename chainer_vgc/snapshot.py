@@ -5,8 +5,8 @@ training run's snapshot, and when may a snapshot be resumed?  The
 residuals are the error feedback of paper Sec. 3 (Alg. 1's r and v):
 dropping them at a resume would lose every delayed gradient element, so
 they are saved with the optimizer (``serializer['vgc_state']``), with a
-record of the method, its hyperparameters, the rank count and the model,
-and the run totals (the warm-up, the alpha ramp and the reports count
+record of the method, its hyperparameters, the rank count and the model
+(its class, its name in reports and its parameters), and the run totals (the warm-up, the alpha ramp and the reports count
 steps).  Loading checks that record against the run.
 """
 
@@ -55,6 +55,7 @@ def _meta(state, model, state_names, ranks):
     return {'format': FORMAT, 'method': state.method,
             'hyperparams': hyperparams_record(state.base_rule.hyperparams()),
             'ranks': ranks, 'model': _model_record(model),
+            'model_name': type(model).__name__, 'label': state.label,
             'states': state_names}
 
 
@@ -115,14 +116,17 @@ def _check_meta(state, meta, model, ranks):
             'chainer_vgc: the snapshot was saved by a run of {} ranks; '
             'this run has {}. Resume with the same number of ranks'
             .format(meta['ranks'], ranks))
+    _check_model(meta, model)
     ours = {n: (s, d) for n, s, d in _model_record(model)}
     if ours:  # loaded before the model's lazy params: setup() checks
         for n, s, d in meta['model']:
             if n in ours and ours[n] != (s, d):
                 raise ValueError(
-                    'chainer_vgc: the snapshot was saved for a model whose '
-                    'parameter {} has shape {} dtype {}; this model has '
-                    'shape {} dtype {}'.format(n, s, d, *ours[n]))
+                    'chainer_vgc: the snapshot was saved for a model ({}) '
+                    'whose parameter {} has shape {} dtype {}; this model '
+                    '({}) has shape {} dtype {}{}'.format(
+                        _saved_name(meta), n, s, d, type(model).__name__,
+                        *ours[n], _OWN_SNAPSHOT))
     if saved != here:
         if saved[0] != here[0] and state.resume_other_method:
             warnings.warn(
@@ -139,6 +143,32 @@ def _check_meta(state, meta, model, ranks):
                     'fresh, create_communicator(..., '
                     'resume_other_method=True))'))
     return False
+
+
+def _check_model(meta, model):
+    """The snapshot's model is this one: each saved parameter name is one
+    of the model's (initialized or not); with several models on one
+    communicator, each optimizer must load its own model's snapshot."""
+    names = set(n for n, _ in model.namedparams())
+    foreign = [n for n, _, _ in meta['model'] if n not in names]
+    if foreign:
+        raise ValueError(
+            'chainer_vgc: the snapshot was saved for another model ({}, '
+            'with parameter {}) than this one ({}, which has no such '
+            'parameter){}'.format(_saved_name(meta), foreign[0],
+                                  type(model).__name__, _OWN_SNAPSHOT))
+
+
+_OWN_SNAPSHOT = ("; with several models on one communicator, load each "
+                 "optimizer's own snapshot")
+
+
+def _saved_name(meta):
+    """The saved model's class (and name in reports), as a record says."""
+    name = meta.get('model_name', 'a model')
+    if meta.get('label'):
+        name += ', reported as {!r}'.format(meta['label'])
+    return name
 
 
 def _serialize_run(state, serializer, meta=None):

@@ -59,8 +59,10 @@ class ExchangeHandle(object):
     :class:`ExchangeResult`; :meth:`done` says whether waiting would block.
     """
 
-    def __init__(self, state, run, background):
+    def __init__(self, state, run, background, collectives=None):
         self.state = state
+        #: the collectives it runs on (None once done: not kept alive)
+        self.collectives = collectives
         self._result = None
         self._error = None
         self._committed = False
@@ -80,6 +82,8 @@ class ExchangeHandle(object):
             self._result = run()
         except BaseException as e:  # raised by wait(), on the caller's thread
             self._error = e
+        finally:
+            self.collectives = None
 
     def done(self):
         return self._thread is None or not self._thread.is_alive()
@@ -118,19 +122,32 @@ _EXIT_HOOK = []
 
 def _register_exit():
     """Registers :func:`_complete_at_exit` once, at the first background
-    exchange: MPI is loaded by then, so it runs before MPI's own exit
-    handler."""
+    exchange: with ``atexit`` (MPI is loaded by then, so it runs before
+    MPI's own exit handler) and as the delete callback of an attribute of
+    ``MPI_COMM_SELF``, which ``MPI_Finalize`` calls before anything else
+    (MPI-2.2 Sec. 8.7.1): a user's own ``MPI.Finalize()`` with an exchange
+    in flight first lets it end, instead of pulling MPI from under it."""
     if not _EXIT_HOOK:
+        from mpi4py import MPI
         atexit.register(_complete_at_exit)
-        _EXIT_HOOK.append(_complete_at_exit)
+
+        def at_finalize(comm, keyval, value):
+            _complete_at_exit()
+            return MPI.SUCCESS
+        keyval = MPI.Comm.Create_keyval(delete_fn=at_finalize)
+        MPI.COMM_SELF.Set_attr(keyval, True)
+        _EXIT_HOOK.append(keyval)
 
 
 def _complete_at_exit():
     """Let every background exchange not waited for finish before MPI is
-    finalized; one that failed aborts the job, as it would have at the
-    next update (the other ranks may be waiting in its collectives)."""
+    finalized (its mean is not applied: call ``optimizer.wait()`` or
+    ``handle.wait()`` before finalizing to keep it); one that failed
+    aborts the job, as it would have at the next update (the other ranks
+    may be waiting in its collectives)."""
     for handle in list(_UNWAITED):
         error = handle.join()
+        _UNWAITED.discard(handle)
         if error is not None:
             import sys
             import traceback
@@ -174,7 +191,7 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
                                   sqsums, loss_scale, uncovered, totals)
             backend.finish_stream(first)
             return result
-    return ExchangeHandle(state, run, True)
+    return ExchangeHandle(state, run, True, collectives)
 
 
 def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
@@ -192,8 +209,8 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
         if sqsums is not None:  # aligned with all parameters
             sqsums = [sqsums[i] for i, _ in compressed]
         out = _compressed_mean(collectives, state, params, sqsums,
-                               zero_fill, loss_scale, result)
-        if out is None:  # skipped on every rank
+                               zero_fill, loss_scale, result, model)
+        if out is None:  # skipped on every rank (reported)
             for _, p in dense:
                 p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
             return result
@@ -206,12 +223,13 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
         sum(p.size * p.dtype.itemsize for _, p in compressed + dense),
         size=collectives.size, dense_elements=n_dense * collectives.size,
         dense_wire=dense_wire,
-        n_compressed=sum(p.size for _, p in compressed))
+        n_compressed=sum(p.size for _, p in compressed),
+        observer=model, label=state.label)
     return result
 
 
 def _compressed_mean(collectives, state, params, sqsums, zero_fill,
-                     loss_scale, result):
+                     loss_scale, result, model):
     """The compressed group's exchange; (blocks, elements per block), or
     None when a rank's gradients were not finite (skipped)."""
     comp = state.compressor
@@ -243,7 +261,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         message = comp.compress(rule_grads, rule_sqsums, copy=False,
                                 agree=agree)
     except SkippedStep as e:
-        _skip(params, e, result)
+        _skip(params, e, result, state, model)
         return None
     t1 = time.perf_counter()
     # the message is in host memory on every path (codec.pack): MPI never
@@ -260,7 +278,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     return blocks, elements
 
 
-def _skip(params, error, result):
+def _skip(params, error, result, state, model):
     """A rank's gradients were not finite: nothing was exchanged and no
     residual changed.  The gradients become NaN, so that Chainer's dynamic
     loss scaling skips the update and lowers the scale (the optimizer
@@ -274,4 +292,4 @@ def _skip(params, error, result):
     result.skipped = True
     result.totals['skipped'] += 1
     result.figures = {'vgc/skipped': 1.0}
-    chainer.reporter.report(result.figures)
+    extensions.report(result.figures, model, state.label)

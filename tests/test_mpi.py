@@ -84,6 +84,26 @@ def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
         assert any((straight[k] != half[k]).any() for k in straight.files)
 
 
+@pytest.mark.parametrize('method', ['vgc+db', 'vgc'])
+def test_snapshot_saved_twice_resumes_bit_identical(tmp_path, method):
+    """A snapshot loaded and saved again at once, before any update (issue
+    24, finding 2): with double buffering the mean loaded, not yet
+    applied, is saved again, so resuming from the second snapshot equals
+    the uninterrupted run bit for bit."""
+    out = str(tmp_path)
+    for mode in ('straight', 'half', 'resave', 'resume-resaved'):
+        run_ok(2, 'check_resume.py', mode, 20, out, method,
+               expect='resume run OK')
+    for r in range(2):
+        straight = numpy.load(os.path.join(out, 'params_straight_rank{}.npz'
+                                           .format(r)))
+        resumed = numpy.load(os.path.join(
+            out, 'params_resume-resaved_rank{}.npz'.format(r)))
+        assert sorted(straight.files) == sorted(resumed.files)
+        for k in straight.files:
+            assert (straight[k] == resumed[k]).all(), (r, k)
+
+
 @pytest.mark.parametrize('p', [2, 4])
 def test_rule_objects_dense_groups_and_warmup(p):
     """A rule defined outside the package trains through
@@ -123,6 +143,27 @@ def test_double_buffering_equals_a_one_step_delayed_loop(p):
 def test_double_buffering_needs_thread_multiple():
     run_ok(2, 'check_double_buffering.py', 'thread-level',
            expect='thread level refused OK', timeout=60)
+
+
+def test_user_finalize_waits_for_the_exchange_in_flight():
+    """The user's own ``MPI.Finalize()`` while rank 0's exchange waits in
+    a collective (issue 24, finding 4): the exchange ends first and the
+    job exits cleanly, instead of MPI being used after finalizing."""
+    proc, _ = run(2, 'check_double_buffering.py', 'user-finalize',
+                  timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert 'finalized with an exchange in flight OK' in proc.stdout, out
+    assert 'after finalizing' not in out, out[-3000:]
+
+
+def test_thousands_of_double_buffered_optimizers_come_and_go():
+    """5,000 double-buffered optimizers made and dropped in one process
+    (issue 24, finding 3): dropped, closed or ended by a ``with`` block,
+    on one communicator or on their own; each frees its duplicate MPI
+    communicator (MPICH runs out after about 2,000 kept)."""
+    run_ok(2, 'check_double_buffering.py', 'lifecycle', 5000,
+           expect='lifecycle OK: 5000 optimizers', timeout=600)
 
 
 @pytest.mark.parametrize('mode', ['exchange-error', 'main-error',

@@ -13,7 +13,7 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
 from chainer_vgc import exchange
 from chainer_vgc import extensions
-from chainer_vgc import optimizer
+from chainer_vgc import multi_node_optimizer
 from chainer_vgc import transport
 
 import reference
@@ -156,7 +156,7 @@ def test_report_step_adds_to_the_totals_and_reports():
             pytest.approx(90 * 4 / elements) if elements else float('inf'))
 
 
-# ---- optimizer._batch_of ----------------------------------------------------
+# ---- multi_node_optimizer._batch_of ----------------------------------------
 
 def test_batch_of_positional_arrays():
     calls = []
@@ -165,14 +165,14 @@ def test_batch_of_positional_arrays():
         calls.append((args, kw))
         return 'loss'
     x, t = numpy.zeros((4, 2)), numpy.arange(4)
-    batch, loss_fn = optimizer._batch_of(lossfun, (x, t), {})
+    batch, loss_fn = multi_node_optimizer._batch_of(lossfun, (x, t), {})
     assert len(batch) == 2 and batch[0] is x and batch[1] is t
     assert loss_fn(x[:1], t[:1]) == 'loss'
     (args, kw), = calls
     assert args[0].shape == (1, 2) and args[1].tolist() == [0] and kw == {}
     # keywords that are not arrays are passed along
     calls.clear()
-    batch, loss_fn = optimizer._batch_of(lossfun, (x, t), {'scale': 2})
+    batch, loss_fn = multi_node_optimizer._batch_of(lossfun, (x, t), {'scale': 2})
     assert batch[0] is x and batch[1] is t
     loss_fn(x[1:2], t[1:2])
     (args, kw), = calls
@@ -186,7 +186,7 @@ def test_batch_of_dict_batches():
         calls.append((args, kw))
         return 'loss'
     x, t = numpy.ones((3, 5)), numpy.arange(3)
-    batch, loss_fn = optimizer._batch_of(lossfun, (),
+    batch, loss_fn = multi_node_optimizer._batch_of(lossfun, (),
                                          {'x': x, 'flag': 'on', 't': t})
     assert len(batch) == 2 and batch[0] is x and batch[1] is t
     assert loss_fn(x[2:3], t[2:3]) == 'loss'

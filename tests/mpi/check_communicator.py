@@ -1,6 +1,8 @@
 """Run under mpiexec: VGCCommunicator against ChainerMN's naive communicator
 and against the invariants of the paper.  Prints 'communicator OK'."""
 
+import json
+
 import chainer
 import chainer.functions as F
 import chainer.links as L
@@ -294,16 +296,18 @@ def residuals_of(comm, model):
 
 
 def check_two_models_keep_their_own_states():
-    """Two models trained through one communicator, updates interleaved,
-    with and without double buffering: each keeps its own residuals and
-    totals, bit for bit those of a communicator of its own."""
-    for db in (False, True):
+    """Two models of one structure trained through one communicator,
+    updates interleaved, with and without double buffering, with and
+    without a warm-up step: each keeps its own residuals and totals, bit
+    for bit those of a communicator of its own (issue 24, finding 1)."""
+    for db, warmup in ((False, 0), (True, 0), (True, 1), (False, 1)):
         def create(opt, comm):
             return chainer_vgc.create_multi_node_optimizer(
                 opt, comm, double_buffering=db)
         shared = chainer_vgc.create_communicator('vgc', comm_world,
-                                                 alpha=1.0)
-        own = [chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+                                                 alpha=1.0, warmup=warmup)
+        own = [chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0,
+                                               warmup=warmup)
                for _ in range(2)]
         runs = []
         for comms in ([shared, shared], own):
@@ -330,6 +334,105 @@ def check_two_models_keep_their_own_states():
         (pa, ra, _), (pb, rb, _) = runs[0]
         assert any((a['r'] != b['r']).any() for a, b in zip(ra, rb) if a)
         shared.finalize()
+
+
+class Generator(chainer.Chain):
+    def __init__(self):
+        super(Generator, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(4, 12)
+            self.l2 = L.Linear(12, 6)
+
+    def forward(self, z):
+        return F.tanh(self.l2(F.relu(self.l1(z))))
+
+
+class Discriminator(chainer.Chain):
+    def __init__(self):
+        super(Discriminator, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 12)
+            self.l2 = L.Linear(12, 1)
+
+    def forward(self, x):
+        return self.l2(F.leaky_relu(self.l1(x)))
+
+
+def train_gan(comms, db, steps=6, obs=None):
+    """A GAN's alternating updates (as ChainerMN's DCGAN example): the
+    discriminator on real and generated samples, then the generator
+    through the discriminator; ``comms``: (generator's, discriminator's)
+    communicator, one shared or two.  Returns both models."""
+    numpy.random.seed(5)
+    gen, dis = Generator(), Discriminator()
+    opts = [chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.Adam(1e-2), c, double_buffering=db).setup(m)
+        for c, m in zip(comms, (gen, dis))]
+    reporter = chainer.reporter.Reporter()
+    reporter.add_observer('gen', gen)
+    reporter.add_observer('dis', dis)
+
+    def loss_dis(x_real, z):
+        fake = gen(z)  # (its gradients are cleared by gen's update)
+        n = len(x_real)
+        return (F.sum(F.softplus(-dis(x_real))) +
+                F.sum(F.softplus(dis(fake)))) / n
+
+    def loss_gen(z):
+        return F.sum(F.softplus(-dis(gen(z)))) / len(z)
+    for step in range(steps):
+        rng = numpy.random.default_rng(100 * step + comm_world.rank)
+        x_real = numpy.tanh(rng.normal(1.0, 0.5, (8, 6))).astype(
+            numpy.float32)
+        z = rng.normal(size=(8, 4)).astype(numpy.float32)
+        with reporter.scope(obs if obs is not None else {}):
+            opts[1].update(loss_dis, x_real, z)
+            opts[0].update(loss_gen, z)
+    for o in opts:
+        o.wait() if db else None
+        o.close()
+    return gen, dis
+
+
+def check_gan_on_one_communicator():
+    """A GAN's generator and discriminator (two models, other structures)
+    through one communicator train exactly as through one each, with and
+    without double buffering; each reports under its trainer name
+    (``gen/vgc/compression``), and a model's snapshot is refused by the
+    other's state, naming both (issue 24, finding 1)."""
+    for db in (False, True):
+        shared = chainer_vgc.create_communicator('vgc', comm_world,
+                                                 alpha=1.0)
+        own = [chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+               for _ in range(2)]
+        obs = {}
+        a = train_gan([shared, shared], db, obs=obs)
+        b = train_gan(own, db)
+        for ma, mb, c in zip(a, b, own):
+            for pa, pb in zip(params_of(ma), params_of(mb)):
+                assert (pa == pb).all()
+            assert shared.state(ma).totals == c.state(mb).totals
+            assert shared.state(ma).totals['steps'] == 5
+        for name in ('gen', 'dis'):
+            assert name + '/vgc/compression' in obs, sorted(obs)
+        assert 'vgc/compression' not in obs, sorted(obs)
+        assert [shared.state(m).label for m in a] == ['model0', 'model1']
+        assert c.state(mb).label is None  # (one model: 'vgc/...')
+    # the discriminator's snapshot into the generator's state
+    saved = {}
+    serializer = chainer.serializers.DictionarySerializer(saved)
+    shared.serialize_state(a[1], serializer)
+    meta = json.loads(str(saved['meta']))
+    assert meta['model_name'] == 'Discriminator', meta
+    try:
+        shared.serialize_state(
+            a[0], chainer.serializers.NpzDeserializer(saved))
+    except ValueError as e:
+        text = str(e)
+        assert 'Discriminator' in text and 'Generator' in text, text
+    else:
+        raise AssertionError("a discriminator's snapshot loaded into the "
+                             "generator's state")
 
 
 def check_exchange_async_handle():
@@ -398,6 +501,7 @@ CHECKS = [check_none_equals_naive, check_float16_none_equals_naive,
           check_empty_sends_mixed_dtypes_and_no_grads, check_split_and_bcast,
           check_mismatched_models_fail_on_every_rank,
           check_two_models_keep_their_own_states,
+          check_gan_on_one_communicator,
           check_exchange_async_handle,
           check_gradient_on_some_ranks_nothing_sent]
 

@@ -7,6 +7,9 @@
     check_double_buffering.py main-error R FILE      # rank R raises at step 4
     check_double_buffering.py last-exchange-error R FILE  # the exchange in
                                                      # flight at exit fails
+    check_double_buffering.py user-finalize   # MPI.Finalize() by the user
+                                              # with an exchange in flight
+    check_double_buffering.py lifecycle N     # N optimizers made, dropped
 
 'oracle': for every rule, a dense group with a warm-up, float16 with
 dynamic loss scaling and a provoked overflow, the parameters, residuals and
@@ -239,6 +242,72 @@ def check_parameter_set_change():
         n.endswith('extra/W') for n in comm.compressor.names)
 
 
+def check_user_finalize():
+    """The user's own ``MPI.Finalize()`` while an exchange is in flight
+    (issue 24, finding 4): rank 0's exchange waits in a collective for the
+    other ranks, which come 0.5 s later; the finalization lets it end
+    first, and every process exits cleanly."""
+    import time
+    comm = chainer_vgc.create_communicator('vgc', world, alpha=1.0)
+    model = make(numpy.float32)
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), comm, double_buffering=True).setup(model)
+    for step in range(2):
+        opt.update(model, *data(step, numpy.float32))
+    rank = world.rank
+    if rank == 0:
+        assert opt._handle is not None
+    else:
+        time.sleep(0.5)
+    opt.update(model, *data(2, numpy.float32))
+    if rank == 0:
+        # still in flight: the other ranks have not started theirs
+        assert not opt._handle.done()
+    MPI.Finalize()
+    assert MPI.Is_finalized()
+    if rank == 0:
+        print('finalized with an exchange in flight OK', flush=True)
+
+
+def check_lifecycle(n):
+    """``n`` double-buffered optimizers made and dropped in one process
+    (issue 24, finding 3), each after a background exchange (its
+    duplicate MPI communicator exists): dropped, closed, or ended by a
+    ``with`` block, on one communicator or on a communicator of their own
+    (the communicator's own duplicate, of ``exchange_async(...,
+    background=True)``, goes with it).  MPI runs out after about 2,000
+    communicators that are never freed."""
+    import gc
+    # (Strom's rule and no backward: zero gradients, zero_fill; what is
+    # checked is the duplicates' life, not the means)
+    shared = chainer_vgc.create_communicator('strom', world, tau=0.01)
+    model = make(numpy.float32)
+    for i in range(n):
+        own, how = i % 2, (i // 2) % 3  # (half on communicators of their own)
+        comm = shared if not own else chainer_vgc.create_communicator(
+            'strom', world, tau=0.01, abort_on_exception=False)
+        opt = chainer_vgc.create_multi_node_optimizer(
+            chainer.optimizers.SGD(), comm, double_buffering=True)
+        opt.setup(model)
+        if how == 2:
+            with opt:
+                for step in range(2):
+                    opt.update()
+        else:
+            for step in range(2):
+                opt.update()
+            opt.wait()
+            if how == 1:
+                opt.close()
+            elif own:  # and the communicator's own duplicate
+                comm.exchange_async(model, True, background=True).wait()
+        del opt, comm
+        if i % 500 == 0:
+            gc.collect()
+    if world.rank == 0:
+        print('lifecycle OK: {} optimizers'.format(n))
+
+
 def main():
     mode = sys.argv[1]
     if mode == 'thread-level':
@@ -290,6 +359,10 @@ def main():
                 raise RuntimeError(why)
             opt.update(model, *data(step % 7, numpy.float32))
         raise AssertionError('the job went on')
+    if mode == 'user-finalize':
+        return check_user_finalize()
+    if mode == 'lifecycle':
+        return check_lifecycle(int(sys.argv[2]))
     assert mode == 'oracle', mode
     for method, kw, settings in CASES:
         check_against_oracle(method, kw, settings)

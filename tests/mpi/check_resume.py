@@ -3,6 +3,9 @@
     check_resume.py straight N OUT   # N iterations, save params
     check_resume.py half N OUT       # N/2 iterations, per-rank snapshot
     check_resume.py resume N OUT     # new process: load snapshot, go to N
+    check_resume.py resave N OUT     # load the snapshot, save it again at
+                                     # once (no update between)
+    check_resume.py resume-resaved N OUT  # load that one, go to N
 
 An optional METHOD after OUT ('vgc', 'qsgd', ..., 'vgc+db' with double
 buffering).
@@ -57,8 +60,17 @@ def main():
     if mode == 'half':
         trainer.extend(extensions.snapshot(filename=snap),
                        trigger=(stop, 'iteration'))
-    if mode == 'resume':
+    if mode in ('resume', 'resave'):
         chainer.serializers.load_npz(os.path.join(out, snap), trainer)
+    resaved = os.path.join(out, 'resaved_rank{}'.format(comm.rank))
+    if mode == 'resave':  # (the updater: model, optimizer, iterator)
+        chainer.serializers.save_npz(resaved, updater)
+        if comm.rank == 0:
+            print('resume run OK: resaved at iteration {}'.format(
+                updater.iteration))
+        return
+    if mode == 'resume-resaved':
+        chainer.serializers.load_npz(resaved, updater)
     trainer.run()
     numpy.savez(os.path.join(out, 'params_{}_rank{}.npz'.format(
         mode, comm.rank)), totals=numpy.array([comm.totals[k] for k in
