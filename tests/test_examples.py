@@ -51,6 +51,30 @@ def test_train_mnist_smoke(tmp_path):
     assert 'traffic saved' in proc.stdout
 
 
+@pytest.mark.parametrize('db', [[], ['--double-buffering']])
+def test_train_gan_shares_one_communicator(tmp_path, db):
+    """examples/train_gan.py at 2 ranks: the generator and the
+    discriminator on one communicator report apart (gen/vgc/compression,
+    dis/vgc/compression) and end with the parameters of a communicator
+    each, bit for bit (issue 24, finding 1)."""
+    outs = [str(tmp_path / 'shared'), str(tmp_path / 'own')]
+    shared = example(2, 'train_gan.py', '--iterations', 8, '--units', 32,
+                     '--out', outs[0], *db, expect='| dis |')
+    example(2, 'train_gan.py', '--iterations', 8, '--units', 32, '--out',
+            outs[1], '--communicator-per-model', *db, expect='| dis |')
+    assert 'gen/vgc/compression' in shared.stdout
+    assert 'dis/vgc/compression' in shared.stdout
+    log = json.load(open(os.path.join(outs[0], 'log')))
+    assert numpy.isfinite(log[-1]['gen/vgc/compression'])
+    assert numpy.isfinite(log[-1]['dis/vgc/compression'])
+    for r in range(2):
+        a, b = (numpy.load(os.path.join(o, 'params_rank{}.npz'.format(r)))
+                for o in outs)
+        assert sorted(a.files) == sorted(b.files) and len(a.files) == 8
+        for k in a.files:
+            assert (a[k] == b[k]).all(), (r, k)
+
+
 def test_train_mnist_double_buffering(tmp_path):
     """--double-buffering through the Trainer, LogReport, evaluator and
     per-rank snapshots at 2 ranks: the log has the applied exchanges'
