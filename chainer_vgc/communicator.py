@@ -132,7 +132,6 @@ class VGCCommunicator(Collectives):
             resume_other_method=resume_other_method, **hyperparams)
         self._unbound = self._current  # the first model's
         self._states = weakref.WeakKeyDictionary()
-        self._models = 0   # models served so far
         self._hooks = weakref.WeakKeyDictionary()
         self._background = None
         self._in_flight = []  # background exchanges not known to be done
@@ -149,15 +148,19 @@ class VGCCommunicator(Collectives):
     def state(self, model):
         """The :class:`~chainer_vgc.method_state.MethodState` of ``model``
         (made from this communicator's settings at the first call; the
-        first model gets the one made, and checked, on construction)."""
+        first model gets the one made, and checked, on construction).
+        While two or more models are alive on this communicator, each
+        reports under its own name (:attr:`MethodState.label
+        <chainer_vgc.method_state.MethodState.label>`); a model that comes
+        after the last one was dropped (a sweep) reports ``vgc/...``."""
         st = self._states.get(model)
         if st is None:
             st, self._unbound = self._unbound, None
             if st is None:
                 st = MethodState(rank=self.rank, **self._current.settings())
+            st.index = len(self._states)  # (the models alive before it)
             self._states[model] = st
-            st.index, self._models = self._models, self._models + 1
-            if self._models > 1:  # several models: each reports apart
+            if len(self._states) > 1:  # several models: each reports apart
                 for each in self._states.values():
                     if each.label is None:
                         each.label = 'model{}'.format(each.index)

@@ -418,6 +418,19 @@ def check_gan_on_one_communicator():
         assert 'vgc/compression' not in obs, sorted(obs)
         assert [shared.state(m).label for m in a] == ['model0', 'model1']
         assert c.state(mb).label is None  # (one model: 'vgc/...')
+    # a sweep: a model made after the last one was dropped reports as one
+    import gc
+    sweep = chainer_vgc.create_communicator('vgc', comm_world, alpha=1.0)
+    for trial in range(3):
+        model, obs = make(seed=trial), {}
+        train(sweep, 3, model=model, obs=obs)
+        assert sweep.state(model).label is None
+        assert 'vgc/compression' in obs, sorted(obs)
+        del model
+        gc.collect()
+    alive = [make(seed=s) for s in (0, 1)]
+    states = [sweep.state(m) for m in alive]
+    assert [st.label for st in states] == ['model0', 'model1']
     # the discriminator's snapshot into the generator's state
     saved = {}
     serializer = chainer.serializers.DictionarySerializer(saved)
