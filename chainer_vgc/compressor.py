@@ -350,7 +350,10 @@ class GradientCompressor(object):
     def decode(self, message):
         """The dense update a message carries: list of arrays in the state
         dtypes, on the message's device (a host message: NumPy), zero where
-        nothing was sent."""
+        nothing was sent.  The elements are added to +0.0 (the wire
+        format's Sec. 5.2), so a sent -0.0 gives +0.0 here, where
+        :func:`codec.unpack <chainer_vgc.codec.unpack>` lists it as
+        sent."""
         xp = _backend.get_array_module(message)
         outs = [xp.zeros(shape, dtype=_backend.state_dtype(dt))
                 for shape, dt in zip(self.shapes, self.dtypes)]

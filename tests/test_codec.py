@@ -262,3 +262,126 @@ def test_values_that_overflow_the_state_dtype_are_rejected():
     dec, = codec.unpack(_qsgd_message(numpy.finfo(numpy.float32).max / 3, 3),
                         [3], [numpy.float32])
     assert numpy.isfinite(dec.value).all() and dec.value[0] < -3e38
+
+
+# ---- -0.0: one rule for every decoder (wire format Sec. 5.2) ----------------
+
+def negative_zero_message():
+    """``(message, sizes, dtypes, where)``: one message with every way a
+    -0.0 element reaches a decoder, ``where`` its (tensor, index) pairs:
+    a sparse float32 FMT_RAW element, a dense float64 one (the example of
+    Sec. 4.6), a float64 value that rounds to -0.0 in a float32 state, a
+    QSGD word with s = 1 and level 0 (accepted, never sent) and a dense
+    float32 element of a float16 tensor."""
+    F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
+    sizes, dtypes = [4, 3, 4, 4, 2], [F32, F64, F32, F32, F16]
+    qsgd = codec.qsgd_group(3, numpy.array([0, 1, 0, 2]),
+                            numpy.array([0, 1, 0, 0], dtype=bool),
+                            numpy.array([0.5]), 4, 3)
+    body = qsgd.body.copy()
+    body[4] &= numpy.uint32(~(0xFF << 23) & 0xFFFFFFFF)  # index 1: level 0
+    message = codec.pack([
+        codec.raw_group(0, numpy.array([1, 3]),
+                        numpy.array([-0.0, 0.5], F32), 4),
+        codec.raw_group(1, numpy.arange(3), numpy.array([1.0, -0.0, -2.5]),
+                        3),
+        codec.raw_group(2, numpy.array([0, 2]), numpy.array([1e-300,
+                                                             -1e-300]), 4),
+        qsgd._replace(body=body),
+        codec.raw_group(4, numpy.arange(2), numpy.array([-0.0, 3.0], F32),
+                        2)])
+    return message, sizes, dtypes, [(0, 1), (1, 1), (2, 2), (3, 1), (4, 0)]
+
+
+def _listed(message, sizes, dtypes):
+    """{(tensor, index): value} of codec.unpack, and the same of the
+    specification's own decoder, which must agree bit for bit."""
+    import spec_decoder
+    got = {(d.tensor_id, int(i)): v for d in codec.unpack(
+        message, sizes, dtypes) for i, v in zip(d.index.tolist(), d.value)}
+    spec = {(t, i): v for t, index, values in spec_decoder.decode(
+        message, sizes, dtypes) for i, v in zip(index, values)}
+    assert sorted(got) == sorted(spec)
+    for key, v in got.items():
+        assert reference.bits(v) == reference.bits(spec[key]), key
+    return got
+
+
+def _assert_sums(outs, listed, start, scale=1):
+    """Every listed element landed in ``outs`` as ``start + value`` (times
+    ``scale``), bit for bit."""
+    for (t, i), v in listed.items():
+        got = outs[t].reshape(-1)[i]
+        T = got.dtype.type
+        want = T(T(start) + T(v)) * T(scale)
+        assert reference.bits(got) == reference.bits(want), (t, i, got)
+
+
+def test_negative_zero_one_rule_for_every_decoder():
+    """Sec. 5.2: an element's value is what was sent, -0.0 included;
+    codec.unpack and the specification's decoder list it bit for bit.
+    Every decoder that makes tensors adds the values into them: those
+    that start from +0.0 (GradientCompressor.decode, the exchange, the
+    native decoder) give +0.0 for a -0.0 element, and decode_into keeps
+    what its output holds (-0.0 + -0.0 = -0.0).  Each decoder's tensors
+    are +0.0 + what unpack lists, bit for bit."""
+    from chainer_vgc import GradientCompressor
+    from chainer_vgc import backend
+    from chainer_vgc import exchange
+    from chainer_vgc import native
+    import types
+    message, sizes, dtypes, where = negative_zero_message()
+    sdts = [backend.state_dtype(d) for d in dtypes]
+    listed = _listed(message, sizes, dtypes)
+    for key in where:
+        assert listed[key] == 0 and numpy.signbit(listed[key]), key
+    assert sum(numpy.signbit(v) for v in listed.values() if v == 0) == 5
+    comp = GradientCompressor('none', list('abcde'), [(n,) for n in sizes],
+                              dtypes)
+    outs = comp.decode(message)
+    assert [o.dtype for o in outs] == sdts
+    for t, i in where:
+        assert outs[t][i] == 0 and not numpy.signbit(outs[t][i]), (t, i)
+    _assert_sums(outs, listed, 0.0)
+    for start in (0.0, -0.0):  # decode_into adds to what is there
+        outs = [numpy.full(n, start, dt) for n, dt in zip(sizes, sdts)]
+        comp.decode_into(message, outs)
+        _assert_sums(outs, listed, start)
+        for t, i in where:  # -0.0 only where the output held -0.0
+            assert numpy.signbit(outs[t][i]) == numpy.signbit(start)
+    params = [types.SimpleNamespace(array=numpy.zeros(n, dt), shape=(n,),
+                                    dtype=numpy.dtype(dt), size=n)
+              for n, dt in zip(sizes, dtypes)]
+    for ranks in (1, 2):
+        blocks = [message] * ranks
+        for dense in (False, True):  # rank order, or the pairwise tree
+            sums = exchange.sum_messages(blocks, comp, params, dense)
+            _assert_sums(sums, listed, 0.0, scale=ranks)
+        outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, sdts)]
+        assert native.decode_mean(blocks, sizes, sdts, outs,
+                                  [False] * len(sizes), 1.0) is not None
+        _assert_sums(outs, listed, 0.0, scale=ranks)
+
+
+def test_negative_zero_on_the_device_path(device):
+    """The GPU path (CuPy arrays, here the fake) follows the same rule:
+    a device message decoded by GradientCompressor.decode, and the
+    exchange's validate, expand, upload and add, give +0.0."""
+    from chainer_vgc import GradientCompressor
+    from chainer_vgc import backend
+    message, sizes, dtypes, where = negative_zero_message()
+    sdts = [backend.state_dtype(d) for d in dtypes]
+    listed = _listed(message, sizes, dtypes)
+    comp = GradientCompressor('none', list('abcde'), [(n,) for n in sizes],
+                              dtypes)
+    _assert_sums([device.asnumpy(o) for o in comp.decode(
+        device.asarray(message))], listed, 0.0)
+    for start in (0.0, -0.0):
+        outs = [device.asarray(numpy.full(n, start, dt))
+                for n, dt in zip(sizes, sdts)]
+        codec.decode_into(device.asarray(message), outs, sizes)
+        _assert_sums([device.asnumpy(o) for o in outs], listed, start)
+        outs = [device.asarray(numpy.full(n, start, dt))
+                for n, dt in zip(sizes, sdts)]
+        codec.add_validated(message, device.asarray(message), outs, sizes)
+        _assert_sums([device.asnumpy(o) for o in outs], listed, start)

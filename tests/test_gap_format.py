@@ -30,6 +30,7 @@ import collections
 import contextlib
 import random
 import signal
+import tracemalloc
 
 import hypothesis
 import numpy
@@ -805,6 +806,94 @@ def test_count_larger_than_codes_rejected():
                         body[2 + body[1]:] + [0] * need)[:need]
                     assert agree(_msg(b, count), [40], [numpy.float32]) \
                         is False, count
+
+
+def _peak_bytes(f, *args):
+    """Peak memory (tracemalloc: NumPy's buffers and Python's objects) of
+    ``f(*args)``, which must raise WireFormatError; and its message."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(codec.WireFormatError) as e:
+            f(*args)
+        return tracemalloc.get_traced_memory()[1], str(e.value)
+    finally:
+        tracemalloc.stop()
+
+
+@needs_codec
+def test_corrupt_stream_length_costs_no_more_than_the_message():
+    """Issue 24, finding 6: a 4 MB message of one FMT_GAP group claiming one
+    element, its stream all-ones words, is refused at once: the decoder
+    checks G against the words one code can fill before decoding (it
+    used to turn every bit of the stream into a Python int first: 1.5 GB
+    and seconds here, about 25 GB for a 64 MB message)."""
+    words = (4 << 20) // 4
+    G = words - 2 - 5 - 3
+    body = numpy.full(2 + G + 1, 0xFFFFFFFF, dtype=numpy.uint32)
+    body[0], body[1], body[-1] = 0, G, 0  # k = 0, values: one zero word
+    message = _msg(body, 1)
+    assert message.nbytes == 4 << 20
+    sizes, dtypes = [2 ** 20], [numpy.float32]
+    peak, text = _peak_bytes(codec.unpack, message, sizes, dtypes)
+    assert 'gap stream longer than its codes' in text
+    assert peak < 4 * message.nbytes, peak  # unpack copies the body once
+    peak, text = _peak_bytes(codec.gap_decode_body, body, 1, 2 ** 20)
+    assert 'gap stream longer than its codes' in text
+    assert peak < body.nbytes // 8, peak
+    # the native decoder refuses it too (and the reference names why)
+    from chainer_vgc import native_gap
+    assert native_gap.gap_decode(body, 1, 2 ** 20) is None
+
+
+@needs_codec
+@given(gap_cases())
+def test_valid_streams_lie_within_the_length_bounds(case):
+    """Every valid stream fills between count * (1 + k) bits and
+    count * (GAP_LONGEST_CODE + k) bits (in words: gap_stream_words)."""
+    size, index, nibbles, k, sign_only = case
+    body = oracle_encode(index, nibbles, k, sign_only)
+    least, most = codec.gap.gap_stream_words(len(index), k)
+    assert least <= body[1] <= most
+
+
+@needs_codec
+def test_stream_length_bounds_are_checked_first():
+    """A G outside gap_stream_words is refused before any code is read,
+    by V21 (too short) or V24 (too long); the bounds refuse no valid
+    stream: the longest code the decoder reads (gamma prefix of 63 zeros,
+    GAP_LONGEST_CODE + k bits) still fits and is refused as an overrun,
+    and the longest accepted one (prefix of 62) decodes."""
+    assert codec.gap.GAP_LONGEST_CODE == ESC + 63 + 1 + 63
+    for count, k in ((1, 0), (1, 63), (3, 5), (40, 0), (40, 62)):
+        least, most = codec.gap.gap_stream_words(count, k)
+        assert least == -(-count * (1 + k) // 32)
+        assert most == -(-count * (ESC + 127 + k) // 32)
+        values = [0] * (-(-count * 4 // 32))
+        for G, why in ((least - 1, 'code {} runs past'.format(
+                32 * (least - 1) // (1 + k))),
+                       (most + 1, 'gap stream longer than its codes')):
+            if G < 0:
+                continue
+            body = numpy.array([k, G] + [0xFFFFFFFF] * G + values,
+                               dtype=numpy.uint32)
+            with pytest.raises(codec.WireFormatError, match=why):
+                codec.gap_decode_body(body, count, 2 ** 62)
+            assert agree(_msg(body, count), [2 ** 62], [numpy.float64]) \
+                is False
+    for n, k, size, ok in ((63, 0, 2 ** 62, False), (63, 5, 2 ** 62, False),
+                           (62, 0, 2 ** 62 + 16, True)):
+        bits = [0] * ESC + [0] * n + [1] + [0] * n + [0] * k
+        assert len(bits) == codec.gap.GAP_LONGEST_CODE + k - 2 * (63 - n)
+        stream = to_words(bits)
+        assert len(stream) <= codec.gap.gap_stream_words(1, k)[1]
+        body = numpy.array([k, len(stream)] + stream + [0],
+                           dtype=numpy.uint32)
+        if ok:  # gap 2**62 + 15: v = 2**62, q = v + 15
+            index, _ = codec.gap_decode_body(body, 1, size)
+            assert index.tolist() == [2 ** 62 + 15]
+        else:
+            with pytest.raises(codec.WireFormatError, match='overruns'):
+                codec.gap_decode_body(body, 1, size)
 
 
 @needs_codec

@@ -21,8 +21,6 @@ device (CuPy input) by the kernels of :mod:`chainer_vgc.kernels`
 (:func:`device_gap_body`); the native backend produces the same words.
 """
 
-import bisect
-
 import numpy
 
 from chainer_vgc import backend
@@ -154,14 +152,34 @@ def gap_value_words(count, param):
     return -(-count * vbits // 32)
 
 
+#: the bits of the longest code the decoder reads, less its k low bits:
+#: GAP_ESCAPE zeros, then an Elias-gamma code of 63 zeros, a one and 63
+#: bits (a longer gamma prefix is refused)
+GAP_LONGEST_CODE = GAP_ESCAPE + 63 + 1 + 63
+
+
+def gap_stream_words(count, k):
+    """``(least, most)``: the words that a gap stream of ``count`` codes
+    with Rice parameter ``k`` can fill, from 1 + k bits a code (a one and
+    the low bits) to :data:`GAP_LONGEST_CODE` + k bits a code."""
+    return (-(-count * (1 + k) // 32),
+            -(-count * (GAP_LONGEST_CODE + k) // 32))
+
+
 def gap_decode_body(body, count, size):
     """Decode and check a FMT_GAP body (host words) of ``count`` elements
     of a tensor of ``size``: ``(index int64, nibbles uint8)``.  Raises
-    :class:`~chainer_vgc.codec.header.WireFormatError` on reserved bits, a code running past the
-    stream, an Elias-gamma prefix of 64 zeros or more, a gap past the end
-    of the tensor, a stream longer than its codes or nonzero padding.
-    ``size``: of the group's index space (its span's total; the span bits
-    of the param word are the caller's)."""
+    :class:`~chainer_vgc.codec.header.WireFormatError` on reserved bits, a
+    code running past the stream, an Elias-gamma prefix of 64 zeros or
+    more, a gap past the end of the tensor, a stream longer than its codes
+    or nonzero padding.  ``size``: of the group's index space (its span's
+    total; the span bits of the param word are the caller's).
+
+    ``G`` is checked against the words ``count`` codes can fill
+    (:func:`gap_stream_words`) before anything is decoded, so a corrupt
+    ``G`` costs nothing; then each code is read from a window of the
+    stream as one Python int.  Beyond its output the decoder holds one
+    copy of the stream's bytes and a byte a value field."""
     body = numpy.asarray(body, dtype=numpy.uint32).reshape(-1)
     where = 'chainer_vgc wire message, FMT_GAP body: '
     if body.size < GAP_PARAM_WORDS:
@@ -174,63 +192,80 @@ def gap_decode_body(body, count, size):
     if body.size != GAP_PARAM_WORDS + n_stream + n_values:
         raise WireFormatError(where + '{} words, the header says {}'.format(
             body.size, GAP_PARAM_WORDS + n_stream + n_values))
-    stream = body[GAP_PARAM_WORDS:GAP_PARAM_WORDS + n_stream]
     nbits = 32 * n_stream
-    bits = words_to_bits(stream)
-    ones = numpy.flatnonzero(bits).tolist()
-    padded = stream.tolist() + [0, 0, 0]
+    least, most = gap_stream_words(count, k)
+    if n_stream < least:  # the codes before code j fill the stream
+        raise WireFormatError(where + 'code {} runs past the gap stream'
+                              .format(nbits // (1 + k)))
+    if n_stream > most:
+        raise WireFormatError(where + 'gap stream longer than its codes or '
+                              'nonzero padding (non-canonical)')
+    stream = body[GAP_PARAM_WORDS:GAP_PARAM_WORDS + n_stream]
+    # bit p of the stream is bit p & 7 of byte p >> 3
+    data = numpy.ascontiguousarray(stream, dtype='<u4').tobytes()
 
-    def field(at, n):  # the n bits (n < 64) from bit `at`, LSB first
-        w, shift = at >> 5, at & 31
-        x = padded[w] | (padded[w + 1] << 32) | (padded[w + 2] << 64)
-        return (x >> shift) & ((1 << n) - 1)
+    def bits(at, n):  # the n bits from bit `at`, LSB first (0 past the end)
+        first = at >> 3
+        x = int.from_bytes(data[first:first + ((at & 7) + n + 7) // 8],
+                           'little')
+        return (x >> (at & 7)) & ((1 << n) - 1)
 
+    def next_one(at):
+        """The first one bit (nbits: none) after a window of zeros from
+        `at`, so past the word of `at`: the long runs, refused anyway."""
+        later = stream[(at >> 5) + 1:] != 0
+        if not later.any():
+            return nbits
+        w = (at >> 5) + 1 + int(later.argmax())
+        word = int(stream[w])
+        return 32 * w + (word & -word).bit_length() - 1
+
+    window = GAP_LONGEST_CODE + k  # the longest code the decoder reads
     index = numpy.empty(count, dtype=numpy.int64)
     pos, prev = 0, -1
     for j in range(count):
-        t = bisect.bisect_left(ones, pos)
-        one = ones[t] if t < len(ones) else nbits
-        if one >= nbits:
+        x = bits(pos, window)  # code j, if it is one, lies in x
+        zeros = (x & -x).bit_length() - 1 if x else next_one(pos) - pos
+        if pos + zeros >= nbits:
             raise WireFormatError(where + 'code {} runs past the gap stream'
                                   .format(j))
-        zeros = one - pos
         if zeros < GAP_ESCAPE:
-            q, pos = zeros, one + 1
+            q, used = zeros, zeros + 1
         else:
             n = zeros - GAP_ESCAPE
             if n >= 64:
                 raise WireFormatError(where + 'Elias-gamma prefix of {} '
                                       'zeros'.format(n))
-            if one + 1 + n > nbits:
+            used = zeros + 1 + n
+            if pos + used > nbits:
                 raise WireFormatError(where + 'code {} runs past the gap '
                                       'stream'.format(j))
-            q = ((1 << n) | field(one + 1, n)) - 1 + GAP_ESCAPE
-            pos = one + 1 + n
-        if pos + k > nbits:
+            field = (x >> (zeros + 1)) & ((1 << n) - 1)
+            q = ((1 << n) | field) - 1 + GAP_ESCAPE
+        if pos + used + k > nbits:
             raise WireFormatError(where + 'code {} runs past the gap stream'
                                   .format(j))
-        gap = (q << k) | field(pos, k)
-        pos += k
+        gap = (q << k) | ((x >> used) & ((1 << k) - 1))
+        pos += used + k
         if gap >= size - prev - 1:
             raise WireFormatError(where + 'gap {} overruns the tensor of {} '
                                   'elements'.format(j, size))
         prev += 1 + gap
         index[j] = prev
-    if -(-pos // 32) != n_stream or bits[pos:].any():
+    if -(-pos // 32) != n_stream or bits(pos, nbits - pos):
         raise WireFormatError(where + 'gap stream longer than its codes or '
                               'nonzero padding (non-canonical)')
-    vbits = words_to_bits(body[GAP_PARAM_WORDS + n_stream:])
+    # a byte a value field: element j's is bits 4j..4j+3 (SIGN_ONLY: bit
+    # j) of the value words, a bit string too
+    values = numpy.ascontiguousarray(
+        body[GAP_PARAM_WORDS + n_stream:], dtype='<u4').view(numpy.uint8)
     if param & GAP_SIGN_ONLY:
-        used = count
-        nibbles = vbits[:count] << 3
+        fields = numpy.unpackbits(values, bitorder='little') << 3
     else:
-        used = 4 * count
-        nibbles = (vbits[:used].reshape(count, 4)
-                   << numpy.arange(4, dtype=numpy.uint8)).sum(
-                       axis=1, dtype=numpy.uint8)
-    if vbits[used:].any():
+        fields = numpy.stack([values & 15, values >> 4], axis=1).reshape(-1)
+    if fields[count:].any():
         raise WireFormatError(where + 'nonzero padding after the values')
-    return index, nibbles.astype(numpy.uint8)
+    return index, fields[:count].copy()
 
 
 # ---- the body on the device (CuPy) ------------------------------------------

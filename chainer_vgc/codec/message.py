@@ -70,8 +70,11 @@ def unpack(message, sizes, dtypes):
     """Decode a message for a model whose tensors have ``sizes``/``dtypes``.
 
     Returns a list of :class:`.Decoded` ``(tensor_id, index, value)``; values
-    are in the state dtype of each tensor.  CuPy messages are decoded on the
-    device (headers are read on the host).
+    are in the state dtype of each tensor, as sent: a -0.0 element is
+    listed as -0.0, and the decoders that add into tensors
+    (:func:`decode_into`, the exchange) give ``out + value`` (+0.0 from a
+    +0.0 start; the wire format's Sec. 5.2).  CuPy messages are decoded on
+    the device (headers are read on the host).
     """
     xp = backend.get_array_module(message)
     out = []
