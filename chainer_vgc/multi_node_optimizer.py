@@ -13,6 +13,7 @@ snapshots).  Double buffering is :mod:`chainer_vgc.double_buffering`.
 import chainer
 
 from chainer_vgc.communicator import VGCCommunicator
+from chainer_vgc.rules.base import float32_update
 
 
 class VGCMultiNodeOptimizer(object):
@@ -27,6 +28,9 @@ class VGCMultiNodeOptimizer(object):
        squares and loss scale, then the actual optimizer's update (none
        when the exchange was skipped and no dynamic loss scaler will skip
        the NaN update).
+
+    With a compressing method, float16 parameters are updated in float32
+    (:func:`chainer_vgc.rules.base.float32_update`).
 
     Mirrors ``chainermn.optimizers._MultiNodeOptimizer`` (ChainerMN 7.8.1):
     attributes not defined here are read from and written to the actual
@@ -53,6 +57,7 @@ class VGCMultiNodeOptimizer(object):
         self._resumed = False
         #: the per-sample statistics hook of the target (ours)
         self._stats = None
+        float32_update(actual_optimizer, communicator.base_rule)
 
     def __getattr__(self, name):
         return getattr(self.actual_optimizer, name)

@@ -22,6 +22,7 @@ from chainer_vgc import extensions
 from chainer_vgc import groups
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import NoCompression
+from chainer_vgc.rules.base import float32_update
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import model_params
 
@@ -40,6 +41,7 @@ class SimulatedWorkers(object):
                  **hyperparams):
         self.model, self.optimizer, self.size = model, optimizer, size
         self.rule = groups.make_rule(method, hyperparams)
+        float32_update(optimizer, self.rule)  # as the multi-node optimizer
         self.method, self.zero_fill = self.rule.name, zero_fill
         self.exclude = groups.check_exclude(exclude)
         self.min_size = groups.check_count('min_size', min_size)

@@ -126,3 +126,28 @@ def residual_state(size, dtype, xp, names):
     """Zero-filled state arrays ``names`` in the state dtype of ``dtype``."""
     sdt = backend.state_dtype(dtype)
     return {n: xp.zeros(size, dtype=sdt) for n in names}
+
+
+def float32_update(optimizer, rule):
+    """Have ``optimizer`` (a Chainer optimizer, before or after its
+    ``setup``) update float16 parameters in float32, with float32 master
+    weights and state (Chainer's ``use_fp32_update``; other dtypes are not
+    affected), unless ``rule`` sends the gradients themselves
+    (:attr:`~CompressionRule.exchange` ``'allreduce'``: 'none' stays
+    ChainerMN's).  The multi-node optimizer and the simulation call it.
+
+    A compressing rule's mean is not sized like the gradient: hybrid and
+    Strom send sign(r) * tau (paper Fig. "Hybrid", Sec. 4.5), so each
+    element is a multiple of tau / p however large the local gradients
+    are.  Chainer keeps an optimizer's state in the parameter's dtype:
+    Adam's v = (1 - beta2) g**2 = 1e-3 * (0.01 / 2)**2 = 2.5e-8 (tau =
+    0.01, 2 ranks) rounds to 0 in float16, below half its smallest
+    subnormal 2**-24, and the step alpha_t m / (sqrt(v) + eps) is
+    3.2e-4 * 5e-4 / 1e-8 = 15.8 instead of about alpha (issue 24).  To
+    keep float16 updates all the same, call
+    ``param.update_rule.use_fp32_update(False)`` for each parameter after
+    ``setup``.
+    """
+    if rule.exchange != 'allreduce' and hasattr(optimizer,
+                                                'use_fp32_update'):
+        optimizer.use_fp32_update()
