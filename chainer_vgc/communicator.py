@@ -21,6 +21,7 @@ attributes a run reads (``totals``, ``last``, ``skipped``,
 ``compressor``, ...) are those of the model exchanged last.
 """
 
+import gc
 import weakref
 
 from chainer_vgc import snapshot
@@ -132,6 +133,7 @@ class VGCCommunicator(Collectives):
             resume_other_method=resume_other_method, **hyperparams)
         self._unbound = self._current  # the first model's
         self._states = weakref.WeakKeyDictionary()
+        self._met = 0  # models met so far (a state's index)
         self._hooks = weakref.WeakKeyDictionary()
         self._background = None
         self._in_flight = []  # background exchanges not known to be done
@@ -150,15 +152,21 @@ class VGCCommunicator(Collectives):
         (made from this communicator's settings at the first call; the
         first model gets the one made, and checked, on construction).
         While two or more models are alive on this communicator, each
-        reports under its own name (:attr:`MethodState.label
-        <chainer_vgc.method_state.MethodState.label>`); a model that comes
+        reports under its own name: the trainer's, else its
+        :attr:`MethodState.label
+        <chainer_vgc.method_state.MethodState.label>`; a model that comes
         after the last one was dropped (a sweep) reports ``vgc/...``."""
         st = self._states.get(model)
         if st is None:
             st, self._unbound = self._unbound, None
             if st is None:
                 st = MethodState(rank=self.rank, **self._current.settings())
-            st.index = len(self._states)  # (the models alive before it)
+            if len(self._states):
+                # a model dropped but kept in a reference cycle (Chainer's
+                # optimizers hold one) is not alive: a sweep of one model
+                # at a time keeps reporting vgc/...
+                gc.collect()
+            st.index, self._met = self._met, self._met + 1
             self._states[model] = st
             if len(self._states) > 1:  # several models: each reports apart
                 for each in self._states.values():

@@ -194,10 +194,12 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         the next update or snapshot; an update after ``close()`` makes a
         new duplicate.  An optimizer garbage-collected with nothing in
         flight frees its duplicate too."""
-        self._complete()
-        if self._collectives is not None:
-            self._collectives.free()
-            self._collectives = None
+        try:
+            self._complete()
+        finally:
+            if self._collectives is not None:
+                self._collectives.free()
+                self._collectives = None
 
     def serialize(self, serializer):
         key = 'vgc_double_buffering/'

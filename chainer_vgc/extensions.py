@@ -196,7 +196,8 @@ class CompressionReport(extension.Extension):
         self.communicator = communicator
         self.trigger = trigger
         #: whose totals (None: the model exchanged last); with several
-        #: models on one communicator, one CompressionReport per model
+        #: models on one communicator, one CompressionReport per model,
+        #: reported under the model's name as its per-step figures
         self.model = model
         self._last = None
 
@@ -222,5 +223,5 @@ class CompressionReport(extension.Extension):
             out['vgc/interval_compression'] = (
                 params / per_rank if per_rank else float('inf'))
         label = getattr(st, 'label', None)
-        chainer.reporter.report(out if label is None else {
-            label + '/' + k: v for k, v in out.items()})
+        # (the trainer's name of the model, as its per-step figures)
+        report(out, self.model, label)

@@ -89,9 +89,9 @@ class MethodState(object):
         self.last_timing = {}
         #: the model's name in reports, when a communicator serves several
         #: models (None: one model, reported as ``vgc/...``; by default
-        #: ``model<index>``, ``index`` the number of the communicator's
-        #: models alive when it came; yours: ``comm.state(model).label =
-        #: 'gen'``): see :func:`chainer_vgc.extensions.report`
+        #: ``model<index>``, ``index`` the order the communicator met the
+        #: model in; yours: ``comm.state(model).label = 'gen'``): see
+        #: :func:`chainer_vgc.extensions.report`
         self.label = None
         self.index = 0
 

@@ -11,7 +11,9 @@ snapshots).  Double buffering is :mod:`chainer_vgc.double_buffering`.
 """
 
 import chainer
+import numpy
 
+from chainer_vgc import backend
 from chainer_vgc.communicator import VGCCommunicator
 from chainer_vgc.rules.base import float32_update
 
@@ -168,6 +170,7 @@ class VGCMultiNodeOptimizer(object):
 
     def serialize(self, serializer):
         self.actual_optimizer.serialize(serializer)
+        serialize_fp32_masters(self.target, serializer['vgc_fp32'])
         self.communicator.serialize_state(self.target,
                                           serializer['vgc_state'])
         if isinstance(serializer, chainer.serializer.Deserializer):
@@ -176,6 +179,40 @@ class VGCMultiNodeOptimizer(object):
             # at the first update; the model may be loaded after us)
             self._resumed = True
             self._first_update_done = False
+
+
+def serialize_fp32_masters(target, serializer):
+    """Save or load the float32 master copies of ``target``'s float16
+    parameters updated in float32 (``use_fp32_update``, which the
+    compressing methods turn on), which Chainer's own serialization
+    leaves out: a resumed run continues from the same float32 weights,
+    bit for bit, not from their float16 rounding.  Loading also casts an
+    optimizer state saved in float16 (before float32 updates were turned
+    on) to float32, as the update now keeps it."""
+    loading = isinstance(serializer, chainer.serializer.Deserializer)
+    for name, param in sorted(target.namedparams()):
+        rule = getattr(param, 'update_rule', None)
+        if (rule is None or param.dtype != numpy.float16
+                or not getattr(rule, '_use_fp32_update', False)):
+            continue
+        key = name.lstrip('/')
+        if not loading:
+            master = getattr(rule, '_fp32_param', None)
+            if master is not None and master.array is not None:
+                serializer(key, master.array)
+            continue
+        try:
+            saved = serializer(key, None)
+        except KeyError:  # none saved (before the first update, or older)
+            saved = None
+        if saved is not None:
+            with backend.device_scope(param.array):
+                rule._fp32_param = chainer.Parameter(
+                    param.xp.asarray(saved, dtype=numpy.float32),
+                    name=param.name)
+        for k, value in list((rule.state or {}).items()):
+            if getattr(value, 'dtype', None) == numpy.float16:
+                rule.state[k] = value.astype(numpy.float32)
 
 
 def _mpi_min():

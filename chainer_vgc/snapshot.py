@@ -126,7 +126,8 @@ def _check_meta(state, meta, model, ranks):
                     'whose parameter {} has shape {} dtype {}; this model '
                     '({}) has shape {} dtype {}{}'.format(
                         _saved_name(meta), n, s, d, type(model).__name__,
-                        *ours[n], _OWN_SNAPSHOT))
+                        *ours[n], '' if meta.get('model_name') in (
+                            None, type(model).__name__) else _OWN_SNAPSHOT))
     if saved != here:
         if saved[0] != here[0] and state.resume_other_method:
             warnings.warn(
@@ -146,9 +147,11 @@ def _check_meta(state, meta, model, ranks):
 
 
 def _check_model(meta, model):
-    """The snapshot's model is this one: each saved parameter name is one
-    of the model's (initialized or not); with several models on one
+    """A snapshot of a model of another class must name only parameters
+    this model has (initialized or not): with several models on one
     communicator, each optimizer must load its own model's snapshot."""
+    if meta.get('model_name', type(model).__name__) == type(model).__name__:
+        return  # (a parameter added after construction may be missing)
     names = set(n for n, _ in model.namedparams())
     foreign = [n for n, _, _ in meta['model'] if n not in names]
     if foreign:

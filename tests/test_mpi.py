@@ -60,13 +60,16 @@ def test_exception_on_one_rank_ends_the_job():
                                       (2, 'hybrid'), (4, 'vgc'),
                                       (2, 'topk'), (2, 'vgc-groups'),
                                       (2, 'vgc+db'), (4, 'vgc-groups+db'),
-                                      (2, 'qsgd+db')])
+                                      (2, 'qsgd+db'), (2, 'hybrid+f16'),
+                                      (2, 'vgc+db+f16')])
 def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
     """Parameters and the communicator's run totals (in params_*.npz).
     'topk': a rule object defined in the test script, not the package;
     'vgc-groups': vgc with a warm-up ending after the snapshot, an
     excluded parameter and a min_size dense group; '+db': with double
-    buffering (the snapshot holds the mean in flight)."""
+    buffering (the snapshot holds the mean in flight); '+f16': a float16
+    model, updated in float32 (the snapshot holds the float32 master
+    weights, which Chainer's own serialization leaves out)."""
     out = str(tmp_path)
     for mode in ('straight', 'half', 'resume'):
         run_ok(p, 'check_resume.py', mode, 20, out, method,

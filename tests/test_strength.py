@@ -437,3 +437,71 @@ def test_zero_fill_false_nothing_sent_is_the_same_everywhere(backend):
         for k in range(2):
             a, b = got[rank][k], got[0][k]
             assert (a is None) == (b is None), (rank, k)
+
+
+# ---- multi_node_optimizer.serialize_fp32_masters ----------------------------
+def _half_model_and_adam(fp32):
+    import chainer.links as L
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float16):
+        model = L.Linear(3, 2)
+    opt = chainer.optimizers.Adam()
+    if fp32:
+        opt.use_fp32_update()
+    opt.setup(model)
+    model.W.grad = numpy.full((2, 3), 0.25, numpy.float16)
+    model.b.grad = numpy.full(2, -0.5, numpy.float16)
+    opt.update()
+    return model, opt
+
+
+def _save(model, opt):
+    saved = {}
+    ser = chainer.serializers.DictionarySerializer(saved)
+    opt.serialize(ser)
+    multi_node_optimizer.serialize_fp32_masters(model, ser['vgc_fp32'])
+    return saved
+
+
+def _load(model, opt, saved):
+    de = chainer.serializers.NpzDeserializer(saved)
+    opt.serialize(de)
+    multi_node_optimizer.serialize_fp32_masters(model, de['vgc_fp32'])
+
+
+def test_fp32_masters_are_saved_and_restored():
+    """The float32 master weights of float16 parameters updated in float32
+    travel with the snapshot (Chainer's serialization leaves them out):
+    after loading, the masters are the saved ones, not the float16
+    parameters' rounding."""
+    model, opt = _half_model_and_adam(fp32=True)
+    masters = {n: p.update_rule._fp32_param.array.copy()
+               for n, p in model.namedparams()}
+    assert any((m != m.astype(numpy.float16)).any() for m in masters.values())
+    saved = _save(model, opt)
+    fresh, fresh_opt = _half_model_and_adam(fp32=True)
+    for p in fresh.params():
+        p.update_rule._fp32_param = None  # (as a new process has)
+    _load(fresh, fresh_opt, saved)
+    for n, p in fresh.namedparams():
+        got = p.update_rule._fp32_param.array
+        assert got.dtype == numpy.float32
+        assert (got == masters[n]).all(), n
+
+
+def test_a_float16_state_loads_as_float32_for_float32_updates():
+    """A snapshot saved before float32 updates were on holds Adam's m and v
+    in float16: loading them for float32 updates casts them to float32
+    (a float16 v would underflow again, issue 24)."""
+    model, opt = _half_model_and_adam(fp32=False)
+    assert model.W.update_rule.state['v'].dtype == numpy.float16
+    saved = _save(model, opt)
+    assert not any(k.startswith('vgc_fp32') for k in saved)
+    fresh, fresh_opt = _half_model_and_adam(fp32=True)
+    _load(fresh, fresh_opt, saved)
+    for n, p in fresh.namedparams():
+        for k in ('m', 'v'):
+            got = p.update_rule.state[k]
+            assert got.dtype == numpy.float32, (n, k)
+            want = getattr(model, n.strip('/')).update_rule.state[k]
+            assert (got == want.astype(numpy.float32)).all(), (n, k)

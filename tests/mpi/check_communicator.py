@@ -417,6 +417,13 @@ def check_gan_on_one_communicator():
             assert name + '/vgc/compression' in obs, sorted(obs)
         assert 'vgc/compression' not in obs, sorted(obs)
         assert [shared.state(m).label for m in a] == ['model0', 'model1']
+        # the run totals of one model, under its trainer name as well
+        reporter = chainer.reporter.Reporter()
+        reporter.add_observer('gen', a[0])
+        totals = {}
+        with reporter.scope(totals):
+            chainer_vgc.extensions.CompressionReport(shared, model=a[0])(None)
+        assert 'gen/vgc/total_compression' in totals, sorted(totals)
         assert c.state(mb).label is None  # (one model: 'vgc/...')
     # a sweep: a model made after the last one was dropped reports as one
     import gc
@@ -426,11 +433,22 @@ def check_gan_on_one_communicator():
         train(sweep, 3, model=model, obs=obs)
         assert sweep.state(model).label is None
         assert 'vgc/compression' in obs, sorted(obs)
-        del model
-        gc.collect()
+        del model  # (its optimizer's reference cycle keeps it: no collect)
+    # labels follow the order met (three models so far): two alive at
+    # once are model3 and model4, and a model met after one of them was
+    # dropped is model5, never a second model4
+    fourth, fifth = make(seed=7), make(seed=8)
+    assert sweep.state(fourth).label is None
+    assert sweep.state(fifth).label == 'model4'
+    assert sweep.state(fourth).label == 'model3'
+    del fourth
+    sixth = make(seed=9)
+    assert sweep.state(sixth).label == 'model5'
+    del fifth, sixth
+    gc.collect()
     alive = [make(seed=s) for s in (0, 1)]
     states = [sweep.state(m) for m in alive]
-    assert [st.label for st in states] == ['model0', 'model1']
+    assert [st.label for st in states] == ['model6', 'model7']
     # the discriminator's snapshot into the generator's state
     saved = {}
     serializer = chainer.serializers.DictionarySerializer(saved)

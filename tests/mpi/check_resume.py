@@ -8,7 +8,7 @@
     check_resume.py resume-resaved N OUT  # load that one, go to N
 
 An optional METHOD after OUT ('vgc', 'qsgd', ..., 'vgc+db' with double
-buffering).
+buffering, 'hybrid+f16' a float16 model).
 
 Each rank writes OUT/params_<mode>_rank<r>.npz.
 """
@@ -33,7 +33,11 @@ def main():
     method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
     # 'METHOD+db': with double buffering (the snapshot holds the mean in
     # flight, which the resumed run applies first)
-    method, _, db = method.partition('+')
+    # 'METHOD+f16': a float16 model (updated in float32: the snapshot holds
+    # the float32 master weights)
+    method, *flags = method.split('+')
+    db = 'db' if 'db' in flags else ''
+    dtype = numpy.float16 if 'f16' in flags else numpy.float32
     kw = {'vgc': dict(alpha=1.0), 'hybrid': dict(tau=0.001),
           'strom': dict(tau=0.001), 'qsgd': dict(seed=3),
           'vgc-groups': dict(alpha=1.0, warmup=12, min_size=10,
@@ -43,12 +47,13 @@ def main():
     comm = chainer_vgc.create_communicator(
         'vgc' if method == 'vgc-groups' else method, **kw)
     numpy.random.seed(0)
-    model = L.Classifier(MLP((12,), 3))
+    with chainer.using_config('dtype', dtype):
+        model = L.Classifier(MLP((12,), 3))
     opt = chainer_vgc.create_multi_node_optimizer(
         chainer.optimizers.Adam(), comm,
         double_buffering=db == 'db').setup(model)
     rng = numpy.random.default_rng(comm.rank)
-    x = rng.normal(size=(400, 6)).astype(numpy.float32)
+    x = rng.normal(size=(400, 6)).astype(dtype)
     t = ((x[:, 0] > 0).astype(numpy.int32) + (x[:, 1] > 0.5)).astype(
         numpy.int32)
     it = chainer.iterators.SerialIterator(
