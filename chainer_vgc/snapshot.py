@@ -126,8 +126,8 @@ def _check_meta(state, meta, model, ranks):
                     'whose parameter {} has shape {} dtype {}; this model '
                     '({}) has shape {} dtype {}{}'.format(
                         _saved_name(meta), n, s, d, type(model).__name__,
-                        *ours[n], '' if meta.get('model_name') in (
-                            None, type(model).__name__) else _OWN_SNAPSHOT))
+                        *ours[n], _OWN_SNAPSHOT
+                        if _another_class(meta, model) else ''))
     if saved != here:
         if saved[0] != here[0] and state.resume_other_method:
             warnings.warn(
@@ -150,7 +150,7 @@ def _check_model(meta, model):
     """A snapshot of a model of another class must name only parameters
     this model has (initialized or not): with several models on one
     communicator, each optimizer must load its own model's snapshot."""
-    if meta.get('model_name', type(model).__name__) == type(model).__name__:
+    if not _another_class(meta, model):
         return  # (a parameter added after construction may be missing)
     names = set(n for n, _ in model.namedparams())
     foreign = [n for n, _, _ in meta['model'] if n not in names]
@@ -160,6 +160,13 @@ def _check_model(meta, model):
             'with parameter {}) than this one ({}, which has no such '
             'parameter){}'.format(_saved_name(meta), foreign[0],
                                   type(model).__name__, _OWN_SNAPSHOT))
+
+
+def _another_class(meta, model):
+    """Whether the record names a model class other than ``model``'s
+    (records from before issue 24 name none)."""
+    return meta.get('model_name', type(model).__name__) != \
+        type(model).__name__
 
 
 _OWN_SNAPSHOT = ("; with several models on one communicator, load each "

@@ -84,12 +84,6 @@ def bits_to_words(bits):
         numpy.uint32)
 
 
-def words_to_bits(words):
-    return numpy.unpackbits(
-        numpy.ascontiguousarray(words, dtype='<u4').view(numpy.uint8),
-        bitorder='little')
-
-
 def gap_body(index, nibbles, k, sign_only, span=0):
     """The FMT_GAP body of sorted unique ``index`` with value fields
     ``nibbles`` (``sign << 3 | d``; ``sign_only``: d must be 0 and only the

@@ -21,7 +21,6 @@ import sys
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 import numpy
 from mpi4py import MPI
 
@@ -43,12 +42,7 @@ MAX_STEP = 5.0
 
 def mlp(seed=0, dtype=numpy.float32):
     """The issue's MLP, 64-128-10."""
-    numpy.random.seed(seed)
-    with chainer.using_config('dtype', dtype):
-        model = L.Classifier(chainer.Sequential(
-            L.Linear(64, 128), F.relu, L.Linear(128, 10)))
-        model(numpy.zeros((1, 64), dtype), numpy.zeros(1, numpy.int32))
-    return model
+    return check_nonfinite.make(seed, dtype, sizes=(64, 128, 10))
 
 
 def mlp_data(step, n=32, dtype=numpy.float32, seed=0):

@@ -17,12 +17,14 @@ from chainer_vgc.statistics import model_params
 world = MPI.COMM_WORLD
 
 
-def make(seed=0, dtype=numpy.float32):
+def make(seed=0, dtype=numpy.float32, sizes=(6, 32, 3)):
+    """A classifier MLP of ``sizes`` (in, hidden, out) in ``dtype``."""
+    n_in, hidden, n_out = sizes
     numpy.random.seed(seed)
     with chainer.using_config('dtype', dtype):
         model = L.Classifier(chainer.Sequential(
-            L.Linear(6, 32), F.relu, L.Linear(32, 3)))
-        model(numpy.zeros((1, 6), dtype), numpy.zeros(1, numpy.int32))
+            L.Linear(n_in, hidden), F.relu, L.Linear(hidden, n_out)))
+        model(numpy.zeros((1, n_in), dtype), numpy.zeros(1, numpy.int32))
     return model
 
 
