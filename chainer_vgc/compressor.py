@@ -341,11 +341,42 @@ class GradientCompressor(object):
 
     def decode_into(self, message, outs):
         """Add a message's elements into ``outs`` (arrays of each parameter's
-        shape).  Returns the number of elements added."""
+        shape).  Returns the number of elements added.
+
+        On the native backend, for a host message and C-contiguous float32
+        or float64 host outputs, one call of the native decoder validates
+        the message and adds its elements in place, touching only the
+        indices sent; otherwise :func:`chainer_vgc.codec.decode_into` (the
+        reference, equal bit for bit).  A message either decoder rejects
+        raises :class:`~chainer_vgc.codec.WireFormatError` with ``outs``
+        unchanged."""
         if len(outs) != len(self.sizes):
             raise ValueError('expected {} output arrays, got {}'.format(
                 len(self.sizes), len(outs)))
+        if self._native_decodes(message, outs):
+            flat = [o.reshape(-1) for o in outs]
+            result = native.decode_mean(
+                [message], self.sizes, [o.dtype for o in outs], flat,
+                [False] * len(outs), 1.0, accumulate=True)
+            if result is not None:
+                return int(result[1][0])
+            # rejected: the reference names the fault (and writes nothing)
+            codec.unpack(message, self.sizes, [o.dtype for o in outs])
+            raise RuntimeError('chainer_vgc: the native decoder rejected a '
+                               'message the reference decoder accepts; '
+                               "please report this, with backend='numpy' "
+                               'as the workaround')
         return codec.decode_into(message, outs, self.sizes)
+
+    def _native_decodes(self, message, outs):
+        """Whether :meth:`decode_into` takes the native decoder."""
+        return (self.backend == 'native'
+                and isinstance(message, numpy.ndarray)
+                and message.dtype == numpy.uint32 and message.ndim == 1
+                and all(isinstance(o, numpy.ndarray)
+                        and o.dtype in (numpy.float32, numpy.float64)
+                        and o.flags.c_contiguous and o.flags.writeable
+                        and o.size == n for o, n in zip(outs, self.sizes)))
 
     def decode(self, message):
         """The dense update a message carries: list of arrays in the state

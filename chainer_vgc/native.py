@@ -126,7 +126,7 @@ def _signatures(lib):
         'vgc_native_qsgd': (i64, [vp, i32, i32, vp, vp, i64, i64, i32, vp,
                                   vp]),
         'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
-                                    vp, vp, vp]),
+                                    i32, vp, vp, vp]),
         'vgc_native_rice_parameter': (i32, [i64, i64]),
         'vgc_native_gap_encode': (i64, [vp, vp, i64, i32, i32, vp]),
         'vgc_native_gap_decode': (i32, [vp, i64, i64, i64, vp, vp]),
@@ -325,10 +325,14 @@ def compress_none(ws, tensor_id, g, out):
     return _compress('none', ws, tensor_id, g, g.size, out)
 
 
-def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
+def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
+                accumulate=False):
     """Validate the messages ``blocks``, then write into each ``outs[t]``
     (flat, C-contiguous, state dtype; None: skip) the sum of their elements
     in rank order, times ``scale`` where ``apply_scale[t]``.
+    ``accumulate=True``: add the elements to ``outs[t]``'s own values
+    instead (``out[i] + v_0 + v_1 ...``, the indices not sent untouched,
+    as :func:`chainer_vgc.codec.decode_into` adds); nothing is scaled.
 
     Returns ``(touched, elements)``: elements written per tensor and
     elements carried per message; or ``None`` if a message is invalid
@@ -348,6 +352,9 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
     touched = numpy.zeros(max(n, 1), dtype=numpy.int64)
     elements = numpy.zeros(max(p, 1), dtype=numpy.int64)
     bad = numpy.zeros(1, dtype=numpy.int64)
+    if accumulate and any(apply_scale):
+        raise ValueError('decode_mean: accumulate=True adds without scaling '
+                         '(apply_scale must be all False)')
     for o, size, dt in zip(outs, sizes, state_dtypes):
         if o is not None and (o.size != size or o.dtype != dt
                               or o.dtype not in (numpy.float32,
@@ -360,8 +367,8 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale):
         p, ctypes.cast(ptrs, ctypes.c_void_p), lens.ctypes.data, n,
         sizes_a.ctypes.data, codes.ctypes.data,
         ctypes.cast(out_ptrs, ctypes.c_void_p), apply_a.ctypes.data,
-        float(scale), touched.ctypes.data, elements.ctypes.data,
-        bad.ctypes.data)
+        float(scale), int(bool(accumulate)), touched.ctypes.data,
+        elements.ctypes.data, bad.ctypes.data)
     if rc != 0:
         return None
     return touched[:n], elements[:p]

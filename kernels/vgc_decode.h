@@ -403,10 +403,14 @@ static const int64_t VGC_DECODE_BLOCK = 1 << 16;
  * each index, starting from 0: ((0 + v_0) + v_1) + ..., the reference's
  * order), times scale if apply_scale.  Works one cache block at a time:
  * zero it, add each group's elements that fall in it, scale it, so the
- * output is written to memory once.  Returns the elements added. */
+ * output is written to memory once.  With accumulate, the sum starts from
+ * out's own values instead of 0 (((out + v_0) + v_1) + ..., as the
+ * reference's decode_into adds) and only the indices sent are touched.
+ * Returns the elements added. */
 template <typename S>
 static int64_t vgc_sum_range(vgc_group **heads, int p, S *out, int64_t lo,
-                             int64_t hi, int apply_scale, double scale_d) {
+                             int64_t hi, int apply_scale, double scale_d,
+                             bool accumulate) {
     const S scale = (S)scale_d;
     std::vector<int64_t> pos(p), start(p);
     std::vector<S> tables((size_t)16 * p);
@@ -417,7 +421,7 @@ static int64_t vgc_sum_range(vgc_group **heads, int p, S *out, int64_t lo,
     }
     for (int64_t b0 = lo; b0 < hi; b0 += VGC_DECODE_BLOCK) {
         const int64_t b1 = std::min(hi, b0 + VGC_DECODE_BLOCK);
-        memset(out + b0, 0, sizeof(S) * (b1 - b0));
+        if (!accumulate) memset(out + b0, 0, sizeof(S) * (b1 - b0));
         for (int b = 0; b < p; ++b)
             if (heads[b])
                 vgc_add_until<S>(*heads[b], &tables[16 * b], &pos[b], b1,
@@ -435,9 +439,9 @@ static int64_t vgc_sum_range(vgc_group **heads, int p, S *out, int64_t lo,
 template <typename S>
 static int64_t vgc_sum_sequential(vgc_group **heads, int p, S *out,
                                   int64_t size, int apply_scale,
-                                  double scale_d) {
+                                  double scale_d, bool accumulate) {
     const S scale = (S)scale_d;
-    memset(out, 0, sizeof(S) * size);
+    if (!accumulate) memset(out, 0, sizeof(S) * size);
     int64_t added = 0;
     for (int b = 0; b < p; ++b) {
         if (!heads[b]) continue;

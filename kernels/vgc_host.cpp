@@ -233,7 +233,9 @@ int vgc_native_gap_decode(const uint32_t *body, int64_t len, int64_t count,
 
 /* Validates the p messages, then writes for every tensor t with outs[t]
  * (state dtype scodes[t]) the sum of the messages' elements in rank order,
- * times scale where apply_scale[t]; touched[t] = elements written,
+ * times scale where apply_scale[t] (with accumulate: outs[t] plus the
+ * sum, every index not sent left as it was, no scaling); touched[t] =
+ * elements written,
  * elements[b] = elements message b carries.  Returns VGC_OK, or
  * VGC_BAD_MESSAGE with bad[0] = the first invalid message (nothing is
  * written then). */
@@ -241,7 +243,8 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
                       const int64_t *lens, int n_tensors,
                       const int64_t *sizes, const int *scodes,
                       void *const *outs, const int *apply_scale, double scale,
-                      int64_t *touched, int64_t *elements, int64_t *bad) {
+                      int accumulate, int64_t *touched, int64_t *elements,
+                      int64_t *bad) {
     /* the decoded FMT_GAP groups (the groups point into them) */
     std::vector<std::unique_ptr<int64_t[]> > gap_scratch;
     std::vector<vgc_group> groups((size_t)p * n_tensors);
@@ -336,17 +339,18 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
         if (it.lo < 0)
             it.added = f64 ? vgc_sum_sequential<double>(
                                  heads.data(), p, (double *)outs[t], sizes[t],
-                                 apply_scale[t], scale)
+                                 apply_scale[t], scale, accumulate != 0)
                            : vgc_sum_sequential<float>(
                                  heads.data(), p, (float *)outs[t], sizes[t],
-                                 apply_scale[t], scale);
+                                 apply_scale[t], scale, accumulate != 0);
         else
             it.added = f64 ? vgc_sum_range<double>(
                                  heads.data(), p, (double *)outs[t], it.lo,
-                                 it.hi, apply_scale[t], scale)
+                                 it.hi, apply_scale[t], scale, accumulate != 0)
                            : vgc_sum_range<float>(
                                  heads.data(), p, (float *)outs[t], it.lo,
-                                 it.hi, apply_scale[t], scale);
+                                 it.hi, apply_scale[t], scale,
+                                 accumulate != 0);
     }
     for (int k = 0; k < n_items; ++k) touched[items[k].t] += items[k].added;
     return VGC_OK;
