@@ -1,13 +1,23 @@
 #!/usr/bin/env python
-"""Compress + encode and decode + mean vs a memory copy, in one run.
+"""Compress + encode and decode vs a memory copy, in one run, through the
+public API.
 
-Runs GradientCompressor over N float32 parameters (default 25M, split into
-VGG-like tensors) and times one full step (accumulate, criterion, decay,
-quantize, pack into the message) against numpy.copyto of the gradient
-bytes, on the native backend and on the NumPy reference side by side; then
-decodes 4 such messages (as from 4 ranks) into the gradients with the 1/4
-mean (chainer_vgc.exchange.mean_gradients).  Prints medians of
---repeat runs and the ratios to copyto.
+Runs ``GradientCompressor`` over N float32 parameters (default 25M, split
+into VGG-like tensors) and times, as a user calls them:
+
+- ``compress`` (accumulate, criterion, decay, quantize, encode into the
+  message) for vgc with each index coding ('fixed', 'gap', 'auto') and for
+  hybrid, whose tau is tuned to send as many elements as vgc does (the
+  same density, so the two passes do the same encoding work);
+- ``decode_into`` of one message into the gradients;
+- decode + mean of 4 such messages (as from 4 ranks) into the gradients,
+  the communicator's step (:func:`chainer_vgc.exchange.mean_gradients`);
+
+each against ``numpy.copyto`` of the gradient bytes, at one density per
+``--alphas`` entry (vgc's alpha: 2 sends about 10-15 % of this
+noise-dominated stream, 8 about 2 %).  Prints medians of ``--repeat``
+runs, the ratios to copyto and the ratios the issue-25 targets name.
+``--backends native,numpy`` adds the NumPy reference's rows.
 """
 
 import argparse
@@ -25,125 +35,191 @@ from chainer_vgc import GradientCompressor  # NOQA: E402
 from chainer_vgc import exchange  # NOQA: E402
 from chainer_vgc import native  # NOQA: E402
 
-from bench_common import hyperparameters  # NOQA: E402
 from bench_common import machine  # NOQA: E402
 from bench_common import median_time  # NOQA: E402
 from bench_common import shapes_for  # NOQA: E402
 from bench_common import timed  # NOQA: E402
+
+CODINGS = ('fixed', 'gap', 'auto')
+
+
+class Stream(object):
+    """Minibatch gradients: a small per-element mean plus the noise of a
+    batch of B = 64 examples (per-example std 1e-2); ``sqs`` is the
+    expected sum_z (grad_z / B)**2.  Steps cycle through ``draws`` noise
+    draws."""
+
+    def __init__(self, n_params, draws):
+        self.shapes = shapes_for(n_params)
+        rng = numpy.random.default_rng(0)
+        batch, sigma = 64, 1e-2
+        mus = [rng.normal(0, 2e-4, s).astype(numpy.float32)
+               for s in self.shapes]
+        self.sqs = [(mu * mu + sigma ** 2) / batch for mu in mus]
+        self.draws = [[mu + rng.normal(0, sigma / batch ** 0.5, mu.shape)
+                       .astype(numpy.float32) for mu in mus]
+                      for _ in range(draws)]
+        self.names = [str(i) for i in range(len(self.shapes))]
+
+    def compressor(self, method, backend, **kw):
+        return GradientCompressor(method, self.names, self.shapes,
+                                  [numpy.float32] * len(self.shapes),
+                                  backend=backend, **kw)
+
+    def step(self, k):
+        return self.draws[k % len(self.draws)]
+
+
+def run_compress(stream, comp, warmup, repeat):
+    """(median s, density, message bytes, the last 4 messages)."""
+    for k in range(warmup):  # allocate state, reach the steady state
+        comp.compress(stream.step(k), stream.sqs, copy=False)
+    times, sent, nbytes, msgs = [], [], [], []
+    for k in range(repeat):
+        m, wall, _ = timed(comp.compress, stream.step(warmup + k),
+                           stream.sqs, copy=False)
+        times.append(wall)
+        sent.append(comp.last_sent)
+        nbytes.append(comp.last_bytes)
+        msgs.append(m.copy())
+    return (float(numpy.median(times)), numpy.mean(sent) / comp.n_params,
+            float(numpy.mean(nbytes)), (msgs * 4)[-4:])
+
+
+def density_of(stream, method, steps, **kw):
+    """Elements sent per parameter, averaged over the last 4 of ``steps``
+    steps (native backend)."""
+    comp = stream.compressor(method, 'native', **kw)
+    sent = []
+    for k in range(steps):
+        comp.compress(stream.step(k), stream.sqs, copy=False)
+        sent.append(comp.last_sent)
+    return numpy.mean(sent[-4:]) / comp.n_params
+
+
+def matching_tau(stream, alpha, target, steps, rounds=12):
+    """Hybrid's tau (bisected in log space) at which it sends ``target``
+    elements per parameter, as near as ``rounds`` halvings get."""
+    lo, hi = numpy.log(1e-7), numpy.log(1e-1)
+    for _ in range(rounds):  # the density falls as tau grows
+        mid = (lo + hi) / 2
+        d = density_of(stream, 'hybrid', steps, alpha=alpha,
+                       tau=float(numpy.exp(mid)))
+        lo, hi = (mid, hi) if d > target else (lo, mid)
+    return float(numpy.exp((lo + hi) / 2))
+
+
+def run_decode(stream, comp, messages, repeat):
+    """(decode_into of one message s, decode + mean of 4 s)."""
+    outs = [numpy.zeros(s, numpy.float32) for s in stream.shapes]
+    one = median_time(lambda: comp.decode_into(messages[0], outs), repeat)
+    params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
+              for s in stream.shapes]
+    local = [numpy.ones(s, numpy.float32) for s in stream.shapes]
+
+    def mean():
+        for p, g in zip(params, local):
+            p.grad = g
+        exchange.mean_gradients(messages, comp, params, local, 4, True,
+                                False)
+    return one, median_time(mean, repeat)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--params', type=int, default=25_000_000)
     p.add_argument('--repeat', type=int, default=5)
-    p.add_argument('--methods', default='vgc:fixed,vgc,hybrid:fixed,hybrid,'
-                   'strom', help="comma separated; METHOD:CODING sets the "
-                   "index_coding ('vgc:fixed': the paper's 32-bit words; "
-                   "plain 'vgc': the default, 'auto')")
     p.add_argument('--draws', type=int, default=4)
     p.add_argument('--warmup', type=int, default=20)
-    p.add_argument('--alpha', type=float, default=None,
-                   help='alpha of vgc and hybrid (default: bench_common\'s '
-                   '2.0); a larger alpha sends fewer elements of this '
-                   'noise-dominated stream, nearer training densities')
+    p.add_argument('--alphas', default='2,8',
+                   help="vgc's alpha, one density each (comma separated)")
+    p.add_argument('--backends', default='native',
+                   help="'native', or 'native,numpy' to add the NumPy "
+                   "reference (slow: its gap decoder is Python)")
+    p.add_argument('--no-hybrid', action='store_true',
+                   help='skip hybrid (and its tau search)')
     args = p.parse_args()
-    shapes = shapes_for(args.params)
-    rng = numpy.random.default_rng(0)
-    # minibatch gradients: a small per-element mean plus the noise of a
-    # batch of B = 64 examples (per-example std 1e-2); s is the expected
-    # sum_z (grad_z / B)**2.  Steps cycle through --draws noise draws.
-    batch, sigma = 64, 1e-2
-    mus = [rng.normal(0, 2e-4, s).astype(numpy.float32) for s in shapes]
-    sqs = [(mu * mu + sigma ** 2) / batch for mu in mus]
-    draws = [[mu + rng.normal(0, sigma / batch ** 0.5, mu.shape).astype(
-        numpy.float32) for mu in mus] for _ in range(args.draws)]
-    grads = draws[0]
-    src = numpy.concatenate([g.ravel() for g in grads])
+    stream = Stream(args.params, args.draws)
+    src = numpy.concatenate([g.ravel() for g in stream.draws[0]])
     dst = numpy.empty_like(src)
     copy_t = median_time(lambda: numpy.copyto(dst, src), args.repeat)
     print('machine: {}; native build: {}, {} threads, OMP_PROC_BIND={}'
           .format(machine(processor=True), native.isa(),
                   native.num_threads(), os.environ.get('OMP_PROC_BIND')))
-    print('{:,} float32 parameters in {} tensors ({:.0f} MB)'.format(
-        args.params, len(shapes), src.nbytes / 1e6))
-    print('numpy.copyto of the gradient bytes: {:.1f} ms'.format(
-        copy_t * 1e3))
-    print('warm-up: {} steps per method before timing'.format(args.warmup))
+    print('{:,} float32 parameters in {} tensors ({:.0f} MB); numpy.copyto '
+          'of the gradient bytes: {:.1f} ms; {} warm-up steps, medians of '
+          '{}'.format(args.params, len(stream.shapes), src.nbytes / 1e6,
+                      copy_t * 1e3, args.warmup, args.repeat))
     print()
-    names = [str(i) for i in range(len(shapes))]
-    methods = args.methods.split(',')
+    print('| alpha | method | backend | density sent | bits/element | '
+          'compress+encode ms | x copyto | decode_into ms | x copyto | '
+          'decode+mean of 4 ms | x copyto |')
+    print('|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+    targets = []
+    for alpha in [float(a) for a in args.alphas.split(',')]:
+        runs = [('vgc:' + c, 'vgc', dict(alpha=alpha, index_coding=c))
+                for c in CODINGS]
+        tau = None
+        rows = {}
+        for label, method, kw in runs:
+            for backend in args.backends.split(','):
+                rows[label, backend] = measure(stream, method, backend, kw,
+                                               args, copy_t, alpha, label)
+            if label == 'vgc:auto' and not args.no_hybrid:
+                tau = matching_tau(stream, alpha,
+                                   rows[label, 'native']['density'],
+                                   args.warmup)
+                for c in ('fixed', 'auto'):
+                    runs.append(('hybrid:{} (tau {:.3g})'.format(c, tau),
+                                 'hybrid', dict(alpha=alpha, tau=tau,
+                                                index_coding=c)))
+        nat = {label.split(' ')[0]: rows[label, 'native']
+               for label, _, _ in runs}
+        cheaper = min(nat['vgc:fixed']['compress'], nat['vgc:gap']['compress'])
+        targets.append(
+            ('alpha {:g}, density {:.2%}'.format(
+                alpha, nat['vgc:auto']['density']),
+             [("'fixed' compress+encode / copyto (<= 3)",
+               nat['vgc:fixed']['compress'] / copy_t),
+              ("'gap' compress+encode / copyto (<= 4)",
+               nat['vgc:gap']['compress'] / copy_t),
+              ("'auto' compress+encode / copyto (<= 4)",
+               nat['vgc:auto']['compress'] / copy_t),
+              ("'auto' / the cheaper of 'fixed' and 'gap' (<= 1.10)",
+               nat['vgc:auto']['compress'] / cheaper),
+              ("'auto' / 'gap' (the coding it picks at this density)",
+               nat['vgc:auto']['compress'] / nat['vgc:gap']['compress']),
+              ("decode_into of one 'auto' message / copyto (<= 2)",
+               nat['vgc:auto']['one'] / copy_t),
+              ("decode+mean of 4 'auto' messages / copyto (<= 5)",
+               nat['vgc:auto']['mean'] / copy_t)] +
+             ([("hybrid / vgc compress+encode, 'auto', same density "
+                '(<= 1.3)', nat['hybrid:auto']['compress'] /
+                nat['vgc:auto']['compress']),
+               ("hybrid / vgc compress+encode, 'fixed', same density "
+                '(<= 1.3)', nat['hybrid:fixed']['compress'] /
+                nat['vgc:fixed']['compress'])] if tau else [])))
+    print('\nThe ratios of the issue-25 targets (native backend):\n')
+    for title, pairs in targets:
+        print(title)
+        for what, ratio in pairs:
+            print('  {:<62} {:.2f}'.format(what, ratio))
 
-    def compressor(spec, backend):
-        method, _, coding = spec.partition(':')
-        kw = hyperparameters(method, **({} if args.alpha is None
-                                        else {'alpha': args.alpha}))
-        if coding:
-            kw['index_coding'] = coding
-        return GradientCompressor(method, names, shapes,
-                                  [numpy.float32] * len(shapes),
-                                  backend=backend, **kw)
 
-    def time_compress(method, backend):
-        """(median s, CPU s / wall s, density, message bytes, 4
-        messages)."""
-        comp = compressor(method, backend)
-        for k in range(args.warmup):  # allocate state, steady state
-            comp.compress(draws[k % len(draws)], sqs, copy=False)
-        times, cpu, sent, msgs, nbytes = [], [], [], [], []
-        for k in range(args.repeat):
-            g = draws[k % len(draws)]
-            m, wall, busy = timed(comp.compress, g, sqs, copy=False)
-            times.append(wall)
-            cpu.append(busy)
-            sent.append(comp.last_sent)
-            nbytes.append(comp.last_bytes)
-            msgs.append(m.copy())
-        return (float(numpy.median(times)),
-                float(numpy.median(cpu) / numpy.median(times)),
-                numpy.mean(sent) / args.params, numpy.mean(nbytes),
-                (msgs * 4)[:4])
+def measure(stream, method, backend, kw, args, copy_t, alpha, label):
+    """Times one compressor; prints its row; returns its figures."""
+    comp = stream.compressor(method, backend, **kw)
+    t, density, nbytes, messages = run_compress(stream, comp, args.warmup,
+                                                args.repeat)
+    one, mean = run_decode(stream, comp, messages, args.repeat)
+    print('| {:g} | {} | {} | {:.2%} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | '
+          '{:.2f} | {:.1f} | {:.2f} |'.format(
+              alpha, label, backend, density,
+              8 * nbytes / max(density * comp.n_params, 1), t * 1e3,
+              t / copy_t, one * 1e3, one / copy_t, mean * 1e3,
+              mean / copy_t), flush=True)
+    return dict(compress=t, density=density, one=one, mean=mean)
 
-    # the local gradients, as backward left them (written in place)
-    params = [chainer.Parameter(numpy.zeros(s, numpy.float32))
-              for s in shapes]
-    local = [numpy.ones(s, numpy.float32) for s in shapes]
-
-    def time_decode(method, backend, messages):
-        """decode + mean of 4 messages into the gradients."""
-        comp = compressor(method, backend)
-
-        def decode():
-            for p, g in zip(params, local):
-                p.grad = g
-            exchange.mean_gradients(messages, comp, params, local, 4,
-                                        True, False)
-        return median_time(decode, args.repeat)
-
-    # the native backend first, for every method, then the reference
-    res = {}
-    for backend in ('native', 'numpy'):
-        for method in methods:
-            t, busy, density, nbytes, messages = time_compress(method,
-                                                               backend)
-            res[method, backend] = dict(
-                compress=t, busy=busy, density=density, nbytes=nbytes,
-                decode=time_decode(method, backend, messages))
-    print('| method | step | native ms | x copyto | numpy ms | x copyto | '
-          'density sent | message bytes | bits/element | native CPU/wall |')
-    print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
-    for method in methods:
-        nat, ref = res[method, 'native'], res[method, 'numpy']
-        print('| {} | compress+encode | {:.1f} | {:.2f} | {:.1f} | {:.1f} | '
-              '{:.2%} | {:,.0f} | {:.1f} | {:.2f} |'.format(
-                  method, nat['compress'] * 1e3, nat['compress'] / copy_t,
-                  ref['compress'] * 1e3, ref['compress'] / copy_t,
-                  nat['density'], nat['nbytes'],
-                  8 * nat['nbytes'] / (nat['density'] * args.params),
-                  nat['busy']))
-        print('| {} | decode+mean of 4 | {:.1f} | {:.2f} | {:.1f} | {:.1f} '
-              '| | | | |'.format(method, nat['decode'] * 1e3,
-                               nat['decode'] / copy_t, ref['decode'] * 1e3,
-                               ref['decode'] / copy_t))
 
 if __name__ == '__main__':
     main()

@@ -297,17 +297,21 @@ def report(results, p):
     if phased:
         print('\nPhases of the compressed exchange (median over the timed '
               'steps, slowest rank):\n')
-        print('| rate | method | compress s | transport s | decode s | '
-              'model wire s |')
-        print('|---|---|---:|---:|---:|---:|')
+        print('compress: this rank\'s passes; agree: the two small '
+              'allgathers of the fault codes, mostly waiting for the '
+              'slowest rank to finish its backward pass\n')
+        print('| rate | method | compress s | agree s | transport s | '
+              'decode s | model wire s |')
+        print('|---|---|---:|---:|---:|---:|---:|')
+        nan = float('nan')
         for r in phased:
             ph = r['phases_s']
             model = costmodel.cost(r['params'], p, r['compression'],
                                    r['rate'])
-            print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |'.format(
-                r['rate'], r['method'], ph.get('compress', float('nan')),
-                ph.get('transport', float('nan')),
-                ph.get('decode', float('nan')), model.allgatherv_s))
+            print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |'
+                  .format(r['rate'], r['method'], ph.get('compress', nan),
+                          ph.get('agree', nan), ph.get('transport', nan),
+                          ph.get('decode', nan), model.allgatherv_s))
 
 
 def overlap_report(results):

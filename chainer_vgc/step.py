@@ -245,14 +245,19 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     grads, sqsums = exchange.local_gradients(params, sqsums, zero_fill)
     has_grad = tuple(g is not None for g in grads)
     present = []
+    waited = [0.0]
 
     def agree(code):
         """Every rank's fault code (one small allgather), with which
         compressed parameters have a gradient on that rank: with
         ``zero_fill=False`` a parameter some rank has a gradient for gets
-        the mean on every rank, even when nobody sent anything for it."""
+        the mean on every rank, even when nobody sent anything for it.
+        Its seconds (mostly waiting for the slowest rank to arrive) are
+        the ``agree`` phase, not ``compress``."""
+        t = time.perf_counter()
         both = collectives.allgather_obj((int(code), has_grad))
         present[:] = [any(bits) for bits in zip(*(b for _, b in both))]
+        waited[0] += time.perf_counter() - t
         return [c for c, _ in both]
 
     rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
@@ -273,8 +278,8 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     elements = exchange.mean_gradients(blocks, comp, params, grads,
                                        collectives.size, zero_fill, False,
                                        rescale=loss_scale, present=present)
-    result.timing = {'compress': t1 - t0, 'transport': t2 - t1,
-                     'decode': time.perf_counter() - t2}
+    result.timing = {'compress': t1 - t0 - waited[0], 'agree': waited[0],
+                     'transport': t2 - t1, 'decode': time.perf_counter() - t2}
     return blocks, elements
 
 

@@ -13,7 +13,17 @@
 (host to device), ``'download'`` (device to host) or ``'scalar'`` (a device
 value read into Python: ``int()``, ``float()``, ``bool()``, ``.item()``,
 ``.tolist()``, ``operator.index``).  Everything else (creation, arithmetic,
-indexing with device arrays, device-to-device copies) is free.
+indexing with device arrays, device-to-device copies) moves no data between
+host and device.
+
+``fake.launches`` lists the kernel launches, by name: what CuPy runs as a
+kernel (a ufunc, a reduction, a fill, a cast, a copy, a gather or scatter
+through an advanced index, a function such as ``nonzero`` or ``cumsum``,
+and the ElementwiseKernels, which the ``device`` fixture records) counts
+one each; views, basic slicing and ``empty`` count nothing.  CuPy's own
+functions may take more than one kernel (``nonzero`` takes a scan and a
+scatter), so the count is a lower bound for them and exact for the
+ElementwiseKernels.  ``fake.count('launch')`` is their number.
 
 Where CuPy would quietly do a transfer that the code under test should not
 rely on, the fake is stricter: a host ``numpy.ndarray`` (ndim > 0) given to a
@@ -31,6 +41,12 @@ import numpy
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 KINDS = ('upload', 'download', 'scalar')
+#: what ``count`` counts besides the transfers
+LAUNCH = 'launch'
+#: functions that launch no kernel (allocation only)
+_ALLOCATING = ('empty', 'empty_like')
+#: DeviceArray methods that return a view (no kernel)
+_VIEWS = ('reshape', 'ravel', 'view', 'transpose', 'swapaxes', 'squeeze')
 
 #: module-level functions that exist (anything else: AttributeError)
 FUNCTIONS = (
@@ -72,6 +88,13 @@ def _unwrap(x, strict=None):
         return {k: _unwrap(v, strict) for k, v in x.items()}
     _reject_host(x)
     return x
+
+
+def _advanced(key):
+    """Whether indexing with ``key`` gathers (an array or list index, as
+    opposed to integers and slices, which give a view)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (DeviceArray, list, numpy.ndarray)) for k in keys)
 
 
 def _root(a):
@@ -187,6 +210,7 @@ class DeviceArray(NDArrayOperatorsMixin):
         return 'DeviceArray({!r}, device={})'.format(self._a, self._dev)
 
     def __copy__(self, memo=None):  # a device copy on the array's device
+        self._fake.launch('copy')
         return DeviceArray(self._fake, self._a.copy(), self._dev)
 
     __deepcopy__ = __copy__
@@ -195,20 +219,27 @@ class DeviceArray(NDArrayOperatorsMixin):
     def __getattr__(self, name):
         if name in _METHODS:
             def method(*args, **kwargs):
-                return self._fake._call(getattr(self._a, name), args, kwargs,
-                                        keep=(self,))
+                result = self._fake._call(getattr(self._a, name), args,
+                                          kwargs, keep=(self,))
+                if name not in _VIEWS or not (
+                        isinstance(result, DeviceArray)
+                        and _root(result._a) is _root(self._a)):
+                    self._fake.launch(name)
+                return result
             return method
         raise AttributeError('DeviceArray has no attribute {!r}'.format(name))
 
     def astype(self, dtype, copy=True, **kwargs):
         if not copy and self.dtype == numpy.dtype(dtype):
             return self
+        self._fake.launch('astype')
         out = self._a.astype(dtype, **kwargs)
         if self._fake.ftz:
             out = _flush(out)
         return self._fake._wrap(out)
 
     def fill(self, value):
+        self._fake.launch('fill')
         self._a.fill(_unwrap(value))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -224,6 +255,8 @@ class DeviceArray(NDArrayOperatorsMixin):
             if not all(isinstance(o, DeviceArray) for o in outs):
                 raise TypeError('out must be a device array')
             kwargs['out'] = _unwrap(outs, fake._check_device)
+        fake.launch(ufunc.__name__ + ('' if method == '__call__'
+                                      else '.' + method))
         flushing = fake.ftz and ufunc in _FLUSHING
         if flushing:
             args = tuple(_flush(a) for a in args)
@@ -262,9 +295,12 @@ class DeviceArray(NDArrayOperatorsMixin):
         return key
 
     def __getitem__(self, key):
+        if _advanced(key):
+            self._fake.launch('getitem')  # a gather
         return self._fake._wrap(self._a[self._index(key)], (self,))
 
     def __setitem__(self, key, value):
+        self._fake.launch('setitem')
         if isinstance(value, DeviceArray):
             self._fake._check_device(value)
             value = value._a
@@ -306,6 +342,8 @@ class _Function(object):
             if not all(isinstance(a, DeviceArray) for a in arrays):
                 raise TypeError('{} accepts only device arrays'.format(
                     self.__name__))
+        if self.__name__ not in _ALLOCATING:
+            self._fake.launch(self.__name__)
         if self._allow_host and args and isinstance(args[0], numpy.ndarray):
             # *_like of a host prototype: only its shape and dtype are read
             return self._fake._call(self._func, args[1:], kwargs,
@@ -344,6 +382,7 @@ class _Generator(object):
         self._rng = numpy.random.default_rng(seed)
 
     def random(self, size=None, dtype=numpy.float64, out=None):
+        self._fake.launch('random')
         if out is not None:
             if not isinstance(out, DeviceArray):
                 raise TypeError('out must be a device array')
@@ -370,6 +409,8 @@ class FakeCupy(object):
         #: (compiled with -ftz=true); chainer_vgc's kernels never flush
         self.ftz = False
         self.log = []
+        #: names of the kernels launched (see the module docstring)
+        self.launches = []
         self.n_devices = n_devices
         self.strict_devices = strict_devices
         self._current = 0
@@ -397,13 +438,20 @@ class FakeCupy(object):
     def _record(self, kind, nbytes, note=''):
         self.log.append((kind, int(nbytes), note))
 
+    def launch(self, name):
+        """Record one kernel launch named ``name``."""
+        self.launches.append(name)
+
     def _of(self, kind):
         if kind not in KINDS:
             raise ValueError('kind must be one of {}'.format(KINDS))
         return [n for k, n, _ in self.log if k == kind]
 
     def count(self, kind):
-        """How many transfers of ``kind`` were recorded."""
+        """How many transfers of ``kind`` (or, for ``'launch'``, kernel
+        launches) were recorded."""
+        if kind == LAUNCH:
+            return len(self.launches)
         return len(self._of(kind))
 
     def bytes(self, kind):
@@ -412,6 +460,7 @@ class FakeCupy(object):
 
     def reset(self):
         del self.log[:]
+        del self.launches[:]
 
     # -- plumbing ------------------------------------------------------------
     def _check_device(self, arr):
@@ -470,6 +519,7 @@ class FakeCupy(object):
             if not copy and a._dev == self._current and (
                     dtype is None or a.dtype == numpy.dtype(dtype)):
                 return a
+            self.launch('array')
             return DeviceArray(self, numpy.array(a._a, dtype=dtype,
                                                  order=order))
         return self.asarray(a, dtype=dtype, order=order)
@@ -507,6 +557,7 @@ class FakeCupy(object):
     def _scatter_add(self, a, slices, value):
         if not isinstance(a, DeviceArray):
             raise TypeError('scatter_add needs a device array')
+        self.launch('scatter_add')
         numpy.add.at(a._a, a._index(slices), _unwrap(value,
                                                       self._check_device))
 
