@@ -86,24 +86,24 @@ def run_compress(stream, comp, warmup, repeat):
             float(numpy.mean(nbytes)), (msgs * 4)[-4:])
 
 
-def density_of(stream, method, steps, **kw):
-    """Elements sent per parameter, averaged over the last 4 of ``steps``
-    steps (native backend)."""
+def density_of(stream, method, warmup, repeat, **kw):
+    """Elements sent per parameter in the steps :func:`run_compress` times
+    (after ``warmup`` steps, ``repeat`` steps; native backend)."""
     comp = stream.compressor(method, 'native', **kw)
     sent = []
-    for k in range(steps):
+    for k in range(warmup + repeat):
         comp.compress(stream.step(k), stream.sqs, copy=False)
         sent.append(comp.last_sent)
-    return numpy.mean(sent[-4:]) / comp.n_params
+    return numpy.mean(sent[warmup:]) / comp.n_params
 
 
-def matching_tau(stream, alpha, target, steps, rounds=12):
+def matching_tau(stream, alpha, target, warmup, repeat, rounds=12):
     """Hybrid's tau (bisected in log space) at which it sends ``target``
     elements per parameter, as near as ``rounds`` halvings get."""
     lo, hi = numpy.log(1e-7), numpy.log(1e-1)
     for _ in range(rounds):  # the density falls as tau grows
         mid = (lo + hi) / 2
-        d = density_of(stream, 'hybrid', steps, alpha=alpha,
+        d = density_of(stream, 'hybrid', warmup, repeat, alpha=alpha,
                        tau=float(numpy.exp(mid)))
         lo, hi = (mid, hi) if d > target else (lo, mid)
     return float(numpy.exp((lo + hi) / 2))
@@ -168,7 +168,7 @@ def main():
             if label == 'vgc:auto' and not args.no_hybrid:
                 tau = matching_tau(stream, alpha,
                                    rows[label, 'native']['density'],
-                                   args.warmup)
+                                   args.warmup, args.repeat)
                 for c in ('fixed', 'auto'):
                     runs.append(('hybrid:{} (tau {:.3g})'.format(c, tau),
                                  'hybrid', dict(alpha=alpha, tau=tau,
