@@ -1,0 +1,149 @@
+"""Kernel launches and host synchronisations of one GPU step, counted
+through the fake CuPy (``tests/fake_cupy.py``: ``fake.launches``) with the
+kernels compiled for the host, for models of 4, 40 and 400 tensors.
+
+The budget of issue 25 is a fixed number of launches and one host
+synchronisation per step, whatever the model: a compress step at most 12
+launches, one device-to-host copy and no scalar read; a decode step at
+most 8 launches, one upload and nothing read back.  The transfers hold
+today and are asserted; the launch and scalar budgets are not met yet
+(each tensor takes its own kernels and scalar reads) and are kept as
+strict expected failures, which turn into errors the day they pass.
+
+``python tests/test_launch_counts.py`` prints the counts.
+"""
+
+import types
+
+import numpy
+import pytest
+
+from chainer_vgc import GradientCompressor
+from chainer_vgc import exchange
+
+TENSORS = (4, 40, 400)
+METHODS = [('vgc', dict(alpha=1.0, index_coding='fixed')),
+           ('vgc', dict(alpha=1.0, index_coding='gap')),
+           ('vgc', dict(alpha=1.0)),
+           ('hybrid', dict(alpha=1.0, tau=0.05)),
+           ('strom', dict(tau=0.05)),
+           ('none', {})]
+IDS = ['{}:{}'.format(m, kw.get('index_coding', 'auto')) for m, kw in
+       METHODS]
+RANKS = 4
+#: issue 25's budgets
+COMPRESS_LAUNCHES, DECODE_LAUNCHES = 12, 8
+
+
+def _model(n_tensors, seed=0):
+    rng = numpy.random.default_rng(seed)
+    sizes = [int(s) for s in rng.integers(1, 300, n_tensors)]
+    steps = []
+    for _ in range(3):
+        gs = [rng.normal(0, 1, n).astype(numpy.float32) for n in sizes]
+        ss = [g * g * rng.uniform(0.5, 2, g.size).astype(numpy.float32)
+              for g in gs]
+        steps.append((gs, ss))
+    return sizes, steps
+
+
+def step_counts(fake, method, kw, n_tensors):
+    """{phase: {'launch', 'download', 'upload', 'scalar': count}} of the
+    third compress step of one rank and of the decode + mean of 4 ranks'
+    messages into device gradients."""
+    sizes, steps = _model(n_tensors)
+    comp = GradientCompressor(method, [str(i) for i in range(n_tensors)],
+                              [(n,) for n in sizes],
+                              [numpy.float32] * n_tensors, **kw)
+    out = {}
+    for k, (gs, ss) in enumerate(steps):
+        gs = [fake.asarray(g) for g in gs]
+        ss = [fake.asarray(s) for s in ss]
+        fake.reset()
+        message = comp.compress(gs, ss)
+        if k == len(steps) - 1:
+            out['compress'] = _counts(fake)
+    grads = [fake.zeros(n, numpy.float32) for n in sizes]
+    params = [types.SimpleNamespace(
+        array=g, grad=g, dtype=g.dtype, shape=g.shape, size=g.size, xp=fake)
+        for g in grads]
+    fake.reset()
+    exchange.mean_gradients([message] * RANKS, comp, params, grads, RANKS,
+                            True, False)
+    out['decode'] = _counts(fake)
+    return out
+
+
+def _counts(fake):
+    return {kind: fake.count(kind)
+            for kind in ('launch', 'download', 'upload', 'scalar')}
+
+
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+def test_transfers_per_step_do_not_grow_with_the_model(device, method, kw):
+    """One download per compress step and one upload per decode step,
+    nothing read back by the decode, at 4, 40 and 400 tensors; the
+    launches are counted (a step runs at least one kernel)."""
+    for n in TENSORS:
+        c = step_counts(device, method, kw, n)
+        assert c['compress']['download'] == 1, (n, c)
+        assert c['compress']['upload'] == 0, (n, c)
+        assert c['decode']['upload'] == 1, (n, c)
+        assert c['decode']['download'] == c['decode']['scalar'] == 0, (n, c)
+        assert c['compress']['launch'] > 0 and c['decode']['launch'] > 0
+
+
+@pytest.mark.xfail(strict=True, reason='issue 25: the whole-model fused '
+                   'kernels are not built yet; each tensor takes its own '
+                   'launches and scalar reads')
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+def test_launches_per_step_are_fixed_whatever_the_model(device, method, kw):
+    counts = [step_counts(device, method, kw, n) for n in TENSORS]
+    for c in counts:
+        assert c['compress']['launch'] <= COMPRESS_LAUNCHES
+        assert c['compress']['scalar'] == 0
+        assert c['decode']['launch'] <= DECODE_LAUNCHES
+    assert all(c == counts[0] for c in counts)
+
+
+def test_the_fake_counts_launches_not_views(device):
+    """The counter itself: kernels count, views and allocation do not."""
+    fake = device
+    x = fake.asarray(numpy.arange(12, dtype=numpy.float32))
+    fake.reset()
+    y = x.reshape(3, 4)[1:]          # views: no kernel
+    fake.empty(5, numpy.float32)     # allocation: no kernel
+    assert fake.count('launch') == 0
+    z = y + 1                        # a ufunc
+    z[z > 5] = 0                     # a comparison, then a scatter
+    w = x[fake.asarray([0, 3])]      # a gather (and an upload)
+    fake.zeros(3, numpy.float32)     # a fill
+    assert fake.launches == ['add', 'greater', 'setitem', 'getitem',
+                             'zeros']
+    assert fake.count('upload') == 1 and w.size == 2
+    fake.reset()
+    assert fake.count('launch') == 0
+
+
+def main():
+    """Print the counts (the ``device`` fixture's set-up, by hand)."""
+    import _pytest.monkeypatch
+    import conftest
+    import kernel_harness
+    mp = _pytest.monkeypatch.MonkeyPatch()
+    fake = conftest.device.__wrapped__(kernel_harness.HostKernels(), mp)
+    print('| method | tensors | compress launches | downloads | scalar '
+          'reads | decode launches | uploads | downloads |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|')
+    for (method, kw), name in zip(METHODS, IDS):
+        for n in TENSORS:
+            c = step_counts(fake, method, kw, n)
+            print('| {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+                name, n, c['compress']['launch'], c['compress']['download'],
+                c['compress']['scalar'], c['decode']['launch'],
+                c['decode']['upload'], c['decode']['download']))
+    mp.undo()
+
+
+if __name__ == '__main__':
+    main()
