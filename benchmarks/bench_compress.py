@@ -15,7 +15,7 @@ into VGG-like tensors) and times, as a user calls them:
 
 each against ``numpy.copyto`` of the gradient bytes, at one density per
 ``--alphas`` entry (vgc's alpha: 2 sends about 10-15 % of this
-noise-dominated stream, 8 about 2 %).  Prints medians of ``--repeat``
+noise-dominated stream, 10 about 2 %).  Prints medians of ``--repeat``
 runs, the ratios to copyto and the ratios the issue-25 targets name.
 ``--backends native,numpy`` adds the NumPy reference's rows.
 """
@@ -131,7 +131,7 @@ def main():
     p.add_argument('--repeat', type=int, default=5)
     p.add_argument('--draws', type=int, default=4)
     p.add_argument('--warmup', type=int, default=20)
-    p.add_argument('--alphas', default='2,8',
+    p.add_argument('--alphas', default='2,10',
                    help="vgc's alpha, one density each (comma separated)")
     p.add_argument('--backends', default='native',
                    help="'native', or 'native,numpy' to add the NumPy "
