@@ -19,6 +19,7 @@ import numpy
 
 from chainer_vgc import backend as _backend
 from chainer_vgc import codec
+from chainer_vgc import device_step
 from chainer_vgc import fast_paths
 from chainer_vgc import faults
 from chainer_vgc import native
@@ -176,12 +177,14 @@ class GradientCompressor(object):
         gradients were not finite, :class:`SkippedStep` is raised on all of
         them with every state untouched.
         """
-        if self.uses_native(grads):
+        device = device_step.find(self, grads)
+        if device is not None or self.uses_native(grads):
             message = self._merge_spans(
+                device.compress(grads, sqsums, agree) if device else
                 self._compress_native(grads, sqsums, agree))
             return message.copy() if copy and message.base is not None \
                 else message
-        sqsums = self._validate(grads, sqsums, True, agree)
+        sqsums = self.validate(grads, sqsums, True, agree)
         self.rule.begin_step()
         groups = []
         xp = numpy
@@ -234,7 +237,7 @@ class GradientCompressor(object):
             return native_gap.gap_decode, native_gap.gap_encode
         return None, None
 
-    def _validate(self, grads, sqsums, values, agree):
+    def validate(self, grads, sqsums, values, agree):
         """:meth:`_check`, then the first of the two agreements of a step
         (before any state, or a rule's generator, moves; the second comes
         after the passes), so that both paths make the same collective
@@ -258,7 +261,7 @@ class GradientCompressor(object):
         in, so a NaN gradient or an overflow leaves every state untouched.
         """
         rule, path = self.rule, self.fast_path
-        sqsums = self._validate(grads, sqsums, not path.checks_inputs, agree)
+        sqsums = self.validate(grads, sqsums, not path.checks_inputs, agree)
         rule.begin_step()
         if self._workspace is None:
             self._workspace = native.Workspace()
@@ -292,14 +295,7 @@ class GradientCompressor(object):
                 n_groups += 1
                 sent += count
             done.append(i)
-        error = self._fault(flagged) if flagged else None
-        if agree is not None:
-            code = faults.OK if error is None else (
-                faults.NONFINITE if isinstance(error, faults.InputFault)
-                else faults.OVERFLOW)
-            faults.settle(agree(code), error)
-        elif error is not None:
-            raise error
+        self.settle(self.fault_of(flagged) if flagged else None, agree)
         for i in done:
             self.states[i], self._spares[i] = self._spares[i], self.states[i]
         buf[0], buf[1] = codec.MAGIC, n_groups
@@ -307,8 +303,23 @@ class GradientCompressor(object):
         self.last_bytes = 4 * pos
         return buf[:pos]
 
-    def _fault(self, flagged):
-        """The error the reference would raise first: bad inputs (gradient
+    @staticmethod
+    def settle(error, agree):
+        """The second agreement of a fused step (native or
+        :mod:`~chainer_vgc.device_step`): every worker's fault code, and
+        ``error`` (or the others') raised on all of them when there is
+        one; without ``agree``, ``error`` raised."""
+        if agree is not None:
+            code = faults.OK if error is None else (
+                faults.NONFINITE if isinstance(error, faults.InputFault)
+                else faults.OVERFLOW)
+            faults.settle(agree(code), error)
+        elif error is not None:
+            raise error
+
+    def fault_of(self, flagged):
+        """The error the reference would raise first for the fused
+        passes' ``flagged`` ``[(tensor, flags)]``: bad inputs (gradient
         before sum of squares) in parameter order, then a tensor whose
         group cannot be encoded, then overflows."""
         for i, flags in flagged:
@@ -341,15 +352,11 @@ class GradientCompressor(object):
 
     def decode_into(self, message, outs):
         """Add a message's elements into ``outs`` (arrays of each parameter's
-        shape).  Returns the number of elements added.
-
-        On the native backend, for a host message and C-contiguous float32
-        or float64 host outputs, one call of the native decoder validates
-        the message and adds its elements in place, touching only the
-        indices sent; otherwise :func:`chainer_vgc.codec.decode_into` (the
-        reference, equal bit for bit).  A message either decoder rejects
-        raises :class:`~chainer_vgc.codec.WireFormatError` with ``outs``
-        unchanged."""
+        shape); returns the number of elements added.  The native backend
+        (C-contiguous float32/float64 host outputs) validates and adds in
+        one call, touching only the indices sent; else
+        :func:`chainer_vgc.codec.decode_into`, equal bit for bit.  A
+        rejected message raises ``WireFormatError``, ``outs`` unchanged."""
         if len(outs) != len(self.sizes):
             raise ValueError('expected {} output arrays, got {}'.format(
                 len(self.sizes), len(outs)))

@@ -79,6 +79,51 @@ SPECS = collections.OrderedDict([
     ('vgc_gap_values', KernelSpec(
         'raw N nibbles, int64 count, bool sign_only', 'uint32 word',
         'word = vgc_gap_value_word(nibbles, count, sign_only, i)')),
+    # The whole-model step (issue 25; chainer_vgc.device_step): every
+    # tensor of a dtype group in one launch, laid end to end (offsets:
+    # n_tensors + 1 element offsets; active: the tensors with a gradient
+    # this step).  The select passes write the next state into r2, v2.
+    ('vgc_model_vgc_select', KernelSpec(
+        'G g, H s, S r, S v, raw int64 offsets, int32 n_tensors, '
+        'raw bool active, S alpha, S zeta',
+        'S r2, S v2, int8 sel, raw uint32 flags, raw uint64 maxbits',
+        'vgc_model_vgc_select<S>(i, vgc_to<S>(g), s, r, v, offsets, '
+        'n_tensors, active, alpha, zeta, r2, v2, sel, flags, maxbits)')),
+    ('vgc_model_keep', KernelSpec(
+        'S r2, int8 sel, raw uint64 maxbits, raw int64 offsets, '
+        'int32 n_tensors', 'int32 ok',
+        'ok = vgc_model_keep<S>(i, r2, sel, maxbits, offsets, n_tensors)')),
+    ('vgc_model_hybrid_step', KernelSpec(
+        'G g, H s, S r, S v, raw int64 offsets, int32 n_tensors, '
+        'raw bool active, S alpha, S zeta, S tau',
+        'S r2, S v2, int8 sign, int32 ok, raw uint32 flags',
+        'vgc_model_hybrid_step<S>(i, vgc_to<S>(g), s, r, v, offsets, '
+        'n_tensors, active, alpha, zeta, tau, r2, v2, sign, ok, flags)')),
+    ('vgc_model_strom_step', KernelSpec(
+        'G g, S r, raw int64 offsets, int32 n_tensors, raw bool active, '
+        'S tau', 'S r2, int8 sign, int32 ok, raw uint32 flags',
+        'vgc_model_strom_step<S>(i, vgc_to<S>(g), r, offsets, n_tensors, '
+        'active, tau, r2, sign, ok, flags)')),
+    # one thread (`done`: one element): headers, each group's base word
+    # and e_k; clears maxbits for the next step
+    ('vgc_model_layout', KernelSpec(
+        'raw int64 pos, raw int64 offsets, int32 n_tensors, bool from_max, '
+        'uint32 scale, bool is_f64',
+        'int32 done, raw uint64 maxbits, raw int64 base, raw int64 ek, '
+        'raw uint32 msg, raw uint32 info',
+        'vgc_model_layout(pos, offsets, n_tensors, maxbits, from_max, '
+        'scale, base, ek, msg, info, is_f64); done = 1')),
+    ('vgc_model_vgc_write', KernelSpec(
+        'int32 ok, int8 sel, raw int64 pos, raw int64 offsets, '
+        'int32 n_tensors, raw int64 base, raw int64 ek, raw bool active, '
+        'bool keep', 'S r2, S v2, raw uint32 msg, raw uint32 flags',
+        'vgc_model_vgc_write<S>(i, ok, sel, pos, offsets, n_tensors, base, '
+        'ek, active, keep, r2, v2, msg, flags)')),
+    ('vgc_model_sign_write', KernelSpec(
+        'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors, '
+        'raw int64 base', 'raw uint32 msg',
+        'vgc_model_sign_write(i, sign, pos, offsets, n_tensors, base, '
+        'msg)')),
 ])
 
 #: ReductionKernels: name -> ReductionSpec.

@@ -33,12 +33,10 @@
 #include "vgc_numerics.cuh"
 
 /* Wire-format constants of chainer_vgc/codec/constants.py (checked by the
-   tests). */
-#define VGC_MAGIC 0x31434756u
-#define VGC_FMT_POW2 1u
+   tests; VGC_MAGIC, VGC_FMT_POW2 and VGC_HEADER_WORDS come with
+   vgc_numerics.cuh). */
 #define VGC_FMT_RAW 2u
 #define VGC_FMT_QSGD 3u
-#define VGC_HEADER_WORDS 5
 #define VGC_RAW_DENSE 1u
 #define VGC_RAW_FLOAT64 2u
 #define VGC_QSGD_OFFSET_BITS 23
@@ -81,10 +79,7 @@ template <typename G, typename S> static inline S vgc_load(const G *p, int64_t i
     return (S)p[i];
 }
 
-template <typename S> static inline bool vgc_finite(S x) {
-    typedef vgc_float_traits<S> T;
-    return (vgc_bits(x) & T::EXP_MASK) != T::EXP_MASK;
-}
+/* vgc_finite(x): kernels/vgc_numerics.cuh */
 
 template <typename S> static inline bool vgc_good_sqsum(S x) {
     return (x >= (S)0) & (x <= std::numeric_limits<S>::max());

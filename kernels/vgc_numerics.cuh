@@ -103,6 +103,10 @@ template <> struct vgc_convert<double, double> {
 VGC_FN void vgc_atomic_or(unsigned int *p, unsigned int x) {
     atomicOr(p, x);
 }
+/* *p = max(*p, x): a tensor's largest selected |r| (as its bits) */
+VGC_FN void vgc_atomic_max(unsigned long long *p, unsigned long long x) {
+    atomicMax(p, x);
+}
 #else
 #include <math.h>
 #include <string.h>
@@ -139,6 +143,9 @@ template <typename S, typename T> struct vgc_convert {
 /* host: the kernels run element by element (tests/kernel_harness.py), so
  * CUDA's atomicOr is a plain OR */
 VGC_FN void vgc_atomic_or(unsigned int *p, unsigned int x) { *p |= x; }
+VGC_FN void vgc_atomic_max(unsigned long long *p, unsigned long long x) {
+    if (x > *p) *p = x;
+}
 #endif
 
 /* (S)x by the rule above; used by the kernels' operation strings */
@@ -439,6 +446,235 @@ VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
         word |= field << (j * bits);
     }
     return word;
+}
+
+
+/* ---- The whole-model step (issue 25) ----------------------------------- *
+ * One launch per kernel for every tensor of a dtype group: the tensors lie
+ * end to end in one array (an arena); element i belongs to tensor t with
+ * offsets[t] <= i < offsets[t + 1].  The kernels of chainer_vgc.device_step,
+ * in launch order: a rule's select pass (state into a second arena, input
+ * and overflow flags, a tensor's largest selected |r|), vgc's keep pass
+ * (which selected elements the tensor's e_k can represent), a scan of the
+ * elements sent (cupy.cumsum), the layout (one thread: the message's
+ * headers and each group's place) and the write pass (the words, and the
+ * reset of the elements selected).  The per-tensor results equal the
+ * per-tensor kernels above, element for element. */
+
+/* fault flags per tensor; the native backend's values (chainer_vgc.native) */
+#define VGC_FLAG_BAD_GRAD 1u
+#define VGC_FLAG_BAD_SQSUM 2u
+#define VGC_FLAG_OVERFLOW_R 4u
+#define VGC_FLAG_OVERFLOW_V 8u
+/* the message's first word and FMT_POW2 (chainer_vgc.codec) */
+#define VGC_MAGIC 0x31434756u
+#define VGC_FMT_POW2 1u
+#define VGC_HEADER_WORDS 5
+
+/* the tensor of element i: the last t < n with offsets[t] <= i (an empty
+ * tensor shares its offset with the next, which holds i) */
+template <typename A>
+VGC_FN int vgc_segment(const A &offsets, int n, long long i) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if ((long long)offsets[mid] <= i)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+template <typename F> VGC_FN bool vgc_finite(F x) {
+    typedef vgc_float_traits<F> T;
+    return (vgc_bits(x) & T::EXP_MASK) != T::EXP_MASK;
+}
+
+/* BAD_GRAD: g (in the state dtype, an exact conversion) is not finite;
+ * BAD_SQSUM: s, in its own dtype, is not finite or is negative */
+template <typename F, typename H>
+VGC_FN unsigned int vgc_input_flags(F g, H s) {
+    unsigned int f = vgc_finite(g) ? 0u : VGC_FLAG_BAD_GRAD;
+    double sd = vgc_to<double>(s);
+    if (!vgc_finite(sd) || vgc_gt(0.0, sd)) f |= VGC_FLAG_BAD_SQSUM;
+    return f;
+}
+
+template <typename F> VGC_FN unsigned int vgc_state_flags(F r, F v) {
+    return (vgc_finite(r) ? 0u : VGC_FLAG_OVERFLOW_R) |
+           (vgc_finite(v) ? 0u : VGC_FLAG_OVERFLOW_V);
+}
+
+/* flags[t] |= f, only when there is something to OR */
+template <typename A>
+VGC_FN void vgc_flag(A &flags, int t, unsigned int f) {
+    if (f) vgc_atomic_or(&flags[t], f);
+}
+
+/* Fig. "Basic" over the arena: r2, v2 = the step of r, v (unselected:
+ * decayed; the write pass resets the selected); a tensor without gradient
+ * this step (inactive) keeps its state. */
+template <typename F, typename H, typename O, typename B, typename A,
+          typename M>
+VGC_FN void vgc_model_vgc_select(long long i, F g, H s, F r, F v,
+                                 const O &offsets, int n, const B &active,
+                                 F alpha, F zeta, F &r2, F &v2,
+                                 signed char &sel, A &flags, M &maxbits) {
+    const int t = vgc_segment(offsets, n, i);
+    sel = 0;
+    r2 = r;
+    v2 = v;
+    if (!active[t]) return;
+    vgc_flag(flags, t, vgc_input_flags(g, s));
+    bool b = vgc_basic_select<F>(g, vgc_to<F>(s), alpha, zeta, r2, v2);
+    sel = b ? 1 : 0;
+    if (b) {
+        unsigned long long m =
+            (unsigned long long)(vgc_bits(r2) & vgc_float_traits<F>::ABS_MASK);
+        if (m > (unsigned long long)maxbits[t]) vgc_atomic_max(&maxbits[t], m);
+    }
+}
+
+/* e_k of tensor t: floor(log2) of its largest selected |r| (Sec. 4.2) */
+template <typename F, typename M>
+VGC_FN int vgc_model_e_k(const M &maxbits, int t) {
+    typedef typename vgc_float_traits<F>::U U;
+    return vgc_floor_log2(vgc_from_bits((U)maxbits[t]));
+}
+
+/* 1 where a selected element is sent: representable against e_k */
+template <typename F, typename M, typename O>
+VGC_FN int vgc_model_keep(long long i, F r2, signed char sel,
+                          const M &maxbits, const O &offsets, int n) {
+    if (!sel) return 0;
+    const int e_k = vgc_model_e_k<F>(maxbits, vgc_segment(offsets, n, i));
+    if (e_k == VGC_LOG2_ZERO) return 0; /* every selected value subnormal */
+    unsigned int word;
+    return vgc_pow2_encode<F>(r2, e_k, 0, word) ? 1 : 0;
+}
+
+/* Hybrid (Fig. "Hybrid") and Strom over the arena: the state's whole step;
+ * sign +1/-1/0 and ok = sign != 0 (the scan's input). */
+template <typename F, typename H, typename O, typename B, typename A>
+VGC_FN void vgc_model_hybrid_step(long long i, F g, H s, F r, F v,
+                                  const O &offsets, int n, const B &active,
+                                  F alpha, F zeta, F tau, F &r2, F &v2,
+                                  signed char &sign, int &ok, A &flags) {
+    const int t = vgc_segment(offsets, n, i);
+    sign = 0;
+    r2 = r;
+    v2 = v;
+    if (active[t]) {
+        vgc_flag(flags, t, vgc_input_flags(g, s));
+        sign = (signed char)vgc_hybrid_step<F>(g, vgc_to<F>(s), alpha, zeta,
+                                               tau, r2, v2);
+        vgc_flag(flags, t, vgc_state_flags(r2, v2));
+    }
+    ok = sign != 0;
+}
+
+template <typename F, typename O, typename B, typename A>
+VGC_FN void vgc_model_strom_step(long long i, F g, F r, const O &offsets,
+                                 int n, const B &active, F tau, F &r2,
+                                 signed char &sign, int &ok, A &flags) {
+    const int t = vgc_segment(offsets, n, i);
+    sign = 0;
+    r2 = r;
+    if (active[t]) {
+        vgc_flag(flags, t, vgc_input_flags(g, (F)0));
+        sign = (signed char)vgc_strom_step<F>(g, tau, r2);
+        vgc_flag(flags, t, vgc_state_flags(r2, (F)0));
+    }
+    ok = sign != 0;
+}
+
+/* The layout, one thread: tensor t sends pos[end_t - 1] - pos[start_t - 1]
+ * elements (pos: inclusive scan of ok); its FMT_POW2 group (header: t,
+ * FMT_POW2, count, e_k, scale) goes after the groups before it.  Writes
+ * the message's first two words and the headers into msg, base[t] = the
+ * word of its first body word (-1: no group), ek[t], and info = {total
+ * words, groups}; clears maxbits for the next step. */
+template <typename P, typename O, typename M, typename E, typename W>
+VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
+                             M &maxbits, bool from_max, unsigned int scale,
+                             E &base, E &ek, W &msg, W &info, bool is_f64) {
+    long long w = 2, groups = 0;
+    for (int t = 0; t < n; ++t) {
+        const long long lo = (long long)offsets[t],
+                        hi = (long long)offsets[t + 1];
+        const long long before = lo ? (long long)pos[lo - 1] : 0LL;
+        const long long count = hi > lo ? (long long)pos[hi - 1] - before : 0;
+        int e_k = 0;
+        if (from_max)
+            e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
+                         : vgc_model_e_k<float>(maxbits, t);
+        maxbits[t] = 0;
+        ek[t] = e_k;
+        if (!count) {
+            base[t] = -1;
+            continue;
+        }
+        msg[w] = (unsigned int)t;
+        msg[w + 1] = VGC_FMT_POW2;
+        msg[w + 2] = (unsigned int)count;
+        msg[w + 3] = (unsigned int)e_k;
+        msg[w + 4] = scale;
+        base[t] = w + VGC_HEADER_WORDS;
+        w += VGC_HEADER_WORDS + count;
+        ++groups;
+    }
+    msg[0] = VGC_MAGIC;
+    msg[1] = (unsigned int)groups;
+    info[0] = (unsigned int)w;
+    info[1] = (unsigned int)groups;
+}
+
+/* The slot of element i in its group's body (pos: inclusive scan of ok) */
+template <typename P, typename O>
+VGC_FN long long vgc_model_slot(const P &pos, const O &offsets, int t,
+                                long long i) {
+    const long long lo = (long long)offsets[t];
+    return (long long)pos[i] - 1 - (lo ? (long long)pos[lo - 1] : 0LL);
+}
+
+/* vgc's write pass: the word of each element sent; r and v of the
+ * selected reset (with keep_unrepresentable, of those sent only); the
+ * overflow flags of the state that stays. */
+template <typename F, typename P, typename O, typename E, typename B,
+          typename W, typename A>
+VGC_FN void vgc_model_vgc_write(long long i, int ok, signed char sel,
+                                const P &pos, const O &offsets, int n,
+                                const E &base, const E &ek, const B &active,
+                                bool keep, F &r2, F &v2, W &msg, A &flags) {
+    const int t = vgc_segment(offsets, n, i);
+    if (sel) {
+        if (ok) {
+            unsigned int word;
+            vgc_pow2_encode<F>(r2, (int)ek[t], i - (long long)offsets[t],
+                               word);
+            msg[(long long)base[t] + vgc_model_slot(pos, offsets, t, i)] =
+                word;
+        }
+        if (ok || !keep) {
+            r2 = (F)0;
+            v2 = (F)0;
+        }
+    }
+    if (active[t]) vgc_flag(flags, t, vgc_state_flags(r2, v2));
+}
+
+/* Hybrid's and Strom's write pass: the sign word (e_k 0, d 0) of each
+ * element sent */
+template <typename P, typename O, typename E, typename W>
+VGC_FN void vgc_model_sign_write(long long i, signed char sign, const P &pos,
+                                 const O &offsets, int n, const E &base,
+                                 W &msg) {
+    if (!sign) return;
+    const int t = vgc_segment(offsets, n, i);
+    msg[(long long)base[t] + vgc_model_slot(pos, offsets, t, i)] =
+        vgc_pack_word(sign < 0, 0,
+                      (unsigned int)(i - (long long)offsets[t]));
 }
 
 #endif /* CHAINER_VGC_NUMERICS_CUH */

@@ -39,12 +39,14 @@ _HOST_TYPES = {
     numpy.dtype(numpy.int32): ('int', ctypes.c_int32),
     numpy.dtype(numpy.int64): ('long long', ctypes.c_int64),
     numpy.dtype(numpy.uint32): ('unsigned int', ctypes.c_uint32),
+    numpy.dtype(numpy.uint64): ('unsigned long long', ctypes.c_uint64),
 }
 _DEVICE_TYPES = dict((k, v[0]) for k, v in _HOST_TYPES.items())
 _DEVICE_TYPES[numpy.dtype(numpy.float16)] = '__half'
 _CONCRETE = {'bool': numpy.bool_, 'int8': numpy.int8, 'uint8': numpy.uint8,
              'int32': numpy.int32,
              'int64': numpy.int64, 'uint32': numpy.uint32,
+             'uint64': numpy.uint64,
              'float16': numpy.float16, 'float32': numpy.float32,
              'float64': numpy.float64}
 

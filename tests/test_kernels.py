@@ -81,6 +81,41 @@ def instances():
         out.append(('vgc_gap_values', (numpy.zeros(5, ndt),
                                        numpy.int64(5), False,
                                        numpy.zeros(2, numpy.uint32))))
+    return out + model_instances()
+
+
+def model_instances():
+    """The whole-model step's kernels (chainer_vgc.device_step)."""
+    out = []
+    i64, u32 = numpy.zeros(3, numpy.int64), numpy.zeros(3, numpy.uint32)
+    u64, on = numpy.zeros(3, numpy.uint64), numpy.ones(2, bool)
+    i8, i32, n = (numpy.zeros(2, numpy.int8), numpy.zeros(2, numpy.int32),
+                  numpy.int32(2))
+    for gdt, hdt in ((F16, F16), (F32, F32), (F64, F64), (F32, F64)):
+        sdt = state_dtype(gdt).type
+        g, s, r = (numpy.zeros(2, gdt), numpy.zeros(2, hdt),
+                   numpy.zeros(2, sdt))
+        out += [
+            ('vgc_model_vgc_select', (g, s, r, r, i64, n, on, sdt(1),
+                                      sdt(1), r, r, i8, u32, u64)),
+            ('vgc_model_hybrid_step', (g, s, r, r, i64, n, on, sdt(1),
+                                       sdt(1), sdt(1), r, r, i8, i32, u32)),
+            ('vgc_model_strom_step', (g, r, i64, n, on, sdt(1), r, i8, i32,
+                                      u32)),
+        ]
+    for sdt in (F32, F64):
+        r = numpy.zeros(2, sdt)
+        out += [
+            ('vgc_model_keep', (r, i8, u64, i64, n, i32)),
+            ('vgc_model_vgc_write', (i32, i8, i64, i64, n, i64, i64, on,
+                                     False, r, r, u32, u32)),
+        ]
+    out += [
+        ('vgc_model_layout', (i64, i64, n, True, numpy.uint32(0), False,
+                              numpy.zeros(1, numpy.int32), u64, i64, i64,
+                              u32, u32)),
+        ('vgc_model_sign_write', (i8, i64, i64, n, i64, u32)),
+    ]
     return out
 
 

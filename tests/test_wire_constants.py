@@ -31,7 +31,10 @@ def test_kernel_source_matches_codec():
                      'VGC_INDEX_MASK': codec.MAX_INDEX - 1,
                      'VGC_MAX_D': codec.MAX_D,
                      'VGC_LOG2_ZERO': codec.LOG2_ZERO,
-                     'VGC_GAP_ESCAPE': codec.GAP_ESCAPE}
+                     'VGC_GAP_ESCAPE': codec.GAP_ESCAPE,
+                     'VGC_MAGIC': codec.MAGIC,
+                     'VGC_FMT_POW2': codec.FMT_POW2,
+                     'VGC_HEADER_WORDS': codec.HEADER_WORDS}
 
 
 def test_host_source_matches_codec():
@@ -103,3 +106,15 @@ def test_wire_constants_are_defined_once():
     for name in dir(codec.constants):
         if name.isupper():
             assert not hasattr(kernels, name), name
+
+
+def test_device_step_fault_flags_are_the_native_backends():
+    """The whole-model GPU step reports faults with the native backend's
+    flags (GradientCompressor.fault_of reads both)."""
+    defined = dict(re.findall(r'#define (VGC_FLAG_\w+) (\w+)u',
+                              kernels.source()))
+    assert {k: int(v) for k, v in defined.items()} == {
+        'VGC_FLAG_BAD_GRAD': native.BAD_GRAD,
+        'VGC_FLAG_BAD_SQSUM': native.BAD_SQSUM,
+        'VGC_FLAG_OVERFLOW_R': native.OVERFLOW_R,
+        'VGC_FLAG_OVERFLOW_V': native.OVERFLOW_V}

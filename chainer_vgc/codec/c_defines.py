@@ -39,7 +39,8 @@ C_CONSTANTS = collections.OrderedDict([
 ])
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
-                    'VGC_MAX_D', 'VGC_GAP_ESCAPE')
+                    'VGC_MAX_D', 'VGC_GAP_ESCAPE', 'VGC_MAGIC',
+                    'VGC_FMT_POW2', 'VGC_HEADER_WORDS')
 
 _DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
                      re.MULTILINE)

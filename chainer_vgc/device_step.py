@@ -1,0 +1,257 @@
+"""The whole-model compress step on a GPU: a fixed number of kernel launches
+and one device-to-host copy per step, whatever the number of tensors
+(issue 25).
+
+The question this module answers: how does one compress step of vgc
+(Fig. "Basic", quantized, Sec. 4.1-4.4), hybrid (Fig. "Hybrid", Sec. 4.5)
+or Strom run on CuPy arrays without a launch or a scalar read per tensor?
+The residuals r and v of every tensor live in arenas (one array for the
+whole model; each tensor's state is a view), and a step is:
+
+1. the gradients and the per-sample sums of squares gathered into arenas
+   (``cupy.concatenate``, one launch each) and the fault flags cleared;
+2. the rule's select pass over the whole arena (``vgc_model_*`` in
+   :data:`chainer_vgc.kernels.SPECS`): the next state into the other pair
+   of arenas, the input and overflow checks as per-tensor flags, and for
+   vgc each tensor's largest selected |r| (for e_k, Sec. 4.2);
+3. vgc only: which selected elements e_k can represent;
+4. one scan (``cupy.cumsum``) of the elements sent;
+5. the layout, one thread: each tensor's FMT_POW2 group header and place;
+6. the write pass: each element's word (Sec. 4.2) at its place, and the
+   reset of the selected elements' r and v;
+7. one download of the flags, the totals and the message together.
+
+Nothing is read back before 7: 8 launches for vgc, 7 for hybrid, 6 for
+Strom.  When the flags report a fault (a gradient or sum of squares that
+is not finite, a state that overflows), the arenas are not swapped: every
+residual stays as it was, as on the CPU.  Messages and states equal the
+per-tensor path and the CPU backends bit for bit
+(``tests/test_device_step.py``); the kernels come from the same
+``kernels/vgc_numerics.cuh``.
+
+Applies to the paper's 32-bit words (``index_coding='fixed'``), tensors of
+at most 2**28 elements and models whose parameters share one state dtype;
+other settings, QSGD, 'none' and unquantized vgc take the rules'
+per-tensor CuPy kernels.
+"""
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import codec
+from chainer_vgc.codec.header import f32_bits
+from chainer_vgc import kernels
+from chainer_vgc.rules import Hybrid
+from chainer_vgc.rules import Strom
+from chainer_vgc.rules import VGC
+
+#: the download covers the last step's message times SLACK, and at least
+#: MIN_SLACK words more (a longer message takes a second copy)
+SLACK = 1.25
+MIN_SLACK = 1 << 16
+
+
+def kind_of(rule):
+    """'vgc', 'hybrid', 'strom' or None: which whole-model step, if any,
+    runs ``rule`` (its own class: a subclass may override the step)."""
+    for cls, kind in ((VGC, 'vgc'), (Hybrid, 'hybrid'), (Strom, 'strom')):
+        if type(rule) is cls:
+            if kind == 'vgc' and not rule.quantize:
+                return None
+            return kind if rule.index_coding == 'fixed' else None
+    return None
+
+
+def find(compressor, grads):
+    """The compressor's :class:`DeviceStep` when it applies to ``grads``
+    (CuPy arrays, every one on one device), else None."""
+    kind = kind_of(compressor.rule)
+    if (kind is None or any(n > codec.MAX_INDEX for n in compressor.sizes)
+            or len({backend.state_dtype(d) for d in compressor.dtypes}) != 1):
+        return None
+    present = [g for g in grads if g is not None]
+    if not present or not backend.is_cupy(
+            backend.get_array_module(*present)):
+        return None
+    device = present[0].device
+    if any(g.device != device for g in present):
+        return None
+    step = getattr(compressor, '_device_step', None)
+    if step is None or step.kind != kind or step.device != device:
+        with device:
+            step = DeviceStep(compressor, kind, device)
+        compressor._device_step = step
+    return step
+
+
+class DeviceStep(object):
+    """One compressor's whole-model step on one device (see the module
+    docstring)."""
+
+    def __init__(self, compressor, kind, device):
+        xp = backend.cupy
+        self.comp, self.kind, self.device = compressor, kind, device
+        sizes = compressor.sizes
+        self.n = len(sizes)
+        self.sdt = backend.state_dtype(compressor.dtypes[0])
+        bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(
+            numpy.int64)
+        self.size = int(bounds[-1])
+        self.offsets = xp.asarray(bounds)
+        self.keys = ('r',) if kind == 'strom' else ('r', 'v')
+        #: two sets of state arenas; ``cur`` holds the state
+        self.arenas = [{k: xp.zeros(self.size, self.sdt) for k in self.keys}
+                       for _ in range(2)]
+        self.views = [[{k: a[k][lo:hi] for k in self.keys}
+                       for lo, hi in zip(bounds[:-1], bounds[1:])]
+                      for a in self.arenas]
+        self.cur = 0
+        #: whether states[i] is this step's view (False: None, or zeros)
+        self.installed = [False] * self.n
+        self.maxbits = xp.zeros(max(self.n, 1), numpy.uint64)
+        self.base = xp.empty(max(self.n, 1), numpy.int64)
+        self.ek = xp.empty(max(self.n, 1), numpy.int64)
+        self.active_key, self.active = None, None
+        self.zeros = {}
+        #: [flags (a word a tensor), total words, groups, message]
+        self.head = self.n + 2
+        self.max_words = 2 + sum(codec.HEADER_WORDS + s for s in sizes)
+        self.buffer = xp.empty(self.head + self.max_words, numpy.uint32)
+        self.staged = backend.host_buffer(self.buffer.size, numpy.uint32)
+        self.cap = self.max_words
+
+    # -- state -------------------------------------------------------------
+    def _install(self):
+        """Make the compressor's per-tensor states the views of the
+        current arenas; a state set from outside (a snapshot loaded, a
+        reset) is copied in first."""
+        states = self.comp.states
+        for i, view in enumerate(self.views[self.cur]):
+            st = states[i]
+            if st is view:
+                continue
+            if st is None:
+                if self.installed[i]:  # reset from outside: start over
+                    for key in self.keys:
+                        view[key].fill(0)
+                    self.installed[i] = False
+                continue
+            for key in self.keys:
+                if st[key] is not view[key]:
+                    view[key][...] = st[key]
+            states[i] = view
+            self.installed[i] = True
+
+    def _commit(self, active):
+        self.cur = 1 - self.cur
+        states = self.comp.states
+        for i, view in enumerate(self.views[self.cur]):
+            if active[i] or self.installed[i]:
+                states[i] = view
+                self.installed[i] = True
+
+    def _active(self, xp, grads):
+        key = tuple(g is not None for g in grads)
+        if key != self.active_key:
+            self.active = xp.asarray(numpy.array(key or (False,), bool))
+            self.active_key = key
+        return self.active
+
+    def _arena(self, xp, arrays):
+        """The arrays end to end, gathered in one launch (a missing one:
+        zeros); in their dtype when they share it, else the state dtype."""
+        dts = {a.dtype for a in arrays if a is not None}
+        dtype = dts.pop() if len(dts) == 1 else self.sdt
+        parts = []
+        for i, a in enumerate(arrays):
+            if a is None:
+                a = self.zeros.get((i, dtype))
+                if a is None:
+                    a = self.zeros[i, dtype] = xp.zeros(self.comp.sizes[i],
+                                                        dtype)
+            parts.append(a.reshape(-1))
+        out = xp.empty(self.size, dtype)
+        if self.size:
+            xp.concatenate(parts, out=out)
+        return out
+
+    # -- the step ------------------------------------------------------------
+    def compress(self, grads, sqsums, agree):
+        """One step (:meth:`GradientCompressor.compress
+        <chainer_vgc.GradientCompressor.compress>`); returns the message, a
+        view of a host buffer reused by the next call."""
+        comp = self.comp
+        sqsums = comp.validate(grads, sqsums, False, agree)
+        comp.rule.begin_step()
+        with self.device:
+            self._install()
+            self._passes(backend.cupy, grads, sqsums)
+            message, flags = self._download()
+        flagged = [(i, int(f)) for i, f in enumerate(flags) if f]
+        comp.settle(comp.fault_of(flagged) if flagged else None, agree)
+        self._commit(self.active_key)
+        comp.last_sent = int(message.size) - 2 - codec.HEADER_WORDS * int(
+            message[1])
+        return message
+
+    def _passes(self, xp, grads, sqsums):
+        """Steps 1-6 (see the module docstring)."""
+        rule, kind, sdt = self.comp.rule, self.kind, self.sdt
+        old, new = self.arenas[self.cur], self.arenas[1 - self.cur]
+        n = self.n
+        flags = self.buffer[:max(n, 1)]
+        msg = self.buffer[self.head:]
+        offsets, nt = self.offsets, numpy.int32(n)
+        active = self._active(xp, grads)
+        flags.fill(0)
+        g = self._arena(xp, grads)
+        sign = xp.empty(self.size, numpy.int8)
+        ok = xp.empty(self.size, numpy.int32)
+        if kind == 'vgc':
+            kernels.get_kernel('vgc_model_vgc_select')(
+                g, self._arena(xp, sqsums), old['r'], old['v'], offsets, nt,
+                active, sdt.type(rule.alpha), sdt.type(rule.zeta), new['r'],
+                new['v'], sign, flags, self.maxbits)
+            kernels.get_kernel('vgc_model_keep')(
+                new['r'], sign, self.maxbits, offsets, nt, ok)
+        elif kind == 'hybrid':
+            kernels.get_kernel('vgc_model_hybrid_step')(
+                g, self._arena(xp, sqsums), old['r'], old['v'], offsets, nt,
+                active, sdt.type(rule.alpha), sdt.type(rule.zeta),
+                codec.wire_scale(rule.tau, sdt), new['r'], new['v'], sign,
+                ok, flags)
+        else:
+            kernels.get_kernel('vgc_model_strom_step')(
+                g, old['r'], offsets, nt, active,
+                codec.wire_scale(rule.tau, sdt), new['r'], sign, ok, flags)
+        pos = xp.cumsum(ok, dtype=numpy.int64)
+        scale = f32_bits(1.0 if kind == 'vgc' else rule.tau)
+        kernels.get_kernel('vgc_model_layout')(
+            pos, offsets, nt, kind == 'vgc', numpy.uint32(scale),
+            sdt == numpy.float64, xp.empty(1, numpy.int32), self.maxbits,
+            self.base, self.ek, msg, self.buffer[n:n + 2])
+        if kind == 'vgc':
+            kernels.get_kernel('vgc_model_vgc_write')(
+                ok, sign, pos, offsets, nt, self.base, self.ek, active,
+                bool(rule.keep_unrepresentable), new['r'], new['v'], msg,
+                flags)
+        else:
+            kernels.get_kernel('vgc_model_sign_write')(
+                sign, pos, offsets, nt, self.base, msg)
+
+    def _download(self):
+        """Step 7: the flags, totals and message in one copy (a second
+        one only when the message outgrew the last step's by more than
+        :data:`SLACK` and :data:`MIN_SLACK`; the first step copies the
+        longest message possible); returns (message, flags), host
+        views."""
+        n, head, host = self.n, self.head, self.staged
+        first = head + self.cap
+        self.buffer[:first].get(out=host[:first])
+        total = int(host[n])
+        if total > self.cap:
+            self.buffer[first:head + total].get(out=host[first:head + total])
+        self.cap = min(self.max_words, max(int(total * SLACK),
+                                           total + MIN_SLACK)
+                       + 2 + codec.HEADER_WORDS * n)
+        return host[head:head + total], host[:n]

@@ -1,0 +1,218 @@
+"""The whole-model GPU compress step (chainer_vgc.device_step), run on the
+CPU through the fake CuPy with its kernels compiled for the host (the
+``device`` fixture): messages and states bit for bit those of the native
+CPU backend, step after step, faults leaving every state untouched, and a
+fixed number of launches with one download and no scalar read."""
+
+import numpy
+import pytest
+
+from chainer_vgc import GradientCompressor
+from chainer_vgc.faults import SkippedStep
+from chainer_vgc import device_step
+from chainer_vgc import faults
+
+from reference import assert_bitwise
+
+F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
+METHODS = [
+    ('vgc', dict(alpha=1.0)),
+    ('vgc', dict(alpha=1.5, zeta=0.9)),
+    ('vgc', dict(alpha=1.0, keep_unrepresentable=True)),
+    ('hybrid', dict(alpha=1.0, tau=0.05)),
+    ('strom', dict(tau=0.05)),
+]
+IDS = ['vgc', 'vgc-zeta', 'vgc-keep', 'hybrid', 'strom']
+MODELS = {
+    'f32': ([(17, 3), (5,), (0,), (64,), (9, 2), (1,)], [F32] * 6),
+    'f16': ([(40,), (3, 3), (0,), (7,)], [F16] * 4),
+    'f64': ([(33,), (8,), (2, 2)], [F64] * 3),
+    'f16+f32': ([(12,), (30,), (5,)], [F16, F32, F16]),
+}
+
+
+def _stream(shapes, dtypes, steps, seed, missing=()):
+    """Gradients with a wide dynamic range (d > 7 and subnormal values
+    occur) and their per-sample squares; ``missing``: (step, tensor)
+    pairs without a gradient."""
+    rng = numpy.random.default_rng(seed)
+    out = []
+    for k in range(steps):
+        gs, ss = [], []
+        for t, (shape, dt) in enumerate(zip(shapes, dtypes)):
+            g = rng.normal(0, 1, shape) * numpy.where(
+                rng.random(shape) < 0.3, 2.0 ** -14, 1.0)
+            if dt == F32 and g.size:
+                g.reshape(-1)[0] = 1e-40  # a float32 subnormal
+            s = (g ** 2 * rng.uniform(0.5, 3, shape))
+            gs.append(None if (k, t) in missing else g.astype(dt))
+            ss.append(None if (k, t) in missing else s.astype(dt))
+        out.append((gs, ss))
+    return out
+
+
+def _pair(method, kw, shapes, dtypes):
+    names = [str(i) for i in range(len(shapes))]
+    kw = dict(kw, index_coding='fixed')
+    return (GradientCompressor(method, names, shapes, dtypes, **kw),
+            GradientCompressor(method, names, shapes, dtypes,
+                               backend='native', **kw))
+
+
+def _on(fake, arrays):
+    return [None if a is None else fake.asarray(a) for a in arrays]
+
+
+def _assert_states(dev, cpu, fake):
+    for a, b in zip(dev.states, cpu.states):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert_bitwise(fake.asnumpy(a[key]), b[key])
+
+
+@pytest.mark.parametrize('model', sorted(MODELS))
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
+                                                   model):
+    fake = device
+    shapes, dtypes = MODELS[model]
+    dev, cpu = _pair(method, kw, shapes, dtypes)
+    missing = {(1, 0), (2, len(shapes) - 1), (3, 1)}
+    for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
+        fake.reset()
+        got = dev.compress(_on(fake, gs), _on(fake, ss))
+        assert isinstance(dev._device_step, device_step.DeviceStep)
+        assert fake.count('download') == 1 and fake.count('scalar') == 0
+        want = cpu.compress(gs, ss)
+        assert_bitwise(got, want)
+        assert dev.last_sent == cpu.last_sent
+        assert dev.last_bytes == cpu.last_bytes
+        _assert_states(dev, cpu, fake)
+
+
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+@pytest.mark.parametrize('where', ['grad', 'sqsum', 'overflow'])
+def test_a_fault_leaves_every_state_as_it_was(device, method, kw, where):
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    dev, cpu = _pair(method, kw, shapes, dtypes)
+    steps = _stream(shapes, dtypes, 3, 5)
+    for gs, ss in steps[:2]:
+        dev.compress(_on(fake, gs), _on(fake, ss))
+        cpu.compress(gs, ss)
+    gs, ss = [None if a is None else a.copy() for a in steps[2][0]], \
+        [a.copy() for a in steps[2][1]]
+    if where == 'grad':
+        gs[3][5] = numpy.nan
+    elif where == 'sqsum':
+        if method == 'strom':
+            pytest.skip('strom reads no sum of squares')
+        ss[4][1, 1] = -1.0
+    else:  # r (and v) overflow float32, the element not selected
+        big = numpy.finfo(F32).max
+        gs[3][7] = ss[3][7] = big
+        for st in (dev.states[3], cpu.states[3]):
+            for key in st:
+                st[key][7] = big
+    before = [{k: fake.asnumpy(v).copy() for k, v in st.items()}
+              for st in dev.states if st is not None]
+    with pytest.raises(Exception) as cpu_error:
+        cpu.compress(gs, ss)
+    with pytest.raises(type(cpu_error.value)) as dev_error:
+        dev.compress(_on(fake, gs), _on(fake, ss))
+    assert str(dev_error.value) == str(cpu_error.value)
+    after = [{k: fake.asnumpy(v) for k, v in st.items()}
+             for st in dev.states if st is not None]
+    for b, a in zip(before, after):
+        for key in b:
+            assert_bitwise(a[key], b[key])
+    _assert_states(dev, cpu, fake)
+    # and the next good step goes on as on the CPU
+    gs, ss = _stream(shapes, dtypes, 1, 9)[0]
+    assert_bitwise(dev.compress(_on(fake, gs), _on(fake, ss)),
+                   cpu.compress(gs, ss))
+    _assert_states(dev, cpu, fake)
+
+
+def test_agreement_skips_the_step_on_every_worker(device):
+    """With ``agree`` (the communicator's), a fault raises SkippedStep and
+    the codes go through it as on the CPU."""
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    dev, cpu = _pair('vgc', dict(alpha=1.0), shapes, dtypes)
+    gs, ss = _stream(shapes, dtypes, 1, 2)[0]
+    gs[0][0, 0] = numpy.inf
+    for comp, on in ((cpu, lambda a: a), (dev, lambda a: _on(fake, a))):
+        codes = []
+        with pytest.raises(SkippedStep):
+            comp.compress(on(gs), on(ss),
+                          agree=lambda c: codes.append(c) or [c])
+        assert codes == [faults.OK, faults.NONFINITE]
+
+
+def test_a_state_set_from_outside_is_taken_in(device):
+    """A snapshot loaded or a state reset between steps (the compressor's
+    ``states`` replaced) is what the next step starts from."""
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    dev, cpu = _pair('vgc', dict(alpha=1.0), shapes, dtypes)
+    steps = _stream(shapes, dtypes, 4, 8)
+    for gs, ss in steps[:2]:
+        dev.compress(_on(fake, gs), _on(fake, ss))
+        cpu.compress(gs, ss)
+    rng = numpy.random.default_rng(0)
+    for i in (0, 3):
+        new = {k: rng.normal(0, 1, v.shape).astype(v.dtype) ** 2
+               for k, v in cpu.states[i].items()}
+        cpu.states[i] = new
+        dev.states[i] = {k: fake.asarray(v) for k, v in new.items()}
+    cpu.states[4] = None
+    dev.states[4] = None
+    for gs, ss in steps[2:]:
+        assert_bitwise(dev.compress(_on(fake, gs), _on(fake, ss)),
+                       cpu.compress(gs, ss))
+        _assert_states(dev, cpu, fake)
+
+
+def test_settings_it_does_not_cover_take_the_per_tensor_kernels(device):
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    for method, kw in (('vgc', {}), ('vgc', dict(quantize=False)),
+                       ('qsgd', dict(bits=2, bucket=8, seed=1)),
+                       ('none', {})):
+        comp = GradientCompressor(method, list('abcdef'), shapes, dtypes,
+                                  **kw)
+        gs, ss = _stream(shapes, dtypes, 1, 1)[0]
+        comp.compress(_on(fake, gs), _on(fake, ss))
+        assert getattr(comp, '_device_step', None) is None
+    mixed = GradientCompressor('vgc', list('ab'), [(3,), (4,)], [F32, F64],
+                               index_coding='fixed')
+    mixed.compress([fake.asarray(numpy.ones(3, F32)),
+                    fake.asarray(numpy.ones(4, F64))],
+                   [fake.asarray(numpy.ones(3, F32)),
+                    fake.asarray(numpy.ones(4, F64))])
+    assert getattr(mixed, '_device_step', None) is None
+
+
+def test_a_message_longer_than_the_last_one_takes_a_second_copy(
+        device, monkeypatch):
+    """The download covers the last message plus slack; beyond it, the
+    rest comes in a second copy and the message is whole."""
+    fake = device
+    monkeypatch.setattr(device_step, 'MIN_SLACK', 0)
+    monkeypatch.setattr(device_step, 'SLACK', 1.0)
+    shapes, dtypes = [(500,)], [F32]
+    dev, cpu = _pair('strom', dict(tau=0.5), shapes, dtypes)
+    rng = numpy.random.default_rng(1)
+    counts = []
+    for scale in (1e-3, 1.0, 1.0, 4.0):  # ever more elements cross tau
+        g = (rng.normal(0, 1, 500) * scale).astype(F32)
+        fake.reset()
+        assert_bitwise(dev.compress([fake.asarray(g)]), cpu.compress([g]))
+        counts.append((fake.count('download'), dev.last_sent))
+    assert counts[0][0] == 1  # the first step copies the longest possible
+    assert any(d == 2 for d, _ in counts[1:]), counts
+    assert counts[-1][1] > counts[1][1]
