@@ -29,17 +29,25 @@ per-tensor path and the CPU backends bit for bit
 (``tests/test_device_step.py``); the kernels come from the same
 ``kernels/vgc_numerics.cuh``.
 
-Applies to the paper's 32-bit words (``index_coding='fixed'``), tensors of
-at most 2**28 elements and models whose parameters share one state dtype;
-other settings, QSGD, 'none' and unquantized vgc take the rules'
-per-tensor CuPy kernels.
+The device writes the paper's 32-bit words (FMT_POW2).  With
+``index_coding`` 'gap' or 'auto' the host then re-codes each group as
+:func:`chainer_vgc.codec.pow2_best_group` does (:func:`recode`, with the
+native gap encoder where the CPU backend is native): the same message, but
+the download carries 4 bytes per element sent and the gap code is CPU
+work, until the device encodes FMT_GAP itself.  Applies to tensors of at
+most 2**28 elements and models whose parameters share one state dtype;
+QSGD, 'none' and unquantized vgc take the rules' per-tensor CuPy kernels.
 """
 
 import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc.codec.gap import gap_body
+from chainer_vgc.codec.gap import rice_parameter
+from chainer_vgc.codec.header import Group
 from chainer_vgc.codec.header import f32_bits
+from chainer_vgc.codec.message import walk
 from chainer_vgc import kernels
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import Strom
@@ -58,7 +66,7 @@ def kind_of(rule):
         if type(rule) is cls:
             if kind == 'vgc' and not rule.quantize:
                 return None
-            return kind if rule.index_coding == 'fixed' else None
+            return kind
     return None
 
 
@@ -192,6 +200,10 @@ class DeviceStep(object):
         self._commit(self.active_key)
         comp.last_sent = int(message.size) - 2 - codec.HEADER_WORDS * int(
             message[1])
+        coding = comp.rule.index_coding
+        if coding != 'fixed':
+            message = recode(message, comp.sizes, coding,
+                             self.kind != 'vgc', comp.gap_codec()[1])
         return message
 
     def _passes(self, xp, grads, sqsums):
@@ -255,3 +267,29 @@ class DeviceStep(object):
                                            total + MIN_SLACK)
                        + 2 + codec.HEADER_WORDS * n)
         return host[head:head + total], host[:n]
+
+
+def recode(message, sizes, coding, sign_only, encoder=None):
+    """``message`` (FMT_POW2 groups of sorted words) with each group coded
+    as :func:`chainer_vgc.codec.pow2_best_group` codes it for ``coding``
+    ('gap': FMT_GAP; 'auto': FMT_GAP where its body is shorter);
+    ``sign_only``: every d is 0 (hybrid, Strom).  ``encoder``: a fast
+    equivalent of :func:`chainer_vgc.codec.gap_body` (the native one)."""
+    groups, changed = [], False
+    for g in walk(message, sizes):
+        words = g.body
+        if g.fmt != codec.FMT_POW2 or not words.size:
+            groups.append(g)
+            continue
+        index = (words & numpy.uint32(codec.MAX_INDEX - 1)).astype(
+            numpy.int64)
+        nibbles = words >> numpy.uint32(codec.INDEX_BITS)
+        k = rice_parameter(words.size, sizes[g.tensor_id])
+        body = (encoder or gap_body)(index, nibbles, k, sign_only)
+        if coding == 'auto' and body.size >= words.size:
+            groups.append(g)
+            continue
+        groups.append(Group(g.tensor_id, codec.FMT_GAP, g.count, g.a, g.b,
+                            body))
+        changed = True
+    return codec.pack(groups) if changed else message

@@ -8,6 +8,8 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
+from chainer_vgc import codec
+from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
 from chainer_vgc import device_step
 from chainer_vgc import faults
@@ -23,6 +25,15 @@ METHODS = [
     ('strom', dict(tau=0.05)),
 ]
 IDS = ['vgc', 'vgc-zeta', 'vgc-keep', 'hybrid', 'strom']
+CODED = [
+    ('vgc', dict(alpha=1.0, index_coding='gap')),
+    ('vgc', dict(alpha=1.5, zeta=0.9, index_coding='auto')),
+    ('hybrid', dict(alpha=1.0, tau=0.05, index_coding='auto')),
+    ('hybrid', dict(alpha=1.0, tau=0.05, index_coding='gap')),
+    ('strom', dict(tau=0.05, index_coding='auto')),
+]
+CODED_IDS = ['vgc-gap', 'vgc-auto', 'hybrid-auto', 'hybrid-gap',
+             'strom-auto']
 MODELS = {
     'f32': ([(17, 3), (5,), (0,), (64,), (9, 2), (1,)], [F32] * 6),
     'f16': ([(40,), (3, 3), (0,), (7,)], [F16] * 4),
@@ -53,7 +64,7 @@ def _stream(shapes, dtypes, steps, seed, missing=()):
 
 def _pair(method, kw, shapes, dtypes):
     names = [str(i) for i in range(len(shapes))]
-    kw = dict(kw, index_coding='fixed')
+    kw = dict(dict(index_coding='fixed'), **kw)
     return (GradientCompressor(method, names, shapes, dtypes, **kw),
             GradientCompressor(method, names, shapes, dtypes,
                                backend='native', **kw))
@@ -74,13 +85,14 @@ def _assert_states(dev, cpu, fake):
 
 
 @pytest.mark.parametrize('model', sorted(MODELS))
-@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+@pytest.mark.parametrize('method,kw', METHODS + CODED, ids=IDS + CODED_IDS)
 def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
                                                    model):
     fake = device
     shapes, dtypes = MODELS[model]
     dev, cpu = _pair(method, kw, shapes, dtypes)
     missing = {(1, 0), (2, len(shapes) - 1), (3, 1)}
+    formats = set()
     for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
         fake.reset()
         got = dev.compress(_on(fake, gs), _on(fake, ss))
@@ -91,6 +103,12 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
         assert dev.last_sent == cpu.last_sent
         assert dev.last_bytes == cpu.last_bytes
         _assert_states(dev, cpu, fake)
+        formats.update(g.fmt for g in walk(got, dev.sizes))
+    if kw.get('index_coding') == 'gap':  # re-coded on the host
+        assert codec.FMT_GAP in formats, formats
+    if (kw.get('index_coding') == 'auto'
+            and (method, model) == ('vgc', 'f32')):
+        assert {codec.FMT_GAP, codec.FMT_POW2} <= formats, formats
 
 
 @pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
@@ -180,7 +198,7 @@ def test_a_state_set_from_outside_is_taken_in(device):
 def test_settings_it_does_not_cover_take_the_per_tensor_kernels(device):
     fake = device
     shapes, dtypes = MODELS['f32']
-    for method, kw in (('vgc', {}), ('vgc', dict(quantize=False)),
+    for method, kw in (('vgc', dict(quantize=False)),
                        ('qsgd', dict(bits=2, bucket=8, seed=1)),
                        ('none', {})):
         comp = GradientCompressor(method, list('abcdef'), shapes, dtypes,
