@@ -22,7 +22,8 @@ whole model; each tensor's state is a view), and a step is:
 7. one download of the flags, the totals and the message together.
 
 Nothing is read back before 7: 8 launches for vgc, 7 for hybrid, 6 for
-Strom.  When the flags report a fault (a gradient or sum of squares that
+Strom.  'none' (no compression) is 4: the flags cleared, the gradients
+gathered, the layout and a pass writing them as dense FMT_RAW groups.  When the flags report a fault (a gradient or sum of squares that
 is not finite, a state that overflows), the arenas are not swapped: every
 residual stays as it was, as on the CPU.  Messages and states equal the
 per-tensor path and the CPU backends bit for bit
@@ -36,7 +37,7 @@ native gap encoder where the CPU backend is native): the same message, but
 the download carries 4 bytes per element sent and the gap code is CPU
 work, until the device encodes FMT_GAP itself.  Applies to tensors of at
 most 2**28 elements and models whose parameters share one state dtype;
-QSGD, 'none' and unquantized vgc take the rules' per-tensor CuPy kernels.
+QSGD and unquantized vgc take the rules' per-tensor CuPy kernels.
 """
 
 import numpy
@@ -50,6 +51,7 @@ from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
 from chainer_vgc import kernels
 from chainer_vgc.rules import Hybrid
+from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules import Strom
 from chainer_vgc.rules import VGC
 
@@ -62,7 +64,8 @@ MIN_SLACK = 1 << 16
 def kind_of(rule):
     """'vgc', 'hybrid', 'strom' or None: which whole-model step, if any,
     runs ``rule`` (its own class: a subclass may override the step)."""
-    for cls, kind in ((VGC, 'vgc'), (Hybrid, 'hybrid'), (Strom, 'strom')):
+    for cls, kind in ((VGC, 'vgc'), (Hybrid, 'hybrid'), (Strom, 'strom'),
+                      (NoCompression, 'none')):
         if type(rule) is cls:
             if kind == 'vgc' and not rule.quantize:
                 return None
@@ -106,7 +109,7 @@ class DeviceStep(object):
             numpy.int64)
         self.size = int(bounds[-1])
         self.offsets = xp.asarray(bounds)
-        self.keys = ('r',) if kind == 'strom' else ('r', 'v')
+        self.keys = {'strom': ('r',), 'none': ()}.get(kind, ('r', 'v'))
         #: two sets of state arenas; ``cur`` holds the state
         self.arenas = [{k: xp.zeros(self.size, self.sdt) for k in self.keys}
                        for _ in range(2)]
@@ -123,7 +126,9 @@ class DeviceStep(object):
         self.zeros = {}
         #: [flags (a word a tensor), total words, groups, message]
         self.head = self.n + 2
-        self.max_words = 2 + sum(codec.HEADER_WORDS + s for s in sizes)
+        per = 2 if kind == 'none' and self.sdt == numpy.float64 else 1
+        self.max_words = 2 + sum(codec.HEADER_WORDS + per * s
+                                 for s in sizes)
         self.buffer = xp.empty(self.head + self.max_words, numpy.uint32)
         self.staged = backend.host_buffer(self.buffer.size, numpy.uint32)
         self.cap = self.max_words
@@ -198,6 +203,10 @@ class DeviceStep(object):
         flagged = [(i, int(f)) for i, f in enumerate(flags) if f]
         comp.settle(comp.fault_of(flagged) if flagged else None, agree)
         self._commit(self.active_key)
+        if self.kind == 'none':
+            comp.last_sent = sum(n for n, a in zip(comp.sizes,
+                                                   self.active_key) if a)
+            return message
         comp.last_sent = int(message.size) - 2 - codec.HEADER_WORDS * int(
             message[1])
         coding = comp.rule.index_coding
@@ -217,6 +226,14 @@ class DeviceStep(object):
         active = self._active(xp, grads)
         flags.fill(0)
         g = self._arena(xp, grads)
+        if kind == 'none':
+            kernels.get_kernel('vgc_model_none_layout')(
+                offsets, nt, active, sdt == numpy.float64,
+                xp.empty(1, numpy.int32), self.base, msg,
+                self.buffer[n:n + 2])
+            kernels.get_kernel('vgc_model_none_write')(
+                g, offsets, nt, self.base, msg, flags)
+            return
         sign = xp.empty(self.size, numpy.int8)
         ok = xp.empty(self.size, numpy.int32)
         if kind == 'vgc':

@@ -119,6 +119,17 @@ SPECS = collections.OrderedDict([
         'bool keep', 'S r2, S v2, raw uint32 msg, raw uint32 flags',
         'vgc_model_vgc_write<S>(i, ok, sel, pos, offsets, n_tensors, base, '
         'ek, active, keep, r2, v2, msg, flags)')),
+    # 'none': dense FMT_RAW groups of the gradients (in the state dtype)
+    ('vgc_model_none_layout', KernelSpec(
+        'raw int64 offsets, int32 n_tensors, raw bool active, bool is_f64',
+        'int32 done, raw int64 base, raw uint32 msg, raw uint32 info',
+        'vgc_model_none_layout(offsets, n_tensors, active, is_f64, base, '
+        'msg, info); done = 1')),
+    ('vgc_model_none_write', KernelSpec(
+        'G g, raw int64 offsets, int32 n_tensors, raw int64 base',
+        'raw uint32 msg, raw uint32 flags',
+        'vgc_model_none_write(i, vgc_to<typename vgc_state<G>::type>(g), '
+        'offsets, n_tensors, base, msg, flags)')),
     ('vgc_model_sign_write', KernelSpec(
         'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors, '
         'raw int64 base', 'raw uint32 msg',

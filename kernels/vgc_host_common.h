@@ -33,12 +33,9 @@
 #include "vgc_numerics.cuh"
 
 /* Wire-format constants of chainer_vgc/codec/constants.py (checked by the
-   tests; VGC_MAGIC, VGC_FMT_POW2 and VGC_HEADER_WORDS come with
-   vgc_numerics.cuh). */
-#define VGC_FMT_RAW 2u
+   tests; VGC_MAGIC, VGC_FMT_POW2, VGC_FMT_RAW, VGC_HEADER_WORDS,
+   VGC_RAW_DENSE and VGC_RAW_FLOAT64 come with vgc_numerics.cuh). */
 #define VGC_FMT_QSGD 3u
-#define VGC_RAW_DENSE 1u
-#define VGC_RAW_FLOAT64 2u
 #define VGC_QSGD_OFFSET_BITS 23
 #define VGC_QSGD_RECORD_WORDS 4
 #define VGC_FMT_GAP 4u

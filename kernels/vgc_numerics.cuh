@@ -466,10 +466,13 @@ VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
 #define VGC_FLAG_BAD_SQSUM 2u
 #define VGC_FLAG_OVERFLOW_R 4u
 #define VGC_FLAG_OVERFLOW_V 8u
-/* the message's first word and FMT_POW2 (chainer_vgc.codec) */
+/* the message's first word, formats and header (chainer_vgc.codec) */
 #define VGC_MAGIC 0x31434756u
 #define VGC_FMT_POW2 1u
+#define VGC_FMT_RAW 2u
 #define VGC_HEADER_WORDS 5
+#define VGC_RAW_DENSE 1u
+#define VGC_RAW_FLOAT64 2u
 
 /* the tensor of element i: the last t < n with offsets[t] <= i (an empty
  * tensor shares its offset with the next, which holds i) */
@@ -675,6 +678,57 @@ VGC_FN void vgc_model_sign_write(long long i, signed char sign, const P &pos,
     msg[(long long)base[t] + vgc_model_slot(pos, offsets, t, i)] =
         vgc_pack_word(sign < 0, 0,
                       (unsigned int)(i - (long long)offsets[t]));
+}
+
+/* 'none': each tensor with a gradient sends it whole, a dense FMT_RAW
+ * group of state-dtype values (float64: two words, low first).  The
+ * layout, one thread: headers and places; info = {total words, groups}. */
+template <typename O, typename B, typename E, typename W>
+VGC_FN void vgc_model_none_layout(const O &offsets, int n, const B &active,
+                                  bool is_f64, E &base, W &msg, W &info) {
+    long long w = 2, groups = 0;
+    const int per = is_f64 ? 2 : 1;
+    for (int t = 0; t < n; ++t) {
+        const long long size = (long long)offsets[t + 1] - offsets[t];
+        if (!active[t] || !size) {
+            base[t] = -1;
+            continue;
+        }
+        msg[w] = (unsigned int)t;
+        msg[w + 1] = VGC_FMT_RAW;
+        msg[w + 2] = (unsigned int)size;
+        msg[w + 3] = VGC_RAW_DENSE | (is_f64 ? VGC_RAW_FLOAT64 : 0u);
+        msg[w + 4] = 0u;
+        base[t] = w + VGC_HEADER_WORDS;
+        w += VGC_HEADER_WORDS + per * size;
+        ++groups;
+    }
+    msg[0] = VGC_MAGIC;
+    msg[1] = (unsigned int)groups;
+    info[0] = (unsigned int)w;
+    info[1] = (unsigned int)groups;
+}
+
+/* the state dtype of a gradient dtype: float64 for float64, else float32
+ * (float16 in any of its device spellings, float32) */
+template <typename G> struct vgc_state { typedef float type; };
+template <> struct vgc_state<double> { typedef double type; };
+
+/* 'none': element i's value words, and BAD_GRAD where it is not finite */
+template <typename F, typename O, typename E, typename W, typename A>
+VGC_FN void vgc_model_none_write(long long i, F g, const O &offsets, int n,
+                                 const E &base, W &msg, A &flags) {
+    const int t = vgc_segment(offsets, n, i);
+    if ((long long)base[t] < 0) return;
+    vgc_flag(flags, t, vgc_finite(g) ? 0u : VGC_FLAG_BAD_GRAD);
+    const long long j = i - (long long)offsets[t];
+    const unsigned long long b = (unsigned long long)vgc_bits(g);
+    if (sizeof(F) == 8) {
+        msg[(long long)base[t] + 2 * j] = (unsigned int)b;
+        msg[(long long)base[t] + 2 * j + 1] = (unsigned int)(b >> 32);
+    } else {
+        msg[(long long)base[t] + j] = (unsigned int)b;
+    }
 }
 
 #endif /* CHAINER_VGC_NUMERICS_CUH */

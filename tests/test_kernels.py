@@ -115,7 +115,13 @@ def model_instances():
                               numpy.zeros(1, numpy.int32), u64, i64, i64,
                               u32, u32)),
         ('vgc_model_sign_write', (i8, i64, i64, n, i64, u32)),
+        ('vgc_model_none_layout', (i64, n, on, False,
+                                   numpy.zeros(1, numpy.int32), i64, u32,
+                                   u32)),
     ]
+    for gdt in (F16, F32, F64):
+        out.append(('vgc_model_none_write', (numpy.zeros(2, gdt), i64, n,
+                                             i64, u32, u32)))
     return out
 
 

@@ -34,7 +34,10 @@ def test_kernel_source_matches_codec():
                      'VGC_GAP_ESCAPE': codec.GAP_ESCAPE,
                      'VGC_MAGIC': codec.MAGIC,
                      'VGC_FMT_POW2': codec.FMT_POW2,
-                     'VGC_HEADER_WORDS': codec.HEADER_WORDS}
+                     'VGC_FMT_RAW': codec.FMT_RAW,
+                     'VGC_HEADER_WORDS': codec.HEADER_WORDS,
+                     'VGC_RAW_DENSE': codec.RAW_DENSE,
+                     'VGC_RAW_FLOAT64': codec.RAW_FLOAT64}
 
 
 def test_host_source_matches_codec():

@@ -40,7 +40,8 @@ C_CONSTANTS = collections.OrderedDict([
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
                     'VGC_MAX_D', 'VGC_GAP_ESCAPE', 'VGC_MAGIC',
-                    'VGC_FMT_POW2', 'VGC_HEADER_WORDS')
+                    'VGC_FMT_POW2', 'VGC_FMT_RAW', 'VGC_HEADER_WORDS',
+                    'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64')
 
 _DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
                      re.MULTILINE)
