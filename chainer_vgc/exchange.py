@@ -36,6 +36,7 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
+from chainer_vgc import device_decode
 from chainer_vgc import kernels
 from chainer_vgc import native
 
@@ -304,6 +305,10 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     read from there.)"""
     dtypes = [p.dtype for p in params]
     elements = validate_messages(blocks, compressor, dtypes)
+    if device_decode.applies(blocks, compressor, params, grads, dense) and \
+            device_decode.mean(blocks, compressor, params, size, dense,
+                               rescale):
+        return elements  # the whole model in one launch
     # gap-coded indices are sequential codes: decoded here, on the host
     decoder, _ = compressor.gap_codec()
     blocks = [codec.expand_gap(b, compressor.sizes, decoder) for b in blocks]

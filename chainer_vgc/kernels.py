@@ -130,6 +130,14 @@ SPECS = collections.OrderedDict([
         'raw uint32 msg, raw uint32 flags',
         'vgc_model_none_write(i, vgc_to<typename vgc_state<G>::type>(g), '
         'offsets, n_tensors, base, msg, flags)')),
+    # decode + mean of every rank's message, one thread per element of
+    # the model (chainer_vgc.device_decode)
+    ('vgc_model_decode_mean', KernelSpec(
+        'raw uint32 buf, raw int64 offsets, int32 n_tensors, int32 ranks, '
+        'bool dense, bool rescaled, float64 inv, float64 rescale, '
+        'float32 k16', 'D mean',
+        'mean = vgc_model_mean<D>(i, buf, offsets, n_tensors, ranks, dense, '
+        'rescaled, inv, rescale, k16)')),
     ('vgc_model_sign_write', KernelSpec(
         'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors, '
         'raw int64 base', 'raw uint32 msg',

@@ -731,4 +731,101 @@ VGC_FN void vgc_model_none_write(long long i, F g, const O &offsets, int n,
     }
 }
 
+/* ---- The whole-model decode + mean (issue 25) -------------------------- *
+ * One thread per element of the model: the sum, in rank order from +0.0
+ * (dense: MPI's rank-order tree), of what each rank's message carries for
+ * it, then the mean in the parameter dtype.  The uploaded buffer starts
+ * with a descriptor of VGC_DESC_WORDS words per (rank, tensor): body
+ * offset (low, high word), count, kind, e_k, scale bits; the bodies
+ * follow (FMT_GAP groups arrive as FMT_POW2 words, expanded on the host). */
+#define VGC_DESC_WORDS 6
+#define VGC_BODY_POW2 1u
+#define VGC_BODY_RAW32 2u
+#define VGC_BODY_RAW64 3u
+#define VGC_BODY_DENSE32 4u
+#define VGC_BODY_DENSE64 5u
+#define VGC_TREE_MAX 64
+
+template <typename S, typename W>
+VGC_FN S vgc_raw_value(const W &buf, long long at, bool f64) {
+    if (!f64) return vgc_to<S>(vgc_from_bits((unsigned int)buf[at]));
+    const unsigned long long lo = (unsigned int)buf[at],
+                             hi = (unsigned int)buf[at + 1];
+    return vgc_to<S>(vgc_from_bits(lo | (hi << 32)));
+}
+
+/* the value the group described at buf[d] carries for index j, if any */
+template <typename S, typename W>
+VGC_FN bool vgc_lookup(const W &buf, long long d, long long j, S &value) {
+    const long long count = (long long)(unsigned int)buf[d + 2];
+    if (!count) return false;
+    const long long off = (long long)(unsigned int)buf[d] |
+                          ((long long)(unsigned int)buf[d + 1] << 32);
+    const unsigned int kind = buf[d + 3];
+    if (kind == VGC_BODY_DENSE32 || kind == VGC_BODY_DENSE64) {
+        const bool f64 = kind == VGC_BODY_DENSE64;
+        value = vgc_raw_value<S>(buf, off + (f64 ? 2 * j : j), f64);
+        return true;
+    }
+    const unsigned int mask = kind == VGC_BODY_POW2 ? VGC_INDEX_MASK
+                                                     : 0xFFFFFFFFu;
+    long long lo = 0, hi = count; /* the first key >= j */
+    while (lo < hi) {
+        const long long mid = lo + (hi - lo) / 2;
+        if ((long long)((unsigned int)buf[off + mid] & mask) < j)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == count ||
+        (long long)((unsigned int)buf[off + lo] & mask) != j)
+        return false;
+    if (kind == VGC_BODY_POW2) {
+        long long index;
+        const S scale = vgc_to<S>(vgc_from_bits((unsigned int)buf[d + 5]));
+        value = vgc_pow2_decode<S>((unsigned int)buf[off + lo],
+                                   (int)buf[d + 4], scale, index);
+        return true;
+    }
+    const bool f64 = kind == VGC_BODY_RAW64;
+    value = vgc_raw_value<S>(buf, off + count + (f64 ? 2 * lo : lo), f64);
+    return true;
+}
+
+/* the mean of element i in the parameter dtype D (chainer_vgc.exchange's
+ * _finish_mean): sum * (1/p) in D (float16: the product in float32 by
+ * k16 = float32(float16(1/p)), rounded once); with a loss scale, sum *
+ * (1/p) * scale in the state dtype, then D */
+template <typename D, typename W, typename O>
+VGC_FN D vgc_model_mean(long long i, const W &buf, const O &offsets, int n,
+                        int p, bool dense, bool rescaled, double inv,
+                        double rescale, float k16) {
+    typedef typename vgc_state<D>::type S;
+    const int t = vgc_segment(offsets, n, i);
+    const long long j = i - (long long)offsets[t];
+    S acc = (S)0, v;
+    if (!dense) {
+        for (int b = 0; b < p; ++b)
+            if (vgc_lookup<S>(buf, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v))
+                acc = vgc_add(acc, v);
+    } else {
+        S vals[VGC_TREE_MAX];
+        for (int b = 0; b < p; ++b)
+            vals[b] = vgc_lookup<S>(buf, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v)
+                ? vgc_add((S)0, v) : (S)0;
+        for (int w = p; w > 1; w = (w + 1) / 2) {
+            for (int k = 0; k < w / 2; ++k)
+                vals[k] = vgc_add(vals[2 * k], vals[2 * k + 1]);
+            if (w & 1) vals[w / 2] = vals[w - 1];
+        }
+        acc = vals[0];
+    }
+    if (rescaled)
+        return vgc_to<D>(vgc_mul(vgc_mul(acc, vgc_to<S>(inv)),
+                                 vgc_to<S>(rescale)));
+    if (sizeof(D) == 2)
+        return vgc_to<D>(vgc_mul(vgc_to<float>(vgc_to<D>(acc)), k16));
+    return vgc_mul(vgc_to<D>(acc), vgc_to<D>(inv));
+}
+
 #endif /* CHAINER_VGC_NUMERICS_CUH */

@@ -4,6 +4,8 @@ CPU through the fake CuPy with its kernels compiled for the host (the
 CPU backend, step after step, faults leaving every state untouched, and a
 fixed number of launches with one download and no scalar read."""
 
+import types
+
 import numpy
 import pytest
 
@@ -12,6 +14,7 @@ from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
 from chainer_vgc import device_step
+from chainer_vgc import exchange
 from chainer_vgc import faults
 
 from reference import assert_bitwise
@@ -236,3 +239,47 @@ def test_a_message_longer_than_the_last_one_takes_a_second_copy(
     assert counts[0][0] == 1  # the first step copies the longest possible
     assert any(d == 2 for d, _ in counts[1:]), counts
     assert counts[-1][1] > counts[1][1]
+
+
+def _param(xp, shape, dtype, grad):
+    """What mean_gradients reads of a chainer.Parameter."""
+    return types.SimpleNamespace(
+        array=xp.zeros(shape, dtype), grad=grad, dtype=numpy.dtype(dtype),
+        shape=shape, size=int(numpy.prod(shape)), xp=xp)
+
+
+@pytest.mark.parametrize('model', sorted(MODELS))
+@pytest.mark.parametrize('method,kw', METHODS + CODED, ids=IDS + CODED_IDS)
+@pytest.mark.parametrize('ranks,rescale', [(1, None), (3, None), (4, None),
+                                           (4, 1024.0)])
+def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
+                                               ranks, rescale):
+    """Every rank's messages (CPU-made) decoded on the device in one
+    launch: the means equal the CPU decoder's bit for bit, and each grad
+    is a view of one new array."""
+    fake = device
+    shapes, dtypes = MODELS[model]
+    if len(set(dtypes)) > 1:
+        pytest.skip('parameters of two dtypes: decoded tensor by tensor')
+    comps = [_pair(method, kw, shapes, dtypes)[1] for _ in range(ranks)]
+    blocks = None
+    for k in range(3):  # the residuals' third step: a realistic density
+        blocks = [c.compress(*_stream(shapes, dtypes, 3, 10 + r)[k])
+                  for r, c in enumerate(comps)]
+    dense = method == 'none'
+    host = [_param(numpy, s, d, numpy.ones(s, d))
+            for s, d in zip(shapes, dtypes)]
+    exchange.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
+                            ranks, True, dense, rescale=rescale)
+    grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
+    dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
+    fake.reset()
+    elements = exchange.mean_gradients(blocks, comps[0], dev, grads, ranks,
+                                       True, dense, rescale=rescale)
+    assert fake.launches == ['vgc_model_decode_mean']
+    assert fake.count('upload') == 1
+    assert fake.count('download') == fake.count('scalar') == 0
+    assert elements == [codec.message_count(b) for b in blocks]
+    for h, d in zip(host, dev):
+        assert d.grad.shape == h.grad.shape and d.grad.dtype == h.grad.dtype
+        assert_bitwise(fake.asnumpy(d.grad), h.grad)

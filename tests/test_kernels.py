@@ -122,6 +122,9 @@ def model_instances():
     for gdt in (F16, F32, F64):
         out.append(('vgc_model_none_write', (numpy.zeros(2, gdt), i64, n,
                                              i64, u32, u32)))
+        out.append(('vgc_model_decode_mean', (
+            u32, i64, n, n, False, False, numpy.float64(1),
+            numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
     return out
 
 

@@ -6,11 +6,11 @@ The budget of issue 25 is a fixed number of launches and one host
 synchronisation per step, whatever the model: a compress step at most 12
 launches, one device-to-host copy and no scalar read; a decode step at
 most 8 launches, one upload and nothing read back.  The transfers hold for
-every method and are asserted.  The compress budget holds for the
-whole-model step (chainer_vgc.device_step: vgc, hybrid and Strom with
-every index coding, and 'none') and is asserted.  The decode budget is not
-met yet (each tensor takes its own kernels) and is kept as a strict
-expected failure, which turns into an error the day it passes.
+every method and are asserted, and so are the launch budgets: the
+whole-model compress step (chainer_vgc.device_step: vgc, hybrid and Strom
+with every index coding, and 'none') and the whole-model decode
+(chainer_vgc.device_decode: one launch).  QSGD keeps its own counts, and
+models of several dtypes are decoded tensor by tensor.
 
 ``python tests/test_launch_counts.py`` prints the counts.
 """
@@ -34,9 +34,6 @@ METHODS = [('vgc', dict(alpha=1.0, index_coding='fixed')),
            ('none', {})]
 IDS = ['{}:{}'.format(m, kw.get('index_coding', 'auto')) for m, kw in
        METHODS]
-#: the methods the whole-model step runs
-FUSED = ('vgc:fixed', 'vgc:gap', 'vgc:auto', 'hybrid:fixed',
-         'hybrid:auto', 'strom:fixed', 'strom:auto', 'none:auto')
 RANKS = 4
 #: issue 25's budgets
 COMPRESS_LAUNCHES, DECODE_LAUNCHES = 12, 8
@@ -100,14 +97,7 @@ def test_transfers_per_step_do_not_grow_with_the_model(device, method, kw):
         assert c['compress']['launch'] > 0 and c['decode']['launch'] > 0
 
 
-_NOT_YET = pytest.mark.xfail(
-    strict=True, reason='issue 25: not built yet; each tensor takes its own '
-    'launches and scalar reads')
-
-
-@pytest.mark.parametrize('method,kw', [
-    pytest.param(m, kw, id=name, marks=() if name in FUSED else _NOT_YET)
-    for (m, kw), name in zip(METHODS, IDS)])
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
 def test_compress_launches_are_fixed_whatever_the_model(device, method, kw):
     counts = [step_counts(device, method, kw, n)['compress']
               for n in TENSORS]
@@ -117,7 +107,6 @@ def test_compress_launches_are_fixed_whatever_the_model(device, method, kw):
     assert all(c == counts[0] for c in counts), counts
 
 
-@_NOT_YET
 @pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
 def test_decode_launches_are_fixed_whatever_the_model(device, method, kw):
     counts = [step_counts(device, method, kw, n)['decode'] for n in TENSORS]
