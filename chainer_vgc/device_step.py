@@ -13,7 +13,7 @@ whole model; each tensor's state is a view), and a step is:
 2. the rule's select pass over the whole arena (``vgc_model_*`` in
    :data:`chainer_vgc.kernels.SPECS`): the next state into the other pair
    of arenas, the input and overflow checks as per-tensor flags, and for
-   vgc each tensor's largest selected |r| (for e_k, Sec. 4.2);
+   vgc each tensor's largest selected ``|r|`` (for e_k, Sec. 4.2);
 3. vgc only: which selected elements e_k can represent;
 4. one scan (``cupy.cumsum``) of the elements sent;
 5. the layout, one thread: each tensor's FMT_POW2 group header and place;
