@@ -76,13 +76,15 @@ def kind_of(rule):
 def find(compressor, grads):
     """The compressor's :class:`DeviceStep` when it applies to ``grads``
     (CuPy arrays, every one on one device), else None."""
+    first = next((g for g in grads if g is not None), None)
+    if first is None or not backend.is_cupy(backend.get_array_module(first)):
+        return None  # (the CPU's steps pay for nothing more)
     kind = kind_of(compressor.rule)
     if (kind is None or any(n > codec.MAX_INDEX for n in compressor.sizes)
             or len({backend.state_dtype(d) for d in compressor.dtypes}) != 1):
         return None
     present = [g for g in grads if g is not None]
-    if not present or not backend.is_cupy(
-            backend.get_array_module(*present)):
+    if not backend.is_cupy(backend.get_array_module(*present)):
         return None
     device = present[0].device
     if any(g.device != device for g in present):

@@ -283,3 +283,54 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     for h, d in zip(host, dev):
         assert d.grad.shape == h.grad.shape and d.grad.dtype == h.grad.dtype
         assert_bitwise(fake.asnumpy(d.grad), h.grad)
+
+
+def test_communicator_step_takes_the_whole_model_paths(device):
+    """VGCCommunicator.multi_node_mean_grad on a one-rank world, a float32
+    model on the device, three steps: the whole-model compress and decode
+    (a fixed number of launches, one download, one upload, no scalar
+    read), the means and the residuals of the CPU path bit for bit."""
+    from mpi4py import MPI
+    from chainer_vgc import communicator
+    from test_gpu_path import _FakeModel
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    steps = _stream(shapes, dtypes, 3, 4)
+    comms = {xp: communicator.VGCCommunicator(MPI.COMM_SELF, method='vgc',
+                                              alpha=1.0)
+             for xp in (numpy, fake)}
+    models = {}
+    for xp in (numpy, fake):
+        models[xp] = _FakeModel({'/{}'.format(t): _param(
+            xp, s, d, None) for t, (s, d) in enumerate(zip(shapes, dtypes))})
+    for k, (gs, ss) in enumerate(steps):
+        means = {}
+        for xp in (numpy, fake):
+            params = [p for _, p in sorted(models[xp].namedparams())]
+            for p, g in zip(params, gs):
+                p.grad = g.copy() if xp is numpy else fake.asarray(g)
+            comms[xp].set_sqsums([s if xp is numpy else fake.asarray(s)
+                                  for s in ss])
+            fake.reset()
+            comms[xp].multi_node_mean_grad(models[xp])
+            if xp is fake:
+                assert fake.count('download') == 1
+                # the first step uploads the offsets and which tensors have
+                # a gradient; every step its messages
+                assert fake.count('upload') == (3 if k == 0 else 1)
+                assert fake.count('scalar') == 0
+                if k:  # (the first step also sets the arenas up)
+                    assert fake.count('launch') <= 8 + 1, ' '.join(
+                        fake.launches)
+            means[xp] = [backend_to_numpy(p.grad) for p in params]
+        for a, b in zip(means[numpy], means[fake]):
+            assert_bitwise(a, b)
+    comp = {xp: comms[xp].state(models[xp]).compressor
+            for xp in (numpy, fake)}
+    assert isinstance(comp[fake]._device_step, device_step.DeviceStep)
+    _assert_states(comp[fake], comp[numpy], fake)
+
+
+def backend_to_numpy(a):
+    from chainer_vgc import backend
+    return backend.to_numpy(a)
