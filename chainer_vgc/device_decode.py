@@ -26,6 +26,7 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc import kernels
+from chainer_vgc import native_gap
 from chainer_vgc.codec.gap import span_parts
 from chainer_vgc.codec.message import walk
 
@@ -85,7 +86,8 @@ def _bodies(blocks, sizes, decoder):
 def mean(blocks, compressor, params, size, dense, rescale):
     """``param.grad`` = the mean of the (validated) ``blocks`` for every
     parameter; False (nothing done) when a message carries FMT_QSGD."""
-    got = _bodies(blocks, compressor.sizes, compressor.gap_codec()[0])
+    got = _bodies(blocks, compressor.sizes,
+                  native_gap.codec_or_reference()[0])
     if got is None:
         return False
     desc, parts = got

@@ -33,7 +33,7 @@ per-tensor path and the CPU backends bit for bit
 The device writes the paper's 32-bit words (FMT_POW2).  With
 ``index_coding`` 'gap' or 'auto' the host then re-codes each group as
 :func:`chainer_vgc.codec.pow2_best_group` does (:func:`recode`, with the
-native gap encoder where the CPU backend is native): the same message, but
+native gap encoder where the native library is built): the same message, but
 the download carries 4 bytes per element sent and the gap code is CPU
 work, until the device encodes FMT_GAP itself.  Applies to tensors of at
 most 2**28 elements and models whose parameters share one state dtype;
@@ -50,6 +50,7 @@ from chainer_vgc.codec.header import Group
 from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
 from chainer_vgc import kernels
+from chainer_vgc import native_gap
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules import Strom
@@ -214,7 +215,8 @@ class DeviceStep(object):
         coding = comp.rule.index_coding
         if coding != 'fixed':
             message = recode(message, comp.sizes, coding,
-                             self.kind != 'vgc', comp.gap_codec()[1])
+                             self.kind != 'vgc',
+                             native_gap.codec_or_reference()[1])
         return message
 
     def _passes(self, xp, grads, sqsums):
