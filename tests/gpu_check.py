@@ -120,6 +120,18 @@ CASES = [
     ('qsgd', 'qsgd', dict(bits=2, bucket=64), []),
 ]
 RESCALE = 1024.0
+#: the whole-model GPU paths (issue 25: chainer_vgc.device_step and
+#: device_decode) run on a model of one dtype: MODEL's tensors and inputs
+#: in float32 (cast on the host), these cases
+WHOLE_CASES = [
+    ('whole_vgc_fixed', 'vgc', dict(alpha=1.0, index_coding='fixed')),
+    ('whole_vgc_auto', 'vgc', dict(alpha=1.0, index_coding='auto')),
+    ('whole_vgc_keep', 'vgc', dict(alpha=2.0, keep_unrepresentable=True,
+                                   index_coding='fixed')),
+    ('whole_hybrid_auto', 'hybrid', dict(tau=0.05, index_coding='auto')),
+    ('whole_strom_fixed', 'strom', dict(tau=0.05, index_coding='fixed')),
+    ('whole_none', 'none', {}),
+]
 
 
 def qsgd_seed(worker):
@@ -332,6 +344,7 @@ def record(args):
     problems = []
     t0 = time.perf_counter()
     record_compression(core, arrays, meta, native_ok, problems)
+    record_whole(core, arrays, meta)
     print('compression cases recorded ({:.1f} s)'.format(
         time.perf_counter() - t0))
     t0 = time.perf_counter()
@@ -424,6 +437,99 @@ def record_compression(core, arrays, meta, native_ok, problems):
               'the last step: {}'.format(name, sent, STEPS * WORKERS,
                                          ', '.join(kinds)))
     meta['cases'] = cases
+
+
+def whole_model(model):
+    """The float32 model of the whole-model cases."""
+    return [[m[0], list(m[1]), F32, F32, m[4]] for m in model]
+
+
+def whole_inputs(inputs):
+    with numpy.errstate(under='ignore', over='ignore'):
+        return [([g.astype(F32) for g in gs], [s.astype(F32) for s in ss])
+                for gs, ss in inputs]
+
+
+def whole_means(core, blocks, comp, model, params, method):
+    """exchange.mean_gradients into ``params`` ('none': the dense tree)."""
+    core.exchange.mean_gradients(blocks, comp, params,
+                                 [p.grad for p in params], len(blocks), True,
+                                 method == 'none')
+    return [p.grad for p in params]
+
+
+def record_whole(core, arrays, meta):
+    """The whole-model cases on the NumPy path: the digests of the
+    messages, the means and the states."""
+    model = whole_model(meta['model'])
+    inputs = whole_inputs(load_inputs(arrays, meta['model']))
+    meta['whole'] = []
+    for name, method, kw in WHOLE_CASES:
+        case = {'name': name, 'method': method, 'kwargs': kw}
+        digests = case['digests'] = {}
+        comps = [make_compressor(core, case, model, w, 'numpy')
+                 for w in range(WORKERS)]
+        for step in range(STEPS):
+            blocks = []
+            for w in range(WORKERS):
+                gs, ss = worker_inputs(inputs, step, w)
+                blocks.append(comps[w].compress(gs, ss))
+                digests['msg/{}/{}'.format(step, w)] = digest(blocks[-1])
+            params = [param(numpy, m[1], m[2]) for m in model]
+            for t, a in enumerate(whole_means(core, blocks, comps[0], model,
+                                              params, method)):
+                digests['mean/{}/{}'.format(step, t)] = digest(a)
+        for w in range(WORKERS):
+            for t, st in enumerate(comps[w].states):
+                for key, a in sorted((st or {}).items()):
+                    digests['state/{}/{}/{}'.format(w, t, key)] = digest(a)
+        meta['whole'].append(case)
+
+
+def check_whole(ctx, ck):
+    """The whole-model cases on the device: every message, the states and
+    the means, bit for bit the NumPy path's, and the whole-model paths
+    taken (not the per-tensor ones)."""
+    if 'whole' not in ctx.meta:
+        ck.run('whole/', lambda: (_ for _ in ()).throw(Skip(
+            'a reference recorded before issue 25 has no whole-model '
+            'cases')))
+        return
+    for case in ctx.meta['whole']:
+        ck.run('whole/' + case['name'],
+               lambda case=case: check_whole_case(ctx, ck, case))
+
+
+def check_whole_case(ctx, ck, case):
+    core, xp = ctx.core, ctx.xp
+    model = whole_model(ctx.meta['model'])
+    inputs = whole_inputs(load_inputs(ctx.ref, ctx.meta['model']))
+    digests = case['digests']
+    comps = [make_compressor(core, case, model, w, 'numpy')
+             for w in range(WORKERS)]
+    for step in range(STEPS):
+        blocks = []
+        for w in range(WORKERS):
+            gs, ss = worker_inputs(inputs, step, w)
+            blocks.append(comps[w].compress([xp.asarray(g) for g in gs],
+                                            [xp.asarray(s) for s in ss]))
+            ck.same_digest('step {} worker {} message'.format(step, w),
+                           blocks[-1], digests['msg/{}/{}'.format(step, w)])
+        if getattr(comps[0], '_device_step', None) is None:
+            raise Mismatch('the whole-model compress step did not run')
+        params = [param(xp, m[1], m[2]) for m in model]
+        for t, a in enumerate(whole_means(core, blocks, comps[0], model,
+                                          params, case['method'])):
+            ck.same_digest('step {} tensor {} mean'.format(step, t),
+                           core.backend.to_numpy(a),
+                           digests['mean/{}/{}'.format(step, t)])
+    for w in range(WORKERS):
+        for t, st in enumerate(comps[w].states):
+            for key, a in sorted((st or {}).items()):
+                ck.same_digest('worker {} tensor {} state {}'.format(
+                    w, t, key), core.backend.to_numpy(a),
+                    digests['state/{}/{}/{}'.format(w, t, key)])
+    return '{} messages, means and the states'.format(STEPS * WORKERS)
 
 
 def load_inputs(arrays, model):
@@ -1073,6 +1179,7 @@ def check(args):
     check_kernels(ctx, ck)
     t_kern = time.perf_counter()
     check_compression(ctx, ck)
+    check_whole(ctx, ck)
     t_comp = time.perf_counter()
     if not ctx.fake:
         nvrtc_report(env)
