@@ -86,6 +86,7 @@ class GradientCompressor(object):
         self._spares = [None] * len(self.names)
         self._buffer = None
         self._decode_buffers = [None] * len(self.names)
+        self._device_step = None  # chainer_vgc.device_step, on a GPU
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0
