@@ -334,3 +334,29 @@ def test_communicator_step_takes_the_whole_model_paths(device):
 def backend_to_numpy(a):
     from chainer_vgc import backend
     return backend.to_numpy(a)
+
+
+def test_a_bad_message_never_reaches_the_decode_kernel(device):
+    """The whole-model decode validates every message on the host first:
+    a corrupt one raises the reference's WireFormatError, nothing is
+    uploaded or launched and no gradient changes."""
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    comp = _pair('vgc', dict(alpha=1.0), shapes, dtypes)[1]
+    good = comp.compress(*_stream(shapes, dtypes, 1, 6)[0]).copy()
+    bad = good.copy()
+    bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
+    with pytest.raises(codec.WireFormatError) as err:
+        codec.unpack(bad, comp.sizes, comp.dtypes)
+    grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
+    dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
+    fake.reset()
+    with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
+        exchange.mean_gradients([good, bad], comp, dev, grads, 2, True,
+                                False)
+    assert fake.count('upload') == 0 and fake.launches == []
+    assert all(p.grad is g for p, g in zip(dev, grads))
+    assert all((fake.asnumpy(g) == 1).all() for g in grads)
+    # and the good messages alone do take the one-launch decode
+    exchange.mean_gradients([good, good], comp, dev, grads, 2, True, False)
+    assert fake.launches == ['vgc_model_decode_mean']
