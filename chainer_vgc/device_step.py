@@ -22,21 +22,21 @@ whole model; each tensor's state is a view), and a step is:
 7. one download of the flags, the totals and the message together.
 
 Nothing is read back before 7: 8 launches for vgc, 7 for hybrid, 6 for
-Strom.  'none' (no compression) is 4: the flags cleared, the gradients
-gathered, the layout and a pass writing them as dense FMT_RAW groups.  When the flags report a fault (a gradient or sum of squares that
-is not finite, a state that overflows), the arenas are not swapped: every
-residual stays as it was, as on the CPU.  Messages and states equal the
+Strom (with the paper's words).  'none' (no compression) is 4: the flags
+cleared, the gradients gathered, the layout and a pass writing them as
+dense FMT_RAW groups.  When the flags report a fault (a gradient or sum
+of squares that is not finite, a state that overflows), the arenas are
+not swapped: every residual stays as it was, as on the CPU.  Messages and states equal the
 per-tensor path and the CPU backends bit for bit
 (``tests/test_device_step.py``); the kernels come from the same
 ``kernels/vgc_numerics.cuh``.
 
-The device writes the paper's 32-bit words (FMT_POW2).  With
-``index_coding`` 'gap' or 'auto' the host then re-codes each group as
-:func:`chainer_vgc.codec.pow2_best_group` does (:func:`recode`, with the
-native gap encoder where the native library is built): the same message, but
-the download carries 4 bytes per element sent and the gap code is CPU
-work, until the device encodes FMT_GAP itself.  Applies to tensors of at
-most 2**28 elements and models whose parameters share one state dtype;
+With ``index_coding`` 'gap' or 'auto', steps 6-7 become: each sent
+element's word compacted at its rank, the gap code lengths, a scan of
+them, the layout (FMT_GAP, or for 'auto' the paper's words where FMT_GAP
+is not shorter) and one pass assembling every word of the message, a
+thread a word (11 launches for vgc).  Applies to tensors of at most 2**28
+elements and models whose parameters share one state dtype;
 QSGD and unquantized vgc take the rules' per-tensor CuPy kernels.
 """
 
@@ -44,13 +44,8 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import codec
-from chainer_vgc.codec.gap import gap_body
-from chainer_vgc.codec.gap import rice_parameter
-from chainer_vgc.codec.header import Group
 from chainer_vgc.codec.header import f32_bits
-from chainer_vgc.codec.message import walk
 from chainer_vgc import kernels
-from chainer_vgc import native_gap
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules import Strom
@@ -210,13 +205,9 @@ class DeviceStep(object):
             comp.last_sent = sum(n for n, a in zip(comp.sizes,
                                                    self.active_key) if a)
             return message
-        comp.last_sent = int(message.size) - 2 - codec.HEADER_WORDS * int(
-            message[1])
-        coding = comp.rule.index_coding
-        if coding != 'fixed':
-            message = recode(message, comp.sizes, coding,
-                             self.kind != 'vgc',
-                             native_gap.codec_or_reference()[1])
+        comp.last_sent = codec.message_count(message) \
+            if comp.rule.index_coding != 'fixed' else \
+            int(message.size) - 2 - codec.HEADER_WORDS * int(message[1])
         return message
 
     def _passes(self, xp, grads, sqsums):
@@ -259,6 +250,9 @@ class DeviceStep(object):
                 codec.wire_scale(rule.tau, sdt), new['r'], sign, ok, flags)
         pos = xp.cumsum(ok, dtype=numpy.int64)
         scale = f32_bits(1.0 if kind == 'vgc' else rule.tau)
+        if rule.index_coding != 'fixed':
+            self._gap_passes(xp, sign, ok, pos, active, old, new, scale)
+            return
         kernels.get_kernel('vgc_model_layout')(
             pos, offsets, nt, kind == 'vgc', numpy.uint32(scale),
             sdt == numpy.float64, xp.empty(1, numpy.int32), self.maxbits,
@@ -271,6 +265,40 @@ class DeviceStep(object):
         else:
             kernels.get_kernel('vgc_model_sign_write')(
                 sign, pos, offsets, nt, self.base, msg)
+
+    def _gap_passes(self, xp, sign, ok, pos, active, old, new, scale):
+        """Steps 6-7 with gap-coded indices: the words compacted by
+        rank, the code lengths, one scan of them, the layout (FMT_GAP or
+        the paper's words per tensor) and every message word assembled
+        (see ``kernels/vgc_numerics.cuh``)."""
+        rule, kind, n = self.comp.rule, self.kind, self.n
+        offsets, nt = self.offsets, numpy.int32(n)
+        msg, flags = self.buffer[self.head:], self.buffer[:max(n, 1)]
+        cw = xp.empty(self.size, numpy.uint32)
+        ct = xp.empty(self.size, numpy.int32)
+        if kind == 'vgc':
+            kernels.get_kernel('vgc_model_vgc_compact')(
+                ok, sign, pos, offsets, nt, self.maxbits, active,
+                bool(rule.keep_unrepresentable), new['r'], new['v'], cw, ct,
+                flags)
+        else:
+            kernels.get_kernel('vgc_model_sign_compact')(
+                sign, pos, offsets, nt, cw, ct)
+        length = xp.empty(self.size, numpy.int64)
+        if self.size:
+            kernels.get_kernel('vgc_model_gap_lengths')(
+                cw, ct, pos, offsets, nt, length)
+        ends = xp.cumsum(length)
+        rec = xp.empty(6 * n + 2, numpy.int64)
+        sign_only = kind != 'vgc'
+        kernels.get_kernel('vgc_model_gap_layout')(
+            pos, ends, offsets, nt, kind == 'vgc',
+            self.sdt == numpy.float64, rule.index_coding == 'gap', sign_only,
+            xp.empty(1, numpy.int32), self.maxbits, rec,
+            self.buffer[n:n + 2])
+        kernels.get_kernel('vgc_model_gap_assemble')(
+            rec, nt, cw, pos, offsets, ends, length, numpy.uint32(scale),
+            sign_only, msg)
 
     def _download(self):
         """Step 7: the flags, totals and message in one copy (a second
@@ -289,28 +317,3 @@ class DeviceStep(object):
                        + 2 + codec.HEADER_WORDS * n)
         return host[head:head + total], host[:n]
 
-
-def recode(message, sizes, coding, sign_only, encoder=None):
-    """``message`` (FMT_POW2 groups of sorted words) with each group coded
-    as :func:`chainer_vgc.codec.pow2_best_group` codes it for ``coding``
-    ('gap': FMT_GAP; 'auto': FMT_GAP where its body is shorter);
-    ``sign_only``: every d is 0 (hybrid, Strom).  ``encoder``: a fast
-    equivalent of :func:`chainer_vgc.codec.gap_body` (the native one)."""
-    groups, changed = [], False
-    for g in walk(message, sizes):
-        words = g.body
-        if g.fmt != codec.FMT_POW2 or not words.size:
-            groups.append(g)
-            continue
-        index = (words & numpy.uint32(codec.MAX_INDEX - 1)).astype(
-            numpy.int64)
-        nibbles = words >> numpy.uint32(codec.INDEX_BITS)
-        k = rice_parameter(words.size, sizes[g.tensor_id])
-        body = (encoder or gap_body)(index, nibbles, k, sign_only)
-        if coding == 'auto' and body.size >= words.size:
-            groups.append(g)
-            continue
-        groups.append(Group(g.tensor_id, codec.FMT_GAP, g.count, g.a, g.b,
-                            body))
-        changed = True
-    return codec.pack(groups) if changed else message

@@ -138,6 +138,34 @@ SPECS = collections.OrderedDict([
         'float32 k16', 'D mean',
         'mean = vgc_model_mean<D>(i, buf, offsets, n_tensors, ranks, dense, '
         'rescaled, inv, rescale, k16)')),
+    # FMT_GAP on the device ('gap', 'auto'): ranks compacted, code
+    # lengths, a one-thread layout, every message word assembled
+    ('vgc_model_vgc_compact', KernelSpec(
+        'int32 ok, int8 sel, raw int64 pos, raw int64 offsets, '
+        'int32 n_tensors, raw uint64 maxbits, raw bool active, bool keep',
+        'S r2, S v2, raw uint32 cw, raw int32 ct, raw uint32 flags',
+        'vgc_model_vgc_compact<S>(i, ok, sel, pos, offsets, n_tensors, '
+        'maxbits, active, keep, r2, v2, cw, ct, flags)')),
+    ('vgc_model_sign_compact', KernelSpec(
+        'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors',
+        'raw uint32 cw, raw int32 ct',
+        'vgc_model_sign_compact(i, sign, pos, offsets, n_tensors, cw, ct)')),
+    ('vgc_model_gap_lengths', KernelSpec(
+        'raw uint32 cw, raw int32 ct, raw int64 pos, raw int64 offsets, '
+        'int32 n_tensors', 'int64 len',
+        'len = vgc_model_gap_length(i, cw, ct, pos, offsets, n_tensors)')),
+    ('vgc_model_gap_layout', KernelSpec(
+        'raw int64 pos, raw int64 ends, raw int64 offsets, int32 n_tensors, '
+        'bool from_max, bool is_f64, bool always_gap, bool sign_only',
+        'int32 done, raw uint64 maxbits, raw int64 rec, raw uint32 info',
+        'vgc_model_gap_layout(pos, ends, offsets, n_tensors, maxbits, '
+        'from_max, is_f64, always_gap, sign_only, rec, info); done = 1')),
+    ('vgc_model_gap_assemble', KernelSpec(
+        'raw int64 rec, int32 n_tensors, raw uint32 cw, raw int64 pos, '
+        'raw int64 offsets, raw int64 ends, raw int64 len, uint32 scale, '
+        'bool sign_only', 'uint32 word',
+        'vgc_model_gap_assemble(i, rec, n_tensors, cw, pos, offsets, ends, '
+        'len, scale, sign_only, word)')),
     ('vgc_model_sign_write', KernelSpec(
         'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors, '
         'raw int64 base', 'raw uint32 msg',

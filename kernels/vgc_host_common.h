@@ -33,14 +33,12 @@
 #include "vgc_numerics.cuh"
 
 /* Wire-format constants of chainer_vgc/codec/constants.py (checked by the
-   tests; VGC_MAGIC, VGC_FMT_POW2, VGC_FMT_RAW, VGC_HEADER_WORDS,
-   VGC_RAW_DENSE and VGC_RAW_FLOAT64 come with vgc_numerics.cuh). */
+   tests; VGC_MAGIC, VGC_FMT_POW2, VGC_FMT_RAW, VGC_FMT_GAP,
+   VGC_HEADER_WORDS, VGC_RAW_DENSE, VGC_RAW_FLOAT64, VGC_GAP_SIGN_ONLY and
+   VGC_GAP_PARAM_WORDS come with vgc_numerics.cuh). */
 #define VGC_FMT_QSGD 3u
 #define VGC_QSGD_OFFSET_BITS 23
 #define VGC_QSGD_RECORD_WORDS 4
-#define VGC_FMT_GAP 4u
-#define VGC_GAP_SIGN_ONLY 64u
-#define VGC_GAP_PARAM_WORDS 2
 /* FMT_GAP param word: bit 7 reserved, bits 8..31 the span (the tensors
  * after the group's first that the group also covers; docs: addendum v2) */
 #define VGC_GAP_RESERVED 0x80u

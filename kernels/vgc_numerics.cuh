@@ -473,6 +473,9 @@ VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
 #define VGC_HEADER_WORDS 5
 #define VGC_RAW_DENSE 1u
 #define VGC_RAW_FLOAT64 2u
+#define VGC_FMT_GAP 4u
+#define VGC_GAP_SIGN_ONLY 64u
+#define VGC_GAP_PARAM_WORDS 2
 
 /* the tensor of element i: the last t < n with offsets[t] <= i (an empty
  * tensor shares its offset with the next, which holds i) */
@@ -826,6 +829,240 @@ VGC_FN D vgc_model_mean(long long i, const W &buf, const O &offsets, int n,
     if (sizeof(D) == 2)
         return vgc_to<D>(vgc_mul(vgc_to<float>(vgc_to<D>(acc)), k16));
     return vgc_mul(vgc_to<D>(acc), vgc_to<D>(inv));
+}
+
+/* ---- FMT_GAP on the device, for the whole model (issue 25) ------------- *
+ * After the scan of the elements sent (pos): the compact pass puts each
+ * sent element's FMT_POW2 word at its rank (cw) with its tensor (ct); the
+ * lengths pass gives each rank its code length with its tensor's Rice
+ * parameter; a scan of those gives where each code ends (ends); the
+ * layout (one thread) picks each group's format ('gap', or 'auto': FMT_GAP
+ * where its body is shorter) and place; the assemble pass builds every
+ * word of the message, one thread a word, from those arrays: headers, the
+ * paper's words, or a FMT_GAP body (the codes and value fields overlapping
+ * the word, no atomics). */
+
+/* codec.rice_parameter for count <= size <= 2**28 */
+VGC_FN int vgc_rice(long long count, long long size) {
+    if (count <= 0 || size <= count) return 0;
+    const long long t = (11 * (size - count)) / (16 * count);
+    if (t < 1) return 0;
+    const int k = vgc_ilog2_u64((unsigned long long)t);
+    return k < 62 ? k : 62;
+}
+
+/* first rank of tensor t, and its count (pos: inclusive scan) */
+template <typename P, typename O>
+VGC_FN long long vgc_rank0(const P &pos, const O &offsets, int t) {
+    const long long lo = (long long)offsets[t];
+    return lo ? (long long)pos[lo - 1] : 0LL;
+}
+template <typename P, typename O>
+VGC_FN long long vgc_sent(const P &pos, const O &offsets, int t) {
+    const long long lo = (long long)offsets[t], hi = (long long)offsets[t + 1];
+    return hi > lo ? (long long)pos[hi - 1] - vgc_rank0(pos, offsets, t) : 0;
+}
+
+/* vgc: each sent element's word at its rank, with its tensor; the reset
+ * and the overflow flags of vgc_model_vgc_write */
+template <typename F, typename P, typename O, typename M, typename B,
+          typename W, typename T, typename A>
+VGC_FN void vgc_model_vgc_compact(long long i, int ok, signed char sel,
+                                  const P &pos, const O &offsets, int n,
+                                  const M &maxbits, const B &active,
+                                  bool keep, F &r2, F &v2, W &cw, T &ct,
+                                  A &flags) {
+    const int t = vgc_segment(offsets, n, i);
+    if (sel) {
+        if (ok) {
+            unsigned int word;
+            vgc_pow2_encode<F>(r2, vgc_model_e_k<F>(maxbits, t),
+                               i - (long long)offsets[t], word);
+            cw[(long long)pos[i] - 1] = word;
+            ct[(long long)pos[i] - 1] = t;
+        }
+        if (ok || !keep) {
+            r2 = (F)0;
+            v2 = (F)0;
+        }
+    }
+    if (active[t]) vgc_flag(flags, t, vgc_state_flags(r2, v2));
+}
+
+/* hybrid, Strom: each sent element's sign word at its rank */
+template <typename P, typename O, typename W, typename T>
+VGC_FN void vgc_model_sign_compact(long long i, signed char sign,
+                                   const P &pos, const O &offsets, int n,
+                                   W &cw, T &ct) {
+    if (!sign) return;
+    const int t = vgc_segment(offsets, n, i);
+    cw[(long long)pos[i] - 1] =
+        vgc_pack_word(sign < 0, 0, (unsigned int)(i - (long long)offsets[t]));
+    ct[(long long)pos[i] - 1] = t;
+}
+
+/* the code length of rank j (0 past the last rank sent) */
+template <typename W, typename T, typename P, typename O>
+VGC_FN long long vgc_model_gap_length(long long j, const W &cw, const T &ct,
+                                      const P &pos, const O &offsets, int n) {
+    const long long total = (long long)pos[(long long)offsets[n] - 1];
+    if (j >= total) return 0;
+    const int t = (int)ct[j];
+    const long long r0 = vgc_rank0(pos, offsets, t);
+    const int k = vgc_rice(vgc_sent(pos, offsets, t),
+                           (long long)offsets[t + 1] - offsets[t]);
+    const long long ix = (long long)(cw[j] & VGC_INDEX_MASK);
+    const long long prev =
+        j > r0 ? (long long)(cw[j - 1] & VGC_INDEX_MASK) : -1LL;
+    return vgc_gap_code_length(ix - prev - 1, k);
+}
+
+/* The layout of the coded groups, one thread: per tensor, rec[6 t ..] =
+ * {first word, format, k, stream words G, count, e_k}; rec[6 n], rec[6 n
+ * + 1] = total words, groups; info = {total words, groups}; clears
+ * maxbits. */
+template <typename P, typename E, typename O, typename M, typename R,
+          typename W>
+VGC_FN void vgc_model_gap_layout(const P &pos, const E &ends,
+                                 const O &offsets, int n, M &maxbits,
+                                 bool from_max, bool is_f64, bool always_gap,
+                                 bool sign_only, R &rec, W &info) {
+    long long w = 2, groups = 0;
+    const long long per = sign_only ? 1 : 4;
+    for (int t = 0; t < n; ++t) {
+        const long long count = vgc_sent(pos, offsets, t);
+        const long long r0 = vgc_rank0(pos, offsets, t);
+        int e_k = 0;
+        if (from_max)
+            e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
+                         : vgc_model_e_k<float>(maxbits, t);
+        maxbits[t] = 0;
+        rec[6 * t] = w;
+        rec[6 * t + 1] = 0;
+        if (!count) continue;
+        const long long bits =
+            (long long)ends[r0 + count - 1] - (r0 ? (long long)ends[r0 - 1] : 0);
+        const long long G = (bits + 31) / 32;
+        const long long body = VGC_GAP_PARAM_WORDS + G + (count * per + 31) / 32;
+        const bool gap = always_gap || body < count;
+        rec[6 * t + 1] = gap ? VGC_FMT_GAP : VGC_FMT_POW2;
+        rec[6 * t + 2] = vgc_rice(count, (long long)offsets[t + 1] - offsets[t]);
+        rec[6 * t + 3] = G;
+        rec[6 * t + 4] = count;
+        rec[6 * t + 5] = e_k;
+        w += VGC_HEADER_WORDS + (gap ? body : count);
+        ++groups;
+    }
+    rec[6 * n] = w;
+    rec[6 * n + 1] = groups;
+    info[0] = (unsigned int)w;
+    info[1] = (unsigned int)groups;
+}
+
+/* bit p (0 <= p < its length) of the code of `gap` with parameter k */
+VGC_FN unsigned int vgc_code_bit(unsigned long long gap, int k, long long p) {
+    const unsigned long long q = gap >> k;
+    unsigned long long v = 0;
+    long long z = (long long)q, nb = 0;
+    if (q >= VGC_GAP_ESCAPE) {
+        v = q - VGC_GAP_ESCAPE + 1;
+        nb = vgc_ilog2_u64(v);
+        z = VGC_GAP_ESCAPE + nb;
+    }
+    if (p < z) return 0u;
+    if (p == z) return 1u;
+    if (p <= z + nb) return (unsigned int)((v >> (p - z - 1)) & 1ULL);
+    return (unsigned int)((gap >> (p - z - 1 - nb)) & 1ULL);
+}
+
+/* Message word w (< the total): a header word, a paper's word, or a word
+ * of a FMT_GAP body */
+template <typename R, typename W, typename P, typename O, typename E,
+          typename L>
+VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
+                                       const W &cw, const P &pos,
+                                       const O &offsets, const E &ends,
+                                       const L &len, unsigned int scale,
+                                       bool sign_only) {
+    /* the group holding w: the last t with rec[6 t] <= w (an empty tensor
+     * shares its first word with the next) */
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if ((long long)rec[6 * mid] <= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const int t = lo;
+    const long long off = w - (long long)rec[6 * t];
+    const unsigned int fmt = (unsigned int)rec[6 * t + 1];
+    const long long count = (long long)rec[6 * t + 4];
+    if (off < VGC_HEADER_WORDS) {
+        const unsigned int head[VGC_HEADER_WORDS] = {
+            (unsigned int)t, fmt, (unsigned int)count,
+            (unsigned int)(int)rec[6 * t + 5], scale};
+        return head[off];
+    }
+    const long long b = off - VGC_HEADER_WORDS;
+    const long long r0 = vgc_rank0(pos, offsets, t);
+    if (fmt == VGC_FMT_POW2) return (unsigned int)cw[r0 + b];
+    const int k = (int)rec[6 * t + 2];
+    const long long G = (long long)rec[6 * t + 3];
+    if (b == 0) return (unsigned int)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+    if (b == 1) return (unsigned int)G;
+    if (b < VGC_GAP_PARAM_WORDS + G) { /* codes over bits [a, a + 32) */
+        const long long s0 = r0 ? (long long)ends[r0 - 1] : 0LL;
+        const long long a = s0 + 32 * (b - VGC_GAP_PARAM_WORDS);
+        long long j = r0, last = r0 + count; /* first code ending past a */
+        while (j < last) {
+            const long long mid = j + (last - j) / 2;
+            if ((long long)ends[mid] > a)
+                last = mid;
+            else
+                j = mid + 1;
+        }
+        unsigned int word = 0;
+        for (; j < r0 + count; ++j) {
+            const long long end = (long long)ends[j];
+            const long long start = end - (long long)len[j];
+            if (start >= a + 32) break;
+            const long long ix = (long long)(cw[j] & VGC_INDEX_MASK);
+            const long long prev =
+                j > r0 ? (long long)(cw[j - 1] & VGC_INDEX_MASK) : -1LL;
+            const unsigned long long gap = (unsigned long long)(ix - prev - 1);
+            const long long from = start > a ? start : a;
+            const long long to = end < a + 32 ? end : a + 32;
+            for (long long p = from; p < to; ++p)
+                word |= vgc_code_bit(gap, k, p - start) << (p - a);
+        }
+        return word;
+    }
+    const long long vw = b - VGC_GAP_PARAM_WORDS - G;
+    const int per = sign_only ? 32 : 8, bits = sign_only ? 1 : 4;
+    unsigned int word = 0;
+    for (int jj = 0; jj < per && vw * per + jj < count; ++jj) {
+        const unsigned int nib = (unsigned int)cw[r0 + vw * per + jj] >> 28;
+        const unsigned int field = sign_only ? (nib >> 3) & 1u : nib & 15u;
+        word |= field << (jj * bits);
+    }
+    return word;
+}
+
+template <typename R, typename W, typename P, typename O, typename E,
+          typename L>
+VGC_FN void vgc_model_gap_assemble(long long w, const R &rec, int n,
+                                   const W &cw, const P &pos,
+                                   const O &offsets, const E &ends,
+                                   const L &len, unsigned int scale,
+                                   bool sign_only, unsigned int &word) {
+    if (w < 2) {
+        word = w ? (unsigned int)rec[6 * n + 1] : VGC_MAGIC;
+        return;
+    }
+    if (w >= (long long)rec[6 * n]) return;
+    word = vgc_model_gap_word(w, rec, n, cw, pos, offsets, ends, len, scale,
+                              sign_only);
 }
 
 #endif /* CHAINER_VGC_NUMERICS_CUH */

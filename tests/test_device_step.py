@@ -288,8 +288,9 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
 def test_communicator_step_takes_the_whole_model_paths(device):
     """VGCCommunicator.multi_node_mean_grad on a one-rank world, a float32
     model on the device, three steps: the whole-model compress and decode
-    (a fixed number of launches, one download, one upload, no scalar
-    read), the means and the residuals of the CPU path bit for bit."""
+    (vgc's default 'auto': 11 launches and one download, then one launch
+    and one upload; no scalar read), the means and the residuals of the
+    CPU path bit for bit."""
     from mpi4py import MPI
     from chainer_vgc import communicator
     from test_gpu_path import _FakeModel
@@ -320,7 +321,7 @@ def test_communicator_step_takes_the_whole_model_paths(device):
                 assert fake.count('upload') == (3 if k == 0 else 1)
                 assert fake.count('scalar') == 0
                 if k:  # (the first step also sets the arenas up)
-                    assert fake.count('launch') <= 8 + 1, ' '.join(
+                    assert fake.count('launch') <= 11 + 1, ' '.join(
                         fake.launches)
             means[xp] = [backend_to_numpy(p.grad) for p in params]
         for a, b in zip(means[numpy], means[fake]):
@@ -360,3 +361,36 @@ def test_a_bad_message_never_reaches_the_decode_kernel(device):
     # and the good messages alone do take the one-launch decode
     exchange.mean_gradients([good, good], comp, dev, grads, 2, True, False)
     assert fake.launches == ['vgc_model_decode_mean']
+
+
+@pytest.mark.parametrize('method,kw', [
+    ('vgc', dict(alpha=1.0, index_coding='gap')),
+    ('vgc', dict(alpha=1.0, index_coding='auto')),
+    ('hybrid', dict(alpha=1.0, tau=0.5, index_coding='gap')),
+    ('strom', dict(tau=0.5, index_coding='auto'))])
+def test_device_gap_codes_with_escapes_and_word_edges(device, method, kw):
+    """FMT_GAP bodies built on the device, one thread a word: clusters and
+    gaps long enough for the escape code (Elias gamma), codes across word
+    boundaries, a tensor sending one element and one sending all; the
+    CPU's bits."""
+    fake = device
+    shapes, dtypes = [(20000,), (1,), (300,), (4097,)], [F32] * 4
+    dev, cpu = _pair(method, kw, shapes, dtypes)
+    rng = numpy.random.default_rng(3)
+    for step in range(3):
+        gs = []
+        for t, (n,) in enumerate(shapes):
+            g = rng.normal(0, 1e-6, n).astype(F32)
+            if t == 0:  # a cluster, then far apart: escapes
+                g[:700] = rng.normal(0, 1, 700)
+                g[[9000, 19999]] = [3.0, -5.0]
+            elif t == 2:
+                g[:] = rng.normal(0, 1, n)  # everything sent
+            elif t == 3:
+                g[rng.choice(n, 37, replace=False)] = 2.0 ** -step
+            gs.append(g)
+        ss = [g * g * F32(0.25) for g in gs]
+        got = dev.compress(_on(fake, gs), _on(fake, ss))
+        assert_bitwise(got, cpu.compress(gs, ss))
+        assert codec.FMT_GAP in {g.fmt for g in walk(got, dev.sizes)}
+    _assert_states(dev, cpu, fake)

@@ -37,7 +37,10 @@ def test_kernel_source_matches_codec():
                      'VGC_FMT_RAW': codec.FMT_RAW,
                      'VGC_HEADER_WORDS': codec.HEADER_WORDS,
                      'VGC_RAW_DENSE': codec.RAW_DENSE,
-                     'VGC_RAW_FLOAT64': codec.RAW_FLOAT64}
+                     'VGC_RAW_FLOAT64': codec.RAW_FLOAT64,
+                     'VGC_FMT_GAP': codec.FMT_GAP,
+                     'VGC_GAP_SIGN_ONLY': codec.GAP_SIGN_ONLY,
+                     'VGC_GAP_PARAM_WORDS': codec.GAP_PARAM_WORDS}
 
 
 def test_host_source_matches_codec():

@@ -41,7 +41,8 @@ C_CONSTANTS = collections.OrderedDict([
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
                     'VGC_MAX_D', 'VGC_GAP_ESCAPE', 'VGC_MAGIC',
                     'VGC_FMT_POW2', 'VGC_FMT_RAW', 'VGC_HEADER_WORDS',
-                    'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64')
+                    'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64', 'VGC_FMT_GAP',
+                    'VGC_GAP_SIGN_ONLY', 'VGC_GAP_PARAM_WORDS')
 
 _DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
                      re.MULTILINE)
