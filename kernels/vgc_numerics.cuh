@@ -595,6 +595,18 @@ VGC_FN void vgc_model_strom_step(long long i, F g, F r, const O &offsets,
     ok = sign != 0;
 }
 
+/* first rank of tensor t, and its count (pos: inclusive scan) */
+template <typename P, typename O>
+VGC_FN long long vgc_rank0(const P &pos, const O &offsets, int t) {
+    const long long lo = (long long)offsets[t];
+    return lo ? (long long)pos[lo - 1] : 0LL;
+}
+template <typename P, typename O>
+VGC_FN long long vgc_sent(const P &pos, const O &offsets, int t) {
+    const long long lo = (long long)offsets[t], hi = (long long)offsets[t + 1];
+    return hi > lo ? (long long)pos[hi - 1] - vgc_rank0(pos, offsets, t) : 0;
+}
+
 /* The layout, one thread: tensor t sends pos[end_t - 1] - pos[start_t - 1]
  * elements (pos: inclusive scan of ok); its FMT_POW2 group (header: t,
  * FMT_POW2, count, e_k, scale) goes after the groups before it.  Writes
@@ -607,10 +619,7 @@ VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
                              E &base, E &ek, W &msg, W &info, bool is_f64) {
     long long w = 2, groups = 0;
     for (int t = 0; t < n; ++t) {
-        const long long lo = (long long)offsets[t],
-                        hi = (long long)offsets[t + 1];
-        const long long before = lo ? (long long)pos[lo - 1] : 0LL;
-        const long long count = hi > lo ? (long long)pos[hi - 1] - before : 0;
+        const long long count = vgc_sent(pos, offsets, t);
         int e_k = 0;
         if (from_max)
             e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
@@ -640,8 +649,20 @@ VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
 template <typename P, typename O>
 VGC_FN long long vgc_model_slot(const P &pos, const O &offsets, int t,
                                 long long i) {
-    const long long lo = (long long)offsets[t];
-    return (long long)pos[i] - 1 - (lo ? (long long)pos[lo - 1] : 0LL);
+    return (long long)pos[i] - 1 - vgc_rank0(pos, offsets, t);
+}
+
+/* vgc: r and v of a selected element reset (with keep_unrepresentable, of
+ * one sent only); the overflow flags of the state that stays */
+template <typename F, typename B, typename A>
+VGC_FN void vgc_model_vgc_reset(int t, int ok, signed char sel,
+                                const B &active, bool keep, F &r2, F &v2,
+                                A &flags) {
+    if (sel && (ok || !keep)) {
+        r2 = (F)0;
+        v2 = (F)0;
+    }
+    if (active[t]) vgc_flag(flags, t, vgc_state_flags(r2, v2));
 }
 
 /* vgc's write pass: the word of each element sent; r and v of the
@@ -654,20 +675,12 @@ VGC_FN void vgc_model_vgc_write(long long i, int ok, signed char sel,
                                 const E &base, const E &ek, const B &active,
                                 bool keep, F &r2, F &v2, W &msg, A &flags) {
     const int t = vgc_segment(offsets, n, i);
-    if (sel) {
-        if (ok) {
-            unsigned int word;
-            vgc_pow2_encode<F>(r2, (int)ek[t], i - (long long)offsets[t],
-                               word);
-            msg[(long long)base[t] + vgc_model_slot(pos, offsets, t, i)] =
-                word;
-        }
-        if (ok || !keep) {
-            r2 = (F)0;
-            v2 = (F)0;
-        }
+    if (sel && ok) {
+        unsigned int word;
+        vgc_pow2_encode<F>(r2, (int)ek[t], i - (long long)offsets[t], word);
+        msg[(long long)base[t] + vgc_model_slot(pos, offsets, t, i)] = word;
     }
-    if (active[t]) vgc_flag(flags, t, vgc_state_flags(r2, v2));
+    vgc_model_vgc_reset(t, ok, sel, active, keep, r2, v2, flags);
 }
 
 /* Hybrid's and Strom's write pass: the sign word (e_k 0, d 0) of each
@@ -851,20 +864,8 @@ VGC_FN int vgc_rice(long long count, long long size) {
     return k < 62 ? k : 62;
 }
 
-/* first rank of tensor t, and its count (pos: inclusive scan) */
-template <typename P, typename O>
-VGC_FN long long vgc_rank0(const P &pos, const O &offsets, int t) {
-    const long long lo = (long long)offsets[t];
-    return lo ? (long long)pos[lo - 1] : 0LL;
-}
-template <typename P, typename O>
-VGC_FN long long vgc_sent(const P &pos, const O &offsets, int t) {
-    const long long lo = (long long)offsets[t], hi = (long long)offsets[t + 1];
-    return hi > lo ? (long long)pos[hi - 1] - vgc_rank0(pos, offsets, t) : 0;
-}
-
-/* vgc: each sent element's word at its rank, with its tensor; the reset
- * and the overflow flags of vgc_model_vgc_write */
+/* vgc: each sent element's word at its rank, with its tensor; then
+ * vgc_model_vgc_reset, as in vgc_model_vgc_write */
 template <typename F, typename P, typename O, typename M, typename B,
           typename W, typename T, typename A>
 VGC_FN void vgc_model_vgc_compact(long long i, int ok, signed char sel,
@@ -873,20 +874,14 @@ VGC_FN void vgc_model_vgc_compact(long long i, int ok, signed char sel,
                                   bool keep, F &r2, F &v2, W &cw, T &ct,
                                   A &flags) {
     const int t = vgc_segment(offsets, n, i);
-    if (sel) {
-        if (ok) {
-            unsigned int word;
-            vgc_pow2_encode<F>(r2, vgc_model_e_k<F>(maxbits, t),
-                               i - (long long)offsets[t], word);
-            cw[(long long)pos[i] - 1] = word;
-            ct[(long long)pos[i] - 1] = t;
-        }
-        if (ok || !keep) {
-            r2 = (F)0;
-            v2 = (F)0;
-        }
+    if (sel && ok) {
+        unsigned int word;
+        vgc_pow2_encode<F>(r2, vgc_model_e_k<F>(maxbits, t),
+                           i - (long long)offsets[t], word);
+        cw[(long long)pos[i] - 1] = word;
+        ct[(long long)pos[i] - 1] = t;
     }
-    if (active[t]) vgc_flag(flags, t, vgc_state_flags(r2, v2));
+    vgc_model_vgc_reset(t, ok, sel, active, keep, r2, v2, flags);
 }
 
 /* hybrid, Strom: each sent element's sign word at its rank */

@@ -450,39 +450,50 @@ def whole_inputs(inputs):
                 for gs, ss in inputs]
 
 
-def whole_means(core, blocks, comp, model, params, method):
-    """exchange.mean_gradients into ``params`` ('none': the dense tree)."""
-    core.exchange.mean_gradients(blocks, comp, params,
-                                 [p.grad for p in params], len(blocks), True,
-                                 method == 'none')
-    return [p.grad for p in params]
+def whole_results(core, case, xp, meta, arrays):
+    """One whole-model case on ``xp`` (numpy: the NumPy path; the device's
+    array module: the GPU path): ``(key, label, host array)`` of every
+    message, then the means of each step, then the states, in order; on
+    the device, Mismatch when the whole-model compress step did not
+    run."""
+    model = whole_model(meta['model'])
+    inputs = whole_inputs(load_inputs(arrays, meta['model']))
+    comps = [make_compressor(core, case, model, w, 'numpy')
+             for w in range(WORKERS)]
+    for step in range(STEPS):
+        blocks = []
+        for w in range(WORKERS):
+            gs, ss = worker_inputs(inputs, step, w)
+            blocks.append(comps[w].compress([xp.asarray(g) for g in gs],
+                                            [xp.asarray(s) for s in ss]))
+            yield ('msg/{}/{}'.format(step, w),
+                   'step {} worker {} message'.format(step, w), blocks[-1])
+        if xp is not numpy and comps[0]._device_step is None:
+            raise Mismatch('the whole-model compress step did not run')
+        params = [param(xp, m[1], m[2]) for m in model]
+        core.exchange.mean_gradients(blocks, comps[0], params,
+                                     [p.grad for p in params], len(blocks),
+                                     True, case['method'] == 'none')
+        for t, p in enumerate(params):
+            yield ('mean/{}/{}'.format(step, t),
+                   'step {} tensor {} mean'.format(step, t),
+                   core.backend.to_numpy(p.grad))
+    for w in range(WORKERS):
+        for t, st in enumerate(comps[w].states):
+            for key, a in sorted((st or {}).items()):
+                yield ('state/{}/{}/{}'.format(w, t, key),
+                       'worker {} tensor {} state {}'.format(w, t, key),
+                       core.backend.to_numpy(a))
 
 
 def record_whole(core, arrays, meta):
     """The whole-model cases on the NumPy path: the digests of the
     messages, the means and the states."""
-    model = whole_model(meta['model'])
-    inputs = whole_inputs(load_inputs(arrays, meta['model']))
     meta['whole'] = []
     for name, method, kw in WHOLE_CASES:
         case = {'name': name, 'method': method, 'kwargs': kw}
-        digests = case['digests'] = {}
-        comps = [make_compressor(core, case, model, w, 'numpy')
-                 for w in range(WORKERS)]
-        for step in range(STEPS):
-            blocks = []
-            for w in range(WORKERS):
-                gs, ss = worker_inputs(inputs, step, w)
-                blocks.append(comps[w].compress(gs, ss))
-                digests['msg/{}/{}'.format(step, w)] = digest(blocks[-1])
-            params = [param(numpy, m[1], m[2]) for m in model]
-            for t, a in enumerate(whole_means(core, blocks, comps[0], model,
-                                              params, method)):
-                digests['mean/{}/{}'.format(step, t)] = digest(a)
-        for w in range(WORKERS):
-            for t, st in enumerate(comps[w].states):
-                for key, a in sorted((st or {}).items()):
-                    digests['state/{}/{}/{}'.format(w, t, key)] = digest(a)
+        case['digests'] = {key: digest(a) for key, _, a in whole_results(
+            core, case, numpy, meta, arrays)}
         meta['whole'].append(case)
 
 
@@ -501,34 +512,9 @@ def check_whole(ctx, ck):
 
 
 def check_whole_case(ctx, ck, case):
-    core, xp = ctx.core, ctx.xp
-    model = whole_model(ctx.meta['model'])
-    inputs = whole_inputs(load_inputs(ctx.ref, ctx.meta['model']))
-    digests = case['digests']
-    comps = [make_compressor(core, case, model, w, 'numpy')
-             for w in range(WORKERS)]
-    for step in range(STEPS):
-        blocks = []
-        for w in range(WORKERS):
-            gs, ss = worker_inputs(inputs, step, w)
-            blocks.append(comps[w].compress([xp.asarray(g) for g in gs],
-                                            [xp.asarray(s) for s in ss]))
-            ck.same_digest('step {} worker {} message'.format(step, w),
-                           blocks[-1], digests['msg/{}/{}'.format(step, w)])
-        if getattr(comps[0], '_device_step', None) is None:
-            raise Mismatch('the whole-model compress step did not run')
-        params = [param(xp, m[1], m[2]) for m in model]
-        for t, a in enumerate(whole_means(core, blocks, comps[0], model,
-                                          params, case['method'])):
-            ck.same_digest('step {} tensor {} mean'.format(step, t),
-                           core.backend.to_numpy(a),
-                           digests['mean/{}/{}'.format(step, t)])
-    for w in range(WORKERS):
-        for t, st in enumerate(comps[w].states):
-            for key, a in sorted((st or {}).items()):
-                ck.same_digest('worker {} tensor {} state {}'.format(
-                    w, t, key), core.backend.to_numpy(a),
-                    digests['state/{}/{}/{}'.format(w, t, key)])
+    for key, label, a in whole_results(ctx.core, case, ctx.xp, ctx.meta,
+                                       ctx.ref):
+        ck.same_digest(label, a, case['digests'][key])
     return '{} messages, means and the states'.format(STEPS * WORKERS)
 
 

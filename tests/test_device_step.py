@@ -4,12 +4,11 @@ CPU through the fake CuPy with its kernels compiled for the host (the
 CPU backend, step after step, faults leaving every state untouched, and a
 fixed number of launches with one download and no scalar read."""
 
-import types
-
 import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
+from chainer_vgc import backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
@@ -18,6 +17,8 @@ from chainer_vgc import exchange
 from chainer_vgc import faults
 
 from reference import assert_bitwise
+from test_gpu_path import _FakeModel
+from test_gpu_path import param
 
 F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
 METHODS = [
@@ -242,10 +243,7 @@ def test_a_message_longer_than_the_last_one_takes_a_second_copy(
 
 
 def _param(xp, shape, dtype, grad):
-    """What mean_gradients reads of a chainer.Parameter."""
-    return types.SimpleNamespace(
-        array=xp.zeros(shape, dtype), grad=grad, dtype=numpy.dtype(dtype),
-        shape=shape, size=int(numpy.prod(shape)), xp=xp)
+    return param(xp, xp.zeros(shape, dtype), grad)
 
 
 @pytest.mark.parametrize('model', sorted(MODELS))
@@ -293,7 +291,6 @@ def test_communicator_step_takes_the_whole_model_paths(device):
     CPU path bit for bit."""
     from mpi4py import MPI
     from chainer_vgc import communicator
-    from test_gpu_path import _FakeModel
     fake = device
     shapes, dtypes = MODELS['f32']
     steps = _stream(shapes, dtypes, 3, 4)
@@ -323,18 +320,13 @@ def test_communicator_step_takes_the_whole_model_paths(device):
                 if k:  # (the first step also sets the arenas up)
                     assert fake.count('launch') <= 11 + 1, ' '.join(
                         fake.launches)
-            means[xp] = [backend_to_numpy(p.grad) for p in params]
+            means[xp] = [backend.to_numpy(p.grad) for p in params]
         for a, b in zip(means[numpy], means[fake]):
             assert_bitwise(a, b)
     comp = {xp: comms[xp].state(models[xp]).compressor
             for xp in (numpy, fake)}
     assert isinstance(comp[fake]._device_step, device_step.DeviceStep)
     _assert_states(comp[fake], comp[numpy], fake)
-
-
-def backend_to_numpy(a):
-    from chainer_vgc import backend
-    return backend.to_numpy(a)
 
 
 def test_a_bad_message_never_reaches_the_decode_kernel(device):
