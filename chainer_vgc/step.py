@@ -122,14 +122,34 @@ _EXIT_HOOK = []
 
 def _register_exit():
     """Registers :func:`_complete_at_exit` once, at the first background
-    exchange: with ``atexit`` (MPI is loaded by then, so it runs before
-    MPI's own exit handler) and as the delete callback of an attribute of
-    ``MPI_COMM_SELF``, which ``MPI_Finalize`` calls before anything else
-    (MPI-2.2 Sec. 8.7.1): a user's own ``MPI.Finalize()`` with an exchange
-    in flight first lets it end, instead of pulling MPI from under it."""
+    exchange, on every way MPI can be finalized:
+
+    - ``atexit`` (MPI is loaded by then, so it runs before mpi4py's own
+      finalization at exit);
+    - mpi4py's ``MPI.Finalize``, wrapped: a user's own ``MPI.Finalize()``
+      with an exchange in flight first lets it end.  This must happen
+      before ``MPI_Finalize`` starts: MPICH 5 turns its locks off
+      ("single threaded from here") before it runs any callback, so a
+      thread then still inside a collective may leave a lock held, and
+      ``MPI_Finalize`` aborts on the busy mutex (MPI-3.1 Sec. 8.7: a
+      process completes its MPI calls before it finalizes);
+    - the delete callback of an ``MPI_COMM_SELF`` attribute, which
+      ``MPI_Finalize`` runs before anything is freed (MPI-3.1 Sec.
+      8.7.1): a last resort for a finalization that bypasses the wrapper
+      (a name bound before the first exchange, or C code)."""
     if not _EXIT_HOOK:
         from mpi4py import MPI
         atexit.register(_complete_at_exit)
+        finalize = MPI.Finalize
+
+        def finalize_after_exchanges():
+            _complete_at_exit()
+            finalize()
+        finalize_after_exchanges.__wrapped__ = finalize
+        finalize_after_exchanges.__doc__ = (
+            'MPI.Finalize, after every chainer_vgc exchange in flight '
+            'ends. ' + (finalize.__doc__ or ''))
+        MPI.Finalize = finalize_after_exchanges
 
         def at_finalize(comm, keyval, value):
             _complete_at_exit()

@@ -246,7 +246,14 @@ def check_user_finalize():
     """The user's own ``MPI.Finalize()`` while an exchange is in flight
     (issue 24, finding 4): rank 0's exchange waits in a collective for the
     other ranks, which come 0.5 s later; the finalization lets it end
-    first, and every process exits cleanly."""
+    first, and every process exits cleanly.  No exchange thread may still
+    be running once ``MPI_Finalize`` itself starts (MPICH turns its locks
+    off before its first callback; a thread inside a collective then can
+    leave a mutex held, and the finalization aborts, about one run in
+    twenty): a ``MPI_COMM_SELF`` attribute set after chainer_vgc's own
+    records what runs when its delete callback, one of the first steps of
+    ``MPI_Finalize``, is called."""
+    import threading
     import time
     comm = chainer_vgc.create_communicator('vgc', world, alpha=1.0)
     model = make(numpy.float32)
@@ -254,6 +261,13 @@ def check_user_finalize():
         chainer.optimizers.SGD(), comm, double_buffering=True).setup(model)
     for step in range(2):
         opt.update(model, *data(step, numpy.float32))
+    seen = []
+
+    def at_finalize(comm_, keyval, value):
+        seen.append(sum(t.name == 'chainer_vgc exchange'
+                        for t in threading.enumerate()))
+        return MPI.SUCCESS
+    MPI.COMM_SELF.Set_attr(MPI.Comm.Create_keyval(delete_fn=at_finalize), 1)
     rank = world.rank
     if rank == 0:
         assert opt._handle is not None
@@ -265,6 +279,8 @@ def check_user_finalize():
         assert not opt._handle.done()
     MPI.Finalize()
     assert MPI.Is_finalized()
+    assert seen == [0], ('exchange threads running when MPI_Finalize '
+                         'began: %s' % seen)
     if rank == 0:
         print('finalized with an exchange in flight OK', flush=True)
 
