@@ -311,6 +311,199 @@ static inline int64_t vgc_full_index(const vgc_chunk &c, uint32_t word) {
     return c.begin + (int64_t)((word - (uint32_t)c.begin) & VGC_INDEX_MASK);
 }
 
+/* The code bits of a chunk's staged words (vgc_gap_code_length summed
+ * over its gaps, the first from c.gap_prev).  Inside a chunk (at most
+ * 2**28 elements) a gap is the difference of two 28-bit index fields, so
+ * the loop runs on 32-bit lanes without a carried dependency (the
+ * compiler vectorizes it): a unary code adds q + 1 + k bits; an escape
+ * (rare) is counted, and a block of 256 gaps holding one is read again,
+ * one gap at a time, to add the escapes' lengths. */
+static uint64_t vgc_chunk_code_bits(const vgc_chunk &c, int k) {
+    if (!c.out) return 0;
+    const uint32_t *w = c.words.data();
+    const int64_t n = c.out;
+    uint64_t bits = (uint64_t)vgc_gap_code_length(
+        vgc_full_index(c, w[0]) - c.gap_prev - 1, k);
+    bits += (uint64_t)(n - 1) * (uint64_t)(1 + k);
+    if (k >= VGC_INDEX_BITS) return bits; /* every inner q is 0 */
+    const uint32_t base = (uint32_t)c.begin;
+    for (int64_t b = 1; b < n; b += 256) {
+        const int64_t e = b + 256 < n ? b + 256 : n;
+        uint32_t unary = 0, escapes = 0; /* < 256 * 16 */
+        for (int64_t j = b; j < e; ++j) {
+            const uint32_t q =
+                ((((w[j] - base) & VGC_INDEX_MASK) -
+                  ((w[j - 1] - base) & VGC_INDEX_MASK)) - 1u) >> k;
+            const bool esc = q >= (uint32_t)VGC_GAP_ESCAPE;
+            unary += esc ? 0u : q;
+            escapes += esc;
+        }
+        bits += unary;
+        for (int64_t j = b; escapes && j < e; ++j) { /* rare: rescan */
+            const int64_t gap = vgc_full_index(c, w[j]) -
+                                vgc_full_index(c, w[j - 1]) - 1;
+            if ((gap >> k) >= VGC_GAP_ESCAPE) {
+                bits += (uint64_t)(vgc_gap_code_length(gap, k) - 1 - k);
+                --escapes;
+            }
+        }
+    }
+    return bits;
+}
+
+/* Writes the codes of a chunk's staged words at bit c.gap_start of the
+ * gap stream gs (its first gap from c.gap_prev), every word it fills
+ * alone, and sets its shared words (c.edge_word, c.edge_bits,
+ * c.tail_word) as vgc_bit_writer::edges() gives them.  The same bits as
+ * vgc_bit_writer::code() a gap at a time: the inner gaps (k < 28) are
+ * 28-bit index differences, a code that fits one 32-bit field (q < 16,
+ * q + 1 + k <= 32) is ORed in with no branch on the word's end (the word
+ * being filled is stored on every code, and the position advances by the
+ * words completed), and any other code goes through code(). */
+static void vgc_chunk_write_codes(vgc_chunk &c, const int k, uint32_t *gs) {
+    const uint32_t *w = c.words.data();
+    const int64_t n = c.out;
+    vgc_bit_writer gw(gs, c.gap_start);
+    gw.code((uint64_t)(vgc_full_index(c, w[0]) - c.gap_prev - 1), k);
+    int64_t j = 1;
+    if (k < VGC_INDEX_BITS) {
+        const uint32_t base = (uint32_t)c.begin;
+        const uint32_t low_mask = (1u << k) - 1u;
+        /* codes up to the end of the first word (shared: kept in head) */
+        for (; j < n && gw.wi == gw.first; ++j) {
+            const uint32_t gap = ((w[j] - base) & VGC_INDEX_MASK) -
+                                 ((w[j - 1] - base) & VGC_INDEX_MASK) - 1u;
+            gw.code(gap, k);
+        }
+        uint32_t *dst = gw.base;
+        uint64_t acc = gw.acc, wi = gw.wi;
+        int nb = gw.nb;
+        /* with k <= 16, q < 16 makes len <= 32 */
+        const uint32_t fits = k <= 16 ? (uint32_t)VGC_GAP_ESCAPE
+                                      : (uint32_t)(32 - k);
+        /* blocks of 256: their codes in lanes (x and its length; 64 for
+         * one that does not fit a field), then put in the stream four or
+         * two at a time where they fit one 32-bit field together */
+        uint32_t xs[256], lens[256];
+        for (; j < n; j += 256) {
+            const int64_t m = n - j < 256 ? n - j : 256;
+            for (int64_t i = 0; i < m; ++i) {
+                const uint32_t gap =
+                    ((w[j + i] - base) & VGC_INDEX_MASK) -
+                    ((w[j + i - 1] - base) & VGC_INDEX_MASK) - 1u;
+                const uint32_t q = gap >> k;
+                const bool ok = q < fits;
+                /* q zeros, a one, the k low bits */
+                xs[i] = ok ? ((gap & low_mask) << 1 | 1u) << q : 0u;
+                lens[i] = ok ? q + 1u + (uint32_t)k : 64u;
+            }
+            auto put = [&](uint64_t x, int len) {
+                acc |= x << nb;
+                nb += len;
+                dst[wi] = (uint32_t)acc;
+                const int full = nb >> 5;
+                wi += (uint64_t)full;
+                acc >>= 32 * full;
+                nb &= 31;
+            };
+            auto one = [&](int64_t i) {
+                if (lens[i] != 64u) {
+                    put(xs[i], (int)lens[i]);
+                    return;
+                }
+                gw.acc = acc;
+                gw.nb = nb;
+                gw.wi = wi;
+                gw.code(((w[j + i] - base) & VGC_INDEX_MASK) -
+                            ((w[j + i - 1] - base) & VGC_INDEX_MASK) - 1u,
+                        k);
+                acc = gw.acc;
+                nb = gw.nb;
+                wi = gw.wi;
+            };
+            int64_t i = 0;
+            for (; i + 3 < m; i += 4) {
+                const uint32_t l0 = lens[i], l1 = lens[i + 1];
+                const uint32_t l2 = lens[i + 2], l3 = lens[i + 3];
+                const uint32_t l01 = l0 + l1, l23 = l2 + l3;
+                if (l01 + l23 <= 32u) {
+                    put((uint64_t)xs[i] | (uint64_t)xs[i + 1] << l0 |
+                            (uint64_t)xs[i + 2] << l01 |
+                            (uint64_t)xs[i + 3] << (l01 + l2),
+                        (int)(l01 + l23));
+                } else {
+                    for (int e = 0; e < 4; e += 2) {
+                        const uint32_t la = lens[i + e], lb = lens[i + e + 1];
+                        if (la + lb <= 32u) {
+                            put((uint64_t)xs[i + e] |
+                                    (uint64_t)xs[i + e + 1] << la,
+                                (int)(la + lb));
+                        } else {
+                            one(i + e);
+                            one(i + e + 1);
+                        }
+                    }
+                }
+            }
+            for (; i < m; ++i) one(i);
+        }
+        gw.acc = acc;
+        gw.nb = nb;
+        gw.wi = wi;
+    } else {
+        for (; j < n; ++j)
+            gw.code((uint64_t)(vgc_full_index(c, w[j]) -
+                               vgc_full_index(c, w[j - 1]) - 1), k);
+    }
+    gw.edges(&c.edge_word[0], &c.edge_bits[0], &c.tail_word[0],
+             &c.edge_bits[1]);
+}
+
+/* The value fields of n staged words (the top 4 bits of each, or with
+ * sign_only the sign bit) as elements offset.. of the value section vs:
+ * the words this chunk fills alone are stored whole (8 or 32 fields at a
+ * time); its first word and its last partial one, which it may share
+ * with a neighbour, are returned as vgc_bit_writer::edges() returns them.
+ * The same bits as a bit writer putting each field in turn. */
+static void vgc_pack_values(const uint32_t *w, int64_t n, int64_t offset,
+                            bool sign_only, uint32_t *vs, uint64_t *head_word,
+                            uint32_t *head_bits, int64_t *tail_word,
+                            uint32_t *tail_bits) {
+    const int vb = sign_only ? 1 : 4, per = 32 / vb;
+    const int src = sign_only ? 31 : VGC_INDEX_BITS;
+    const uint64_t first = (uint64_t)offset / per;
+    int64_t j = 0;
+    uint32_t head = 0;
+    const int64_t in_first = (int64_t)(first + 1) * per - offset;
+    for (; j < n && j < in_first; ++j)
+        head |= (w[j] >> src) << (((offset + j) % per) * vb);
+    *head_word = first;
+    *head_bits = head;
+    *tail_word = -1;
+    *tail_bits = 0;
+    uint64_t wi = first + 1;
+    if (sign_only) {
+        for (; j + 32 <= n; j += 32, ++wi) {
+            uint32_t x = 0;
+            for (int m = 0; m < 32; ++m) x |= (w[j + m] >> 31) << m;
+            vs[wi] = x;
+        }
+    } else {
+        for (; j + 8 <= n; j += 8, ++wi) {
+            uint32_t x = 0;
+            for (int m = 0; m < 8; ++m)
+                x |= (w[j + m] >> VGC_INDEX_BITS) << (4 * m);
+            vs[wi] = x;
+        }
+    }
+    if (j < n) {
+        uint32_t t = 0;
+        for (int m = 0; j < n; ++j, ++m) t |= (w[j] >> src) << (m * vb);
+        *tail_word = (int64_t)wi;
+        *tail_bits = t;
+    }
+}
+
 /* The FMT_POW2 words the chunks staged (c.words[0..c.out), in index
  * order) as one group: FMT_POW2 (the words as they are) or FMT_GAP by
  * `coding` (VGC_CODING_*); e_k and scale in the header fields a and b.
@@ -331,10 +524,13 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
     uint32_t *body = out + VGC_HEADER_WORDS;
     bool gap = coding == VGC_CODING_GAP || large;
     const int k = vgc_rice_parameter(count, n);
-    /* pass 1, parallel: each chunk's code bits, its first gap taken from
-     * the last index of the non-empty chunks before it */
+    /* the first gap of each chunk is taken from the last index of the
+     * non-empty chunks before it */
     uint64_t bits = 0;
     const size_t nc = ws->chunks.size();
+    uint32_t *gs = body + VGC_GAP_PARAM_WORDS, *vs = gs;
+    int64_t G = 0;
+    bool too_long = false;
     if (coding != VGC_CODING_FIXED) {
         int64_t prev = -1;
         for (size_t t = 0; t < nc; ++t) {
@@ -342,69 +538,63 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
             c.gap_prev = prev;
             if (c.out) prev = vgc_full_index(c, c.words[c.out - 1]);
         }
-        vgc_for_chunks(ws, [&](vgc_chunk &c) {
-            const uint32_t *w = c.words.data();
-            uint64_t cb = 0;
-            int64_t p = c.gap_prev;
-            for (int64_t j = 0; j < c.out; ++j) {
-                const int64_t ix = vgc_full_index(c, w[j]);
-                cb += (uint64_t)vgc_gap_code_length(ix - p - 1, k);
-                p = ix;
+        const int nt_all = (int)nc;
+#ifdef _OPENMP
+        const int nt = std::min(nt_all, std::max(1, vgc_nthreads()));
+#pragma omp parallel num_threads(nt) if (nt_all > 1)
+#endif
+        {
+            /* pass 1, parallel: each chunk's code bits */
+#ifdef _OPENMP
+#pragma omp for schedule(static, 1)
+#endif
+            for (int t = 0; t < nt_all; ++t)
+                ws->chunks[t].gap_bits =
+                    vgc_chunk_code_bits(ws->chunks[t], k);
+            /* one thread: the offsets, and FMT_GAP or not ('auto': when
+             * shorter) */
+#ifdef _OPENMP
+#pragma omp single
+#endif
+            {
+                for (size_t t = 0; t < nc; ++t) {
+                    ws->chunks[t].gap_start = bits;
+                    bits += ws->chunks[t].gap_bits;
+                }
+                G = (int64_t)((bits + 31) / 32);
+                gap |= VGC_GAP_PARAM_WORDS + G +
+                           vgc_gap_value_words(count, sign_only) < count;
+                too_long = gap && (bits + 31) / 32 > 0xFFFFFFFFu;
+                vs = gs + G;
+            } /* (every thread waits here) */
+            /* pass 2, parallel: each chunk writes its codes and values
+             * at its bit offsets in the two sections, every word it fills
+             * alone; the words it shares with a neighbour (its first and
+             * last of each section) are put together afterwards */
+            if (gap && !too_long) {
+#ifdef _OPENMP
+#pragma omp for schedule(static, 1)
+#endif
+                for (int t = 0; t < nt_all; ++t) {
+                    vgc_chunk &c = ws->chunks[t];
+                    if (!c.out) continue;
+                    vgc_chunk_write_codes(c, k, gs);
+                    vgc_pack_values(c.words.data(), c.out, c.offset,
+                                    sign_only, vs, &c.edge_word[2],
+                                    &c.edge_bits[2], &c.tail_word[1],
+                                    &c.edge_bits[3]);
+                }
             }
-            c.gap_bits = cb;
-        });
-        for (size_t t = 0; t < nc; ++t) {
-            vgc_chunk &c = ws->chunks[t];
-            c.gap_start = bits;
-            bits += c.gap_bits;
         }
-        const int64_t words = VGC_GAP_PARAM_WORDS +
-                              (int64_t)((bits + 31) / 32) +
-                              vgc_gap_value_words(count, sign_only);
-        gap |= words < count;
-        if (gap && (bits + 31) / 32 > 0xFFFFFFFFu) {
+        if (too_long) {
             info[2] |= VGC_UNENCODABLE;
             return 0;
         }
     }
     int64_t words;
     if (gap) {
-        /* pass 2, parallel: each chunk writes its codes and values at its
-         * bit offsets in the two sections, every word it fills alone; the
-         * words it shares with a neighbour (its first and last of each
-         * section) are put together here afterwards */
-        const int64_t G = (int64_t)((bits + 31) / 32);
-        const int vbits = sign_only ? 1 : 4;
         body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
         body[1] = (uint32_t)G;
-        uint32_t *gs = body + VGC_GAP_PARAM_WORDS, *vs = gs + G;
-        for (size_t t = 0; t < nc; ++t)
-            ws->chunks[t].value_start = (uint64_t)ws->chunks[t].offset * vbits;
-        vgc_for_chunks(ws, [&](vgc_chunk &c) {
-            if (!c.out) return;
-            const uint32_t *w = c.words.data();
-            vgc_bit_writer gw(gs, c.gap_start), vw(vs, c.value_start);
-            int64_t p = c.gap_prev;
-            if (sign_only) {
-                for (int64_t j = 0; j < c.out; ++j) {
-                    const int64_t ix = vgc_full_index(c, w[j]);
-                    gw.code((uint64_t)(ix - p - 1), k);
-                    p = ix;
-                    vw.put(w[j] >> 31, 1);
-                }
-            } else {
-                for (int64_t j = 0; j < c.out; ++j) {
-                    const int64_t ix = vgc_full_index(c, w[j]);
-                    gw.code((uint64_t)(ix - p - 1), k);
-                    p = ix;
-                    vw.put(w[j] >> VGC_INDEX_BITS, 4);
-                }
-            }
-            gw.edges(&c.edge_word[0], &c.edge_bits[0], &c.tail_word[0],
-                     &c.edge_bits[1]);
-            vw.edges(&c.edge_word[2], &c.edge_bits[2], &c.tail_word[1],
-                     &c.edge_bits[3]);
-        });
         for (int pass = 0; pass < 2; ++pass)
             for (size_t t = 0; t < nc; ++t) {
                 const vgc_chunk &c = ws->chunks[t];

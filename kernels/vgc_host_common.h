@@ -139,10 +139,10 @@ struct vgc_chunk {
     int flags;
     /* FMT_GAP emit (vgc_emit): the index before the chunk's first element
      * (the last of the non-empty chunks before it; -1 if none), its code
-     * bits, where its codes and its values start in their sections, and
+     * bits, where its codes start in their section, and
      * the words of the two sections it shares with its neighbours */
     int64_t gap_prev;
-    uint64_t gap_bits, gap_start, value_start;
+    uint64_t gap_bits, gap_start;
     uint64_t edge_word[4];
     int64_t tail_word[2];
     uint32_t edge_bits[4];
