@@ -9,7 +9,9 @@ The residuals r and v of every tensor live in arenas (one array for the
 whole model; each tensor's state is a view), and a step is:
 
 1. the gradients and the per-sample sums of squares gathered into arenas
-   (``cupy.concatenate``, one launch each) and the fault flags cleared;
+   (``cupy.concatenate``, one launch each; none for the sums of
+   :class:`~chainer_vgc.statistics.PerSampleSquares`, which its reductions
+   write into one arena already) and the fault flags cleared;
 2. the rule's select pass over the whole arena (``vgc_model_*`` in
    :data:`chainer_vgc.kernels.SPECS`): the next state into the other pair
    of arenas, the input and overflow checks as per-tensor flags, and for
@@ -55,6 +57,32 @@ from chainer_vgc.rules import VGC
 #: MIN_SLACK words more (a longer message takes a second copy)
 SLACK = 1.25
 MIN_SLACK = 1 << 16
+
+
+def _span(arrays, size):
+    """The 1-d array that ``arrays`` (C-contiguous, none missing) tile end
+    to end, in order, from some element of one owner array, as a view of
+    that owner; None when they do not.  (An empty array holds no memory:
+    only its dtype is checked.)"""
+    if not arrays or any(a is None for a in arrays):
+        return None
+    full = [a for a in arrays if a.size]
+    if not full or any(a.dtype != full[0].dtype for a in arrays):
+        return None
+    base = full[0].base
+    if base is None or base.ndim != 1 or not base.flags.c_contiguous \
+            or base.dtype != full[0].dtype:
+        return None
+    at = full[0].data.ptr
+    for a in full:
+        if a.base is not base or not a.flags.c_contiguous or \
+                a.data.ptr != at:
+            return None
+        at += a.nbytes
+    start = (full[0].data.ptr - base.data.ptr) // base.itemsize
+    if start + size > base.size:
+        return None
+    return base[start:start + size]
 
 
 def kind_of(rule):
@@ -170,7 +198,13 @@ class DeviceStep(object):
 
     def _arena(self, xp, arrays):
         """The arrays end to end, gathered in one launch (a missing one:
-        zeros); in their dtype when they share it, else the state dtype."""
+        zeros); in their dtype when they share it, else the state dtype.
+        Arrays that already lie end to end in one array (the sums of
+        :class:`~chainer_vgc.statistics.PerSampleSquares`, written by its
+        reductions into one arena) are read in place: no launch."""
+        span = _span(arrays, self.size)
+        if span is not None:
+            return span
         dts = {a.dtype for a in arrays if a is not None}
         dtype = dts.pop() if len(dts) == 1 else self.sdt
         parts = []

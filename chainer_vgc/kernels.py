@@ -262,11 +262,15 @@ def add_into(acc, x):
     return acc
 
 
-def add(a, b):
-    """``a + b`` (same dtype and shape); a new array."""
+def add(a, b, out=None):
+    """``a + b`` (same dtype and shape); a new array, or written into
+    ``out`` (an array of that dtype and shape) and returned."""
     if backend.is_cupy(backend.get_array_module(a)):
-        return add_into(a.copy(), b)
-    return a + b
+        if out is None:
+            return add_into(a.copy(), b)
+        out[...] = a
+        return add_into(out, b)
+    return numpy.add(a, b, out=out)
 
 
 def scale(x, k):

@@ -182,6 +182,9 @@ class DeviceArray(NDArrayOperatorsMixin):
         self._fake = fake
         self._a = a
         self._dev = fake._current if dev is None else dev
+        #: the device array whose memory this one views (CuPy's ``base``:
+        #: the owner, never a view), None for an owner
+        self._owner = None
 
     # -- attributes --------------------------------------------------------
     shape = property(lambda self: self._a.shape)
@@ -197,6 +200,16 @@ class DeviceArray(NDArrayOperatorsMixin):
     @property
     def device(self):
         return self._fake.cuda.Device(self._dev)
+
+    @property
+    def base(self):
+        return self._owner
+
+    @property
+    def data(self):
+        """CuPy's MemoryPointer, as far as ``ptr`` (the address)."""
+        ptr = self._a.__array_interface__['data'][0]
+        return _Namespace(ptr=ptr)
 
     def __len__(self):
         return len(self._a)
@@ -361,7 +374,8 @@ class _Function(object):
 
 
 class _Namespace(object):
-    pass
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
 
 
 class _BitGenerator(object):
@@ -479,8 +493,12 @@ class FakeCupy(object):
                 return k
         if isinstance(result, numpy.ndarray):
             root = _root(result)
-            dev = [k._dev for k in keep if _root(k._a) is root]
-            return DeviceArray(self, result, dev[0] if dev else None)
+            views = [k for k in keep if _root(k._a) is root]
+            out = DeviceArray(self, result, views[0]._dev if views else None)
+            if views:  # a view of a device array: its owner is the base
+                owner = views[0]._owner
+                out._owner = views[0] if owner is None else owner
+            return out
         if isinstance(result, (numpy.generic, numbers.Number)):
             return DeviceArray(self, numpy.asarray(result))
         return result

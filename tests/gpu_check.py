@@ -131,6 +131,9 @@ WHOLE_CASES = [
     ('whole_hybrid_auto', 'hybrid', dict(tau=0.05, index_coding='auto')),
     ('whole_strom_fixed', 'strom', dict(tau=0.05, index_coding='fixed')),
     ('whole_none', 'none', {}),
+    # the sums as views of one array (as PerSampleSquares writes them):
+    # read in place by the device step
+    ('whole_vgc_arena', 'vgc', dict(alpha=1.0, index_coding='auto')),
 ]
 
 
@@ -232,7 +235,7 @@ def gen_sqsum(rng, g, sqdt):
 # ---- importing the chainer-free core ----------------------------------------
 
 CORE = ('cuda_support', 'backend', 'kernels', 'codec', 'native', 'rules',
-        'compressor', 'exchange')
+        'compressor', 'exchange', 'device_step')
 
 
 def import_core(no_nvrtc_preload=False):
@@ -464,8 +467,18 @@ def whole_results(core, case, xp, meta, arrays):
         blocks = []
         for w in range(WORKERS):
             gs, ss = worker_inputs(inputs, step, w)
+            sq = [xp.asarray(s) for s in ss]
+            if case['name'].endswith('_arena'):
+                flat = xp.asarray(numpy.concatenate([s.ravel() for s in ss]))
+                ends = numpy.cumsum([0] + [s.size for s in ss])
+                sq = [flat[a:b].reshape(s.shape)
+                      for a, b, s in zip(ends[:-1], ends[1:], ss)]
+                if xp is not numpy and core.device_step._span(
+                        sq, int(ends[-1])) is None:
+                    raise Mismatch('the sums in one array were not read '
+                                   'in place')
             blocks.append(comps[w].compress([xp.asarray(g) for g in gs],
-                                            [xp.asarray(s) for s in ss]))
+                                            sq))
             yield ('msg/{}/{}'.format(step, w),
                    'step {} worker {} message'.format(step, w), blocks[-1])
         if xp is not numpy and comps[0]._device_step is None:

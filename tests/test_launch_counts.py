@@ -115,6 +115,52 @@ def test_decode_launches_are_fixed_whatever_the_model(device, method, kw):
     assert all(c == counts[0] for c in counts), counts
 
 
+@pytest.mark.parametrize('method,kw', [METHODS[0], METHODS[1], METHODS[4]],
+                         ids=[IDS[0], IDS[1], IDS[4]])
+def test_sums_in_one_arena_are_read_in_place(device, method, kw):
+    """Sums of squares that lie end to end in one array, as
+    :class:`~chainer_vgc.statistics.PerSampleSquares` writes them, are read
+    where they are: one launch fewer than sums in separate arrays, and the
+    same messages and states bit for bit.  Views of one array in another
+    order, or with a gap, are gathered as before."""
+    fake = device
+    sizes, steps = _model(40)
+    forwards = list(range(len(sizes)))
+    layouts = {'arena': (forwards, 0), 'backwards': (forwards[::-1], 0),
+               'gapped': (forwards, 1)}
+
+    def sums(ss, layout):
+        """The sums on the device: each its own array, or views of one
+        array in ``order``, ``gap`` elements apart."""
+        if layout == 'separate':
+            return [fake.asarray(s) for s in ss]
+        order, gap = layouts[layout]
+        flat = numpy.zeros(sum(sizes) + gap * len(sizes), numpy.float32)
+        where, at = {}, 0
+        for i in order:
+            flat[at:at + sizes[i]] = ss[i]
+            where[i], at = at, at + sizes[i] + gap
+        flat = fake.asarray(flat)
+        return [flat[where[i]:where[i] + sizes[i]] for i in forwards]
+    runs = {}
+    for layout in ['separate'] + sorted(layouts):
+        comp = GradientCompressor(method, [str(i) for i in forwards],
+                                  [(n,) for n in sizes],
+                                  [numpy.float32] * len(sizes), **kw)
+        for gs, ss in steps:
+            gs, sq = [fake.asarray(g) for g in gs], sums(ss, layout)
+            fake.reset()
+            message = comp.compress(gs, sq)
+        runs[layout] = (fake.count('launch'), message.copy(),
+                        [fake.asnumpy(st[k]) for st in comp.states
+                         for k in sorted(st)])
+    launches, message, states = runs['separate']
+    for layout, (n, m, st) in runs.items():
+        assert numpy.array_equal(m, message), layout
+        assert all(numpy.array_equal(a, b) for a, b in zip(st, states))
+        assert n == launches - (layout == 'arena'), (layout, n, launches)
+
+
 def test_the_fake_counts_launches_not_views(device):
     """The counter itself: kernels count, views and allocation do not."""
     fake = device

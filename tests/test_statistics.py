@@ -626,3 +626,46 @@ def test_bruteforce_reports_nothing():
     assert after == before
     assert after['main/loss'] == float(loss.array)
     assert all(s is not None for s in sums)
+
+
+@pytest.mark.parametrize('mem', [1, 2 ** 30])
+def test_sums_are_written_into_one_arena_unchanged(monkeypatch, mem):
+    """The reductions write the sums into one array, end to end in
+    ``names`` order (what a GPU compressor then reads in place, issue 25);
+    each sum equals, bit for bit, the one computed into its own array, on
+    every path: the linear shortcut, convolution, shared weights added
+    before squaring, embeddings, and chunks of one example
+    (``max_memory=1``: partial sums added into the arena)."""
+    rng = numpy.random.default_rng(8)
+    with chainer.using_config('dtype', numpy.float32):
+        numpy.random.seed(8)
+        shared, cnn = SharedNet(), ConvNet(1, 1, 1, 2, False)
+        embed = EmbedNet(7, 4, None)  # one use each: the shortcuts
+        ids = rng.integers(0, 6, (5, 3)).astype(numpy.int32)
+        x = _data(rng, numpy.float32, 5, 4, 8, 8)
+        cases = ((shared, lambda: F.sum(shared(ids) ** 2) / 5),
+                 (cnn, lambda: F.sum(cnn(x) ** 2) / 5),
+                 (embed, lambda: F.sum(embed(ids) ** 2) / 5))
+        for model, loss in cases:
+            runs = []
+            for arena in (True, False):
+                if not arena:
+                    monkeypatch.setattr(PerSampleSquares, '_arena_views',
+                                        lambda self: None)
+                model.cleargrads()
+                runs.append(PerSampleSquares(model, max_memory=mem,
+                                             batch_size=5).backward(loss()))
+            monkeypatch.undo()
+            with_arena, alone = runs
+            base = with_arena[0].base
+            assert base is not None and base.ndim == 1
+            at = base.__array_interface__['data'][0]
+            for s in with_arena:
+                assert s.base is base and s.flags.c_contiguous
+                assert s.__array_interface__['data'][0] == at
+                at += s.nbytes
+            assert at == base.__array_interface__['data'][0] + base.nbytes
+            for a, b in zip(with_arena, alone):
+                assert b.base is None or b.base is not base
+                assert a.dtype == b.dtype and a.shape == b.shape
+                numpy.testing.assert_array_equal(a, b)

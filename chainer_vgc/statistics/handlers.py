@@ -76,44 +76,58 @@ class _Use(object):
             g = g.reshape((z1 - z0, group) + g.shape[1:]).sum(axis=1)
         return g
 
-    def sqsum(self, group, max_memory):
+    def sqsum(self, group, max_memory, out=None):
+        """The sum over examples of the squared contributions; ``out``
+        (an array of the parameter's shape and the state dtype, or None)
+        receives it, written by the last reduction itself."""
         b = self.rows // group
-        step = _chunk(max_memory, self.row_bytes * group)
-        acc = None
-        for z0 in range(0, b, step):
-            g = self.examples(z0, min(b, z0 + step), group)
-            part = _sum_squares(self.xp, g)
-            acc = part if acc is None else kernels.add(acc, part)
-        return acc
+        return _chunked_sqsum(
+            lambda z0, z1: self.examples(z0, z1, group), b,
+            _chunk(max_memory, self.row_bytes * group), out)
 
 
-def _combined_sqsum(use_list, b, max_memory):
-    """Sum of squares of per-example contributions added over the uses
-    ``[(use, group)]`` of one parameter (shared weights, RNN-style reuse),
-    b examples, chunk by chunk."""
-    row_bytes = sum(u.row_bytes * g for u, g in use_list)
-    step = _chunk(max_memory, row_bytes)
+def _chunked_sqsum(examples, b, step, out):
+    """sum_z g_z**2 over the examples 0..b-1, ``examples(z0, z1)`` giving
+    the contributions of a chunk; the last chunk's reduction (or the
+    add of the partial sums) writes into ``out`` when given."""
     acc = None
     for z0 in range(0, b, step):
         z1 = min(b, z0 + step)
+        last = z1 == b
+        g = examples(z0, z1)
+        xp = backend.get_array_module(g)
+        if acc is None:
+            acc = _sum_squares(xp, g, out if last else None)
+        else:
+            acc = kernels.add(acc, _sum_squares(xp, g),
+                              out if last else None)
+    return acc
+
+
+def _combined_sqsum(use_list, b, max_memory, out=None):
+    """Sum of squares of per-example contributions added over the uses
+    ``[(use, group)]`` of one parameter (shared weights, RNN-style reuse),
+    b examples, chunk by chunk (into ``out``, as :meth:`_Use.sqsum`)."""
+    def examples(z0, z1):
         total = None
         for use, g in use_list:
             part = use.examples(z0, z1, g)
             total = part if total is None else kernels.add(total, part)
-        part = _sum_squares(backend.get_array_module(total), total)
-        acc = part if acc is None else kernels.add(acc, part)
-    return acc
+        return total
+    row_bytes = sum(u.row_bytes * g for u, g in use_list)
+    return _chunked_sqsum(examples, b, _chunk(max_memory, row_bytes), out)
 
 
-def _sum_squares(xp, g):
+def _sum_squares(xp, g, out=None):
     """sum over axis 0 of g**2 without a temporary of g's size: NumPy's
     einsum; on the GPU the ``vgc_sum_squares`` ReductionKernel
     (:mod:`chainer_vgc.kernels`; CuPy's einsum would make two transposed
     copies of g).  The GPU adds the examples in another order than NumPy,
-    so the last bits of the statistics may differ between devices."""
+    so the last bits of the statistics may differ between devices.
+    ``out``: written in place (and returned)."""
     if xp is numpy:
-        return xp.einsum('i...,i...->...', g, g)
-    return kernels.get_kernel('vgc_sum_squares')(g, axis=0)
+        return xp.einsum('i...,i...->...', g, g, out=out)
+    return kernels.get_kernel('vgc_sum_squares')(g, axis=0, out=out)
 
 
 def _chunk(max_memory, bytes_per_item):
@@ -134,17 +148,22 @@ class _LinearW(_Use):
     def per_example(self, r0, r1):
         return self.gy[r0:r1, :, None] * self.x[r0:r1, None, :]
 
-    def sqsum(self, group, max_memory):
+    def sqsum(self, group, max_memory, out=None):
         if group > 1:
-            return super(_LinearW, self).sqsum(group, max_memory)
+            return super(_LinearW, self).sqsum(group, max_memory, out)
         # one row per example: (gy_z x_z^T)**2 = gy_z**2 (x_z**2)^T, exactly
         step = _chunk(max_memory, (self.x.shape[1] + self.gy.shape[1])
                       * self.dtype.itemsize)
         acc = None
         for r0 in range(0, self.rows, step):
             gy, x = self.gy[r0:r0 + step], self.x[r0:r0 + step]
-            part = (gy * gy).T.dot(x * x)
-            acc = part if acc is None else kernels.add(acc, part)
+            last = r0 + step >= self.rows
+            if acc is None:
+                acc = self.xp.dot((gy * gy).T, x * x,
+                                  out=out if last else None)
+            else:
+                acc = kernels.add(acc, (gy * gy).T.dot(x * x),
+                                  out if last else None)
         return acc
 
 
@@ -227,13 +246,17 @@ class _EmbedW(_Use):
         _scatter_add(self.xp, out, (example, ids), gy)
         return out
 
-    def sqsum(self, group, max_memory):
+    def sqsum(self, group, max_memory, out=None):
         # sparse: combine each example's tokens by word id, square, scatter
         xp = self.xp
         per_token = (self.gy[0].size // max(1, self.ids[0].size) + 2) * 8
         tokens_per_row = max(1, self.ids[0].size)
         step = _chunk(max_memory, per_token * tokens_per_row * group) * group
-        acc = xp.zeros(self.w_shape, self.dtype)
+        if out is None:
+            acc = xp.zeros(self.w_shape, self.dtype)
+        else:
+            acc = out
+            acc.fill(0)
         for r0 in range(0, self.rows, step):
             r1 = min(self.rows, r0 + step)
             ids, gy, example = self._tokens(r0, r1, group)

@@ -61,12 +61,14 @@ class _Pass(object):
     indices with one use (squared as soon as it is seen); ``by_fn``:
     {id(fn): [(index, k)]}; ``pending``: {index: [(use, group)]} the uses
     of shared parameters, combined when the backward pass is over;
-    ``results``: {index: sum of squares}.
+    ``results``: {index: sum of squares}; ``views``: where the sums are
+    written (see :meth:`PerSampleSquares._arena_views`), or None.
     """
 
-    def __init__(self, uses, b):
+    def __init__(self, uses, b, views=None):
         self.uses = uses
         self.b = b
+        self.views = views
         self.single = {i for i, us in uses.items() if len(us) == 1}
         self.by_fn = {}
         for i, us in uses.items():
@@ -74,6 +76,10 @@ class _Pass(object):
                 self.by_fn.setdefault(id(fn), []).append((i, k))
         self.pending = {}
         self.results = {}
+
+    def out(self, i):
+        """Where parameter i's sum is written (None: a new array)."""
+        return None if self.views is None else self.views[i]
 
 
 class PerSampleSquares(chainer.FunctionHook):
@@ -175,15 +181,15 @@ class PerSampleSquares(chainer.FunctionHook):
         for i, us in self._uses.items():
             for fn, _ in us:
                 _check_rows(fn, self.names[i], b, batch_ids)
-        current = _Pass(self._uses, b)
+        current = _Pass(self._uses, b, self._arena_views())
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
             with self:
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
-                current.results[i] = _combined_sqsum(use_list, b,
-                                                     self.max_memory)
+                current.results[i] = _combined_sqsum(
+                    use_list, b, self.max_memory, current.out(i))
         finally:
             self._pass = None
         for i, p in enumerate(self.params):
@@ -196,6 +202,31 @@ class PerSampleSquares(chainer.FunctionHook):
                 self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
                     p.dtype))
         return self.sqsums
+
+    def _arena_views(self):
+        """Where this backward's sums go: views of one new array, the
+        parameters' sums end to end in :attr:`names` order, when every
+        parameter has data on one device and one state dtype (else
+        None: each sum is its own array).  The reductions write into
+        them, and a compressor on the GPU then reads the sums in place
+        instead of gathering them (:mod:`chainer_vgc.device_step`)."""
+        arrays = [p.array for p in self.params]
+        if not arrays or any(a is None for a in arrays):
+            return None
+        dtypes = {backend.state_dtype(a.dtype) for a in arrays}
+        xp = backend.get_array_module(arrays[0])
+        if len(dtypes) != 1 or any(
+                backend.get_array_module(a) is not xp for a in arrays):
+            return None
+        if backend.is_cupy(xp) and len({a.device.id for a in arrays}) != 1:
+            return None
+        with backend.device_scope(arrays[0]):
+            arena = xp.empty(sum(a.size for a in arrays), dtypes.pop())
+        views, at = [], 0
+        for a in arrays:
+            views.append(arena[at:at + a.size].reshape(a.shape))
+            at += a.size
+        return views
 
     def __enter__(self):
         if getattr(self, '_pass', None) is None:
@@ -255,6 +286,7 @@ class PerSampleSquares(chainer.FunctionHook):
             use = _uses_of(function, k, in_data, gy, dtype, xp)
             group = use.rows // current.b  # a multiple: see _check_rows
             if i in current.single:  # done now: nothing is kept
-                current.results[i] = use.sqsum(group, self.max_memory)
+                current.results[i] = use.sqsum(group, self.max_memory,
+                                               current.out(i))
             else:  # shared: combined per example when backward is over
                 current.pending.setdefault(i, []).append((use, group))
