@@ -152,9 +152,17 @@ class DeviceStep(object):
         self.zeros = {}
         #: [flags (a word a tensor), total words, groups, message]
         self.head = self.n + 2
-        per = 2 if kind == 'none' and self.sdt == numpy.float64 else 1
-        self.max_words = 2 + sum(codec.HEADER_WORDS + per * s
-                                 for s in sizes)
+        # the longest message: dense FMT_RAW groups for 'none', else each
+        # tensor's longest group in its coding ('gap': a FMT_GAP group of a
+        # tiny tensor is longer than its elements)
+        if kind == 'none':
+            per = 2 if self.sdt == numpy.float64 else 1
+            self.max_words = 2 + sum(codec.HEADER_WORDS + per * s
+                                     for s in sizes)
+        else:
+            coding = compressor.rule.index_coding
+            self.max_words = 2 + sum(codec.pow2_max_words(s, coding)
+                                     for s in sizes)
         self.buffer = xp.empty(self.head + self.max_words, numpy.uint32)
         self.staged = backend.host_buffer(self.buffer.size, numpy.uint32)
         self.cap = self.max_words

@@ -298,7 +298,9 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
             /* the param word and G, before any other body word */
             if (pos + VGC_GAP_PARAM_WORDS > len) return false;
             const bool sign_only = (m[pos] & VGC_GAP_SIGN_ONLY) != 0;
-            length = VGC_GAP_PARAM_WORDS + (int64_t)m[pos + 1] +
+            length = VGC_GAP_PARAM_WORDS +
+                     VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count) +
+                     (int64_t)m[pos + 1] +
                      vgc_gap_value_words(count, sign_only);
             /* the span: tensors tid..tid + span, all in the model; the
              * next group's id must be above the last of them */

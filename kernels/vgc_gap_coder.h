@@ -142,16 +142,33 @@ static inline int64_t vgc_gap_value_words(int64_t count, bool sign_only) {
 
 /* Writes the FMT_GAP body (param word, G, gap stream, values) of the
  * elements each(f) visits; G = ceil(bits / 32).  Returns its words. */
+/* Restart m of a FMT_GAP body's table: code m N starts at bit `bit` of
+ * the stream, after the element of index `prev`. */
+static inline void vgc_put_restart(uint32_t *table, int64_t m, uint64_t bit,
+                                   int64_t prev) {
+    uint32_t *e = table + VGC_GAP_RESTART_WORDS * (m - 1);
+    e[0] = (uint32_t)bit;
+    e[1] = (uint32_t)(bit >> 32);
+    e[2] = (uint32_t)(uint64_t)prev;
+    e[3] = (uint32_t)((uint64_t)prev >> 32);
+}
+
 template <typename Each>
 static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
                                   int k, bool sign_only, uint32_t *body) {
     const int64_t G = (int64_t)((bits + 31) / 32);
+    const int64_t T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
     body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
     body[1] = (uint32_t)G;
-    vgc_bit_writer gaps(body + VGC_GAP_PARAM_WORDS);
-    vgc_bit_writer values(body + VGC_GAP_PARAM_WORDS + G);
-    int64_t prev = -1;
+    uint32_t *table = body + VGC_GAP_PARAM_WORDS;
+    vgc_bit_writer gaps(table + T);
+    vgc_bit_writer values(table + T + G);
+    int64_t prev = -1, j = 0;
     each([&](int64_t ix, uint32_t nib) {
+        if (j && j % VGC_GAP_RESTART_CODES == 0)
+            vgc_put_restart(table, j / VGC_GAP_RESTART_CODES,
+                            32 * (gaps.wi - gaps.first) + gaps.nb, prev);
+        ++j;
         gaps.code((uint64_t)(ix - prev - 1), k);
         prev = ix;
         if (sign_only)
@@ -163,7 +180,7 @@ static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
         gaps.store_edges();
         values.store_edges();
     }
-    return VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
+    return VGC_GAP_PARAM_WORDS + T + G + vgc_gap_value_words(count, sign_only);
 }
 
 /* Bits pos..pos+31 of the stream s of G words (0 past its end). */
@@ -196,9 +213,15 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     const int k = (int)(param & 63);
     const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
     const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
-    if (len != VGC_GAP_PARAM_WORDS + G + V) return false;
+    const int64_t R = vgc_gap_restarts(count);
+    if (len != VGC_GAP_PARAM_WORDS + VGC_GAP_RESTART_WORDS * R + G + V)
+        return false;
     if (count > 32 * G && count) return false; /* a code has >= 1 bit */
-    const uint32_t *s = body + VGC_GAP_PARAM_WORDS;
+    /* restart m (1..R): {bit, index} where code m N starts, checked when
+     * the decoder gets there */
+    const uint32_t *table = body + VGC_GAP_PARAM_WORDS;
+    int64_t next_restart = R ? VGC_GAP_RESTART_CODES : count;
+    const uint32_t *s = table + VGC_GAP_RESTART_WORDS * R;
     const uint64_t total = 32 * (uint64_t)G;
     /* value padding (cheap, before any decoding) */
     const uint32_t *v = s + G;
@@ -221,6 +244,17 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     uint64_t buf = 0, wi = 0;
     int avail = 0;
     for (int64_t j = 0; j < count; ++j) {
+        if (j == next_restart) {
+            const uint32_t *e =
+                table + VGC_GAP_RESTART_WORDS *
+                            (j / VGC_GAP_RESTART_CODES - 1);
+            if (pos != ((uint64_t)e[0] | (uint64_t)e[1] << 32) ||
+                (uint64_t)prev != ((uint64_t)e[2] | (uint64_t)e[3] << 32))
+                return false;
+            next_restart = j / VGC_GAP_RESTART_CODES < R
+                               ? j + VGC_GAP_RESTART_CODES
+                               : count;
+        }
         if (avail <= 32) {
             if (wi < (uint64_t)G) {
                 buf |= (uint64_t)s[wi++] << avail;
@@ -311,24 +345,21 @@ static inline int64_t vgc_full_index(const vgc_chunk &c, uint32_t word) {
     return c.begin + (int64_t)((word - (uint32_t)c.begin) & VGC_INDEX_MASK);
 }
 
-/* The code bits of a chunk's staged words (vgc_gap_code_length summed
- * over its gaps, the first from c.gap_prev).  Inside a chunk (at most
- * 2**28 elements) a gap is the difference of two 28-bit index fields, so
- * the loop runs on 32-bit lanes without a carried dependency (the
- * compiler vectorizes it): a unary code adds q + 1 + k bits; an escape
- * (rare) is counted, and a block of 256 gaps holding one is read again,
- * one gap at a time, to add the escapes' lengths. */
-static uint64_t vgc_chunk_code_bits(const vgc_chunk &c, int k) {
-    if (!c.out) return 0;
+/* The code bits of a chunk's inner codes j0 <= j < j1 (j0 >= 1: gaps
+ * between its own staged words).  Inside a chunk (at most 2**28
+ * elements) a gap is the difference of two 28-bit index fields, so the
+ * loop runs on 32-bit lanes without a carried dependency (the compiler
+ * vectorizes it): a unary code adds q + 1 + k bits; an escape (rare) is
+ * counted, and a block of 256 gaps holding one is read again, one gap at
+ * a time, to add the escapes' lengths. */
+static uint64_t vgc_code_bits_range(const vgc_chunk &c, int k, int64_t j0,
+                                    int64_t j1) {
     const uint32_t *w = c.words.data();
-    const int64_t n = c.out;
-    uint64_t bits = (uint64_t)vgc_gap_code_length(
-        vgc_full_index(c, w[0]) - c.gap_prev - 1, k);
-    bits += (uint64_t)(n - 1) * (uint64_t)(1 + k);
-    if (k >= VGC_INDEX_BITS) return bits; /* every inner q is 0 */
+    uint64_t bits = (uint64_t)(j1 - j0) * (uint64_t)(1 + k);
+    if (k >= VGC_INDEX_BITS || j1 <= j0) return bits; /* inner q is 0 */
     const uint32_t base = (uint32_t)c.begin;
-    for (int64_t b = 1; b < n; b += 256) {
-        const int64_t e = b + 256 < n ? b + 256 : n;
+    for (int64_t b = j0; b < j1; b += 256) {
+        const int64_t e = b + 256 < j1 ? b + 256 : j1;
         uint32_t unary = 0, escapes = 0; /* < 256 * 16 */
         for (int64_t j = b; j < e; ++j) {
             const uint32_t q =
@@ -349,6 +380,38 @@ static uint64_t vgc_chunk_code_bits(const vgc_chunk &c, int k) {
         }
     }
     return bits;
+}
+
+/* The code bits of a chunk's staged words (its first gap from
+ * c.gap_prev); c.restart_bits gets, for each restart point among its
+ * codes (element c.offset + j a multiple of VGC_GAP_RESTART_CODES, not
+ * the first of the group), the bits of its codes before it. */
+static uint64_t vgc_chunk_code_bits(vgc_chunk &c, int k) {
+    c.restart_bits.clear();
+    if (!c.out) return 0;
+    const int64_t N = VGC_GAP_RESTART_CODES;
+    if (c.offset && c.offset % N == 0) c.restart_bits.push_back(0);
+    uint64_t bits = (uint64_t)vgc_gap_code_length(
+        vgc_full_index(c, c.words[0]) - c.gap_prev - 1, k);
+    int64_t j = 1, next = N - c.offset % N; /* >= 1 */
+    for (; next < c.out; next += N) {
+        bits += vgc_code_bits_range(c, k, j, next);
+        c.restart_bits.push_back(bits);
+        j = next;
+    }
+    return bits + vgc_code_bits_range(c, k, j, c.out);
+}
+
+/* The chunk's entries of the restart table (after vgc_chunk_code_bits and
+ * the chunks' c.gap_start). */
+static void vgc_chunk_restarts(const vgc_chunk &c, uint32_t *table) {
+    const int64_t N = VGC_GAP_RESTART_CODES;
+    int64_t j = (N - c.offset % N) % N; /* local code of the first */
+    if (c.offset + j == 0) j += N;       /* (none before the first code) */
+    for (size_t r = 0; r < c.restart_bits.size(); ++r, j += N)
+        vgc_put_restart(table, (c.offset + j) / N,
+                        c.gap_start + c.restart_bits[r],
+                        j ? vgc_full_index(c, c.words[j - 1]) : c.gap_prev);
 }
 
 /* Writes the codes of a chunk's staged words at bit c.gap_start of the
@@ -528,7 +591,8 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
      * non-empty chunks before it */
     uint64_t bits = 0;
     const size_t nc = ws->chunks.size();
-    uint32_t *gs = body + VGC_GAP_PARAM_WORDS, *vs = gs;
+    const int64_t T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
+    uint32_t *table = body + VGC_GAP_PARAM_WORDS, *gs = table + T, *vs = gs;
     int64_t G = 0;
     bool too_long = false;
     if (coding != VGC_CODING_FIXED) {
@@ -562,7 +626,7 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
                     bits += ws->chunks[t].gap_bits;
                 }
                 G = (int64_t)((bits + 31) / 32);
-                gap |= VGC_GAP_PARAM_WORDS + G +
+                gap |= VGC_GAP_PARAM_WORDS + T + G +
                            vgc_gap_value_words(count, sign_only) < count;
                 too_long = gap && (bits + 31) / 32 > 0xFFFFFFFFu;
                 vs = gs + G;
@@ -579,6 +643,7 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
                     vgc_chunk &c = ws->chunks[t];
                     if (!c.out) continue;
                     vgc_chunk_write_codes(c, k, gs);
+                    vgc_chunk_restarts(c, table);
                     vgc_pack_values(c.words.data(), c.out, c.offset,
                                     sign_only, vs, &c.edge_word[2],
                                     &c.edge_bits[2], &c.tail_word[1],
@@ -607,7 +672,8 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
                 for (int e = 0; e < 4; ++e)
                     if (at[e]) *at[e] = pass ? *at[e] | c.edge_bits[e] : 0u;
             }
-        words = VGC_GAP_PARAM_WORDS + G + vgc_gap_value_words(count, sign_only);
+        words = VGC_GAP_PARAM_WORDS + T + G +
+                vgc_gap_value_words(count, sign_only);
     } else {
         vgc_for_chunks(ws, [&](vgc_chunk &c) {
             if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);

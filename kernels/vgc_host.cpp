@@ -120,6 +120,8 @@ void vgc_native_constants(int64_t *c) {
     c[13] = VGC_GAP_ESCAPE;
     c[14] = VGC_GAP_SIGN_ONLY;
     c[15] = VGC_GAP_PARAM_WORDS;
+    c[16] = VGC_GAP_RESTART_CODES;
+    c[17] = VGC_GAP_RESTART_WORDS;
 }
 
 void vgc_native_set_threads(int n) { vgc_threads = n > 0 ? n : 0; }
@@ -214,7 +216,9 @@ int64_t vgc_native_gap_encode(const int64_t *index, const uint8_t *nib,
     const uint64_t bits = vgc_gap_stream_bits(each, k);
     if ((bits + 31) / 32 > 0xFFFFFFFFu) return -1;
     if (!out)
-        return VGC_GAP_PARAM_WORDS + (int64_t)((bits + 31) / 32) +
+        return VGC_GAP_PARAM_WORDS +
+               VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count) +
+               (int64_t)((bits + 31) / 32) +
                vgc_gap_value_words(count, sign_only != 0);
     return vgc_gap_write_body(each, count, bits, k, sign_only != 0, out);
 }

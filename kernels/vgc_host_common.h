@@ -143,6 +143,8 @@ struct vgc_chunk {
      * the words of the two sections it shares with its neighbours */
     int64_t gap_prev;
     uint64_t gap_bits, gap_start;
+    /* the bits of its codes before each restart point among them */
+    std::vector<uint64_t> restart_bits;
     uint64_t edge_word[4];
     int64_t tail_word[2];
     uint32_t edge_bits[4];

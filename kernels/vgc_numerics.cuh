@@ -476,6 +476,14 @@ VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
 #define VGC_FMT_GAP 4u
 #define VGC_GAP_SIGN_ONLY 64u
 #define VGC_GAP_PARAM_WORDS 2
+#define VGC_GAP_RESTART_CODES 1024
+#define VGC_GAP_RESTART_WORDS 4
+
+/* restart points of a FMT_GAP group of count >= 1 codes: one every
+ * VGC_GAP_RESTART_CODES codes after the first block */
+VGC_FN long long vgc_gap_restarts(long long count) {
+    return count > 0 ? (count - 1) / VGC_GAP_RESTART_CODES : 0;
+}
 
 /* the tensor of element i: the last t < n with offsets[t] <= i (an empty
  * tensor shares its offset with the next, which holds i) */
@@ -752,15 +760,110 @@ VGC_FN void vgc_model_none_write(long long i, F g, const O &offsets, int n,
  * (dense: MPI's rank-order tree), of what each rank's message carries for
  * it, then the mean in the parameter dtype.  The uploaded buffer starts
  * with a descriptor of VGC_DESC_WORDS words per (rank, tensor): body
- * offset (low, high word), count, kind, e_k, scale bits; the bodies
- * follow (FMT_GAP groups arrive as FMT_POW2 words, expanded on the host). */
-#define VGC_DESC_WORDS 6
+ * offset (low, high word), count, kind, e_k, scale bits, and for a
+ * FMT_GAP group the tensor's first index in the group's index space (low,
+ * high); the bodies follow.  FMT_GAP bodies arrive as sent: first
+ * vgc_model_gap_expand decodes them, one thread per block of
+ * VGC_GAP_RESTART_CODES codes from its restart point, into one uint64 a
+ * element (index in the group's index space | nibble << 60). */
+#define VGC_DESC_WORDS 8
 #define VGC_BODY_POW2 1u
 #define VGC_BODY_RAW32 2u
 #define VGC_BODY_RAW64 3u
 #define VGC_BODY_DENSE32 4u
 #define VGC_BODY_DENSE64 5u
+#define VGC_BODY_GAP 6u
 #define VGC_TREE_MAX 64
+#define VGC_BLOCK_WORDS 16
+#define VGC_EXPANDED_INDEX 0x0FFFFFFFFFFFFFFFull
+
+/* the 64-bit field of words buf[at], buf[at + 1] (low word first) */
+template <typename W>
+VGC_FN unsigned long long vgc_u64_at(const W &buf, long long at) {
+    return (unsigned long long)(unsigned int)buf[at] |
+           ((unsigned long long)(unsigned int)buf[at + 1] << 32);
+}
+
+/* bits pos .. pos + 31 of the G-word stream at buf[s] (0 past its end) */
+template <typename W>
+VGC_FN unsigned int vgc_stream32(const W &buf, long long s, long long G,
+                                 unsigned long long pos) {
+    const unsigned long long w = pos >> 5;
+    const unsigned long long lo =
+        w < (unsigned long long)G ? (unsigned int)buf[s + (long long)w] : 0u;
+    const unsigned long long hi =
+        w + 1 < (unsigned long long)G ? (unsigned int)buf[s + (long long)w + 1]
+                                      : 0u;
+    return (unsigned int)((lo | (hi << 32)) >> (pos & 31));
+}
+
+/* the n (0..64) bits at pos, LSB first */
+template <typename W>
+VGC_FN unsigned long long vgc_stream_bits(const W &buf, long long s,
+                                          long long G, unsigned long long pos,
+                                          int n) {
+    if (n == 0) return 0ull;
+    if (n <= 32)
+        return vgc_stream32(buf, s, G, pos) & (0xFFFFFFFFu >> (32 - n));
+    return (unsigned long long)vgc_stream32(buf, s, G, pos) |
+           ((unsigned long long)(vgc_stream32(buf, s, G, pos + 32) &
+                                 (0xFFFFFFFFu >> (64 - n))) << 32);
+}
+
+/* Block b of the FMT_GAP groups (a validated message: no checks), its
+ * VGC_BLOCK_WORDS words at blocks[b * VGC_BLOCK_WORDS]: stream offset in
+ * buf, G, the bit where its first code starts, the index before it
+ * (all uint64, two words), its codes, k | SIGN_ONLY << 8, the value
+ * section's offset in buf, its first code's number in the group and its
+ * first element's place in out (uint64).  Writes each element's index in
+ * the group's index space | its nibble (sign << 3 | d) << 60. */
+template <typename W, typename B, typename X>
+VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const B &blocks,
+                                 X &out) {
+    const long long at = b * VGC_BLOCK_WORDS;
+    const long long s = (long long)vgc_u64_at(blocks, at);
+    const long long G = (long long)vgc_u64_at(blocks, at + 2);
+    unsigned long long pos = vgc_u64_at(blocks, at + 4);
+    unsigned long long prev = vgc_u64_at(blocks, at + 6);
+    const long long codes = (long long)(unsigned int)blocks[at + 8];
+    const unsigned int kw = (unsigned int)blocks[at + 9];
+    const int k = (int)(kw & 63u);
+    const bool sign_only = (kw >> 8) & 1u;
+    const long long v = (long long)vgc_u64_at(blocks, at + 10);
+    const long long j0 = (long long)vgc_u64_at(blocks, at + 12);
+    const long long o = (long long)vgc_u64_at(blocks, at + 14);
+    for (long long j = 0; j < codes; ++j) {
+        long long z = 0; /* zeros up to the next one */
+        for (;;) {
+            const unsigned int w = vgc_stream32(buf, s, G, pos + z);
+            if (w) {
+                z += vgc_ilog2_u64((unsigned long long)(w & (0u - w)));
+                break;
+            }
+            z += 32;
+        }
+        unsigned long long q;
+        if (z < VGC_GAP_ESCAPE) {
+            q = (unsigned long long)z;
+            pos += z + 1;
+        } else { /* escape: n more zeros, a one, the n bits below v's top */
+            const int n = (int)(z - VGC_GAP_ESCAPE);
+            pos += z + 1;
+            q = ((1ull << n) | vgc_stream_bits(buf, s, G, pos, n)) +
+                (VGC_GAP_ESCAPE - 1);
+            pos += n;
+        }
+        const unsigned long long gap =
+            (k < 64 ? q << k : 0ull) | vgc_stream_bits(buf, s, G, pos, k);
+        pos += k;
+        prev += 1 + gap;
+        const long long e = j0 + j; /* its value field */
+        const unsigned int field =
+            sign_only ? (((unsigned int)buf[v + (e >> 5)] >> (e & 31)) & 1u) << 3
+                      : ((unsigned int)buf[v + (e >> 3)] >> (4 * (e & 7))) & 15u;
+        out[o + j] = prev | ((unsigned long long)field << 60);
+    }
+}
 
 template <typename S, typename W>
 VGC_FN S vgc_raw_value(const W &buf, long long at, bool f64) {
@@ -770,14 +873,37 @@ VGC_FN S vgc_raw_value(const W &buf, long long at, bool f64) {
     return vgc_to<S>(vgc_from_bits(lo | (hi << 32)));
 }
 
-/* the value the group described at buf[d] carries for index j, if any */
-template <typename S, typename W>
-VGC_FN bool vgc_lookup(const W &buf, long long d, long long j, S &value) {
+/* the value the group described at buf[d] carries for index j, if any
+ * (a FMT_GAP group's elements: in gaps, by vgc_model_gap_expand) */
+template <typename S, typename W, typename X>
+VGC_FN bool vgc_lookup(const W &buf, const X &gaps, long long d, long long j,
+                       S &value) {
     const long long count = (long long)(unsigned int)buf[d + 2];
     if (!count) return false;
     const long long off = (long long)(unsigned int)buf[d] |
                           ((long long)(unsigned int)buf[d + 1] << 32);
     const unsigned int kind = buf[d + 3];
+    if (kind == VGC_BODY_GAP) { /* j at the tensor's place in the group */
+        const unsigned long long key = vgc_u64_at(buf, d + 6) + j;
+        long long lo = 0, hi = count;
+        while (lo < hi) {
+            const long long mid = lo + (hi - lo) / 2;
+            if (((unsigned long long)gaps[off + mid] & VGC_EXPANDED_INDEX) <
+                key)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == count ||
+            ((unsigned long long)gaps[off + lo] & VGC_EXPANDED_INDEX) != key)
+            return false;
+        long long index;
+        const S scale = vgc_to<S>(vgc_from_bits((unsigned int)buf[d + 5]));
+        value = vgc_pow2_decode<S>(
+            (unsigned int)(((unsigned long long)gaps[off + lo] >> 60) << 28),
+            (int)buf[d + 4], scale, index);
+        return true;
+    }
     if (kind == VGC_BODY_DENSE32 || kind == VGC_BODY_DENSE64) {
         const bool f64 = kind == VGC_BODY_DENSE64;
         value = vgc_raw_value<S>(buf, off + (f64 ? 2 * j : j), f64);
@@ -812,22 +938,23 @@ VGC_FN bool vgc_lookup(const W &buf, long long d, long long j, S &value) {
  * _finish_mean): sum * (1/p) in D (float16: the product in float32 by
  * k16 = float32(float16(1/p)), rounded once); with a loss scale, sum *
  * (1/p) * scale in the state dtype, then D */
-template <typename D, typename W, typename O>
-VGC_FN D vgc_model_mean(long long i, const W &buf, const O &offsets, int n,
-                        int p, bool dense, bool rescaled, double inv,
-                        double rescale, float k16) {
+template <typename D, typename W, typename X, typename O>
+VGC_FN D vgc_model_mean(long long i, const W &buf, const X &gaps,
+                        const O &offsets, int n, int p, bool dense,
+                        bool rescaled, double inv, double rescale,
+                        float k16) {
     typedef typename vgc_state<D>::type S;
     const int t = vgc_segment(offsets, n, i);
     const long long j = i - (long long)offsets[t];
     S acc = (S)0, v;
     if (!dense) {
         for (int b = 0; b < p; ++b)
-            if (vgc_lookup<S>(buf, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v))
+            if (vgc_lookup<S>(buf, gaps, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v))
                 acc = vgc_add(acc, v);
     } else {
         S vals[VGC_TREE_MAX];
         for (int b = 0; b < p; ++b)
-            vals[b] = vgc_lookup<S>(buf, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v)
+            vals[b] = vgc_lookup<S>(buf, gaps, (long long)VGC_DESC_WORDS * ((long long)b * n + t), j, v)
                 ? vgc_add((S)0, v) : (S)0;
         for (int w = p; w > 1; w = (w + 1) / 2) {
             for (int k = 0; k < w / 2; ++k)
@@ -938,7 +1065,9 @@ VGC_FN void vgc_model_gap_layout(const P &pos, const E &ends,
         const long long bits =
             (long long)ends[r0 + count - 1] - (r0 ? (long long)ends[r0 - 1] : 0);
         const long long G = (bits + 31) / 32;
-        const long long body = VGC_GAP_PARAM_WORDS + G + (count * per + 31) / 32;
+        const long long body = VGC_GAP_PARAM_WORDS +
+                               VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count) +
+                               G + (count * per + 31) / 32;
         const bool gap = always_gap || body < count;
         rec[6 * t + 1] = gap ? VGC_FMT_GAP : VGC_FMT_POW2;
         rec[6 * t + 2] = vgc_rice(count, (long long)offsets[t + 1] - offsets[t]);
@@ -1004,11 +1133,22 @@ VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
     if (fmt == VGC_FMT_POW2) return (unsigned int)cw[r0 + b];
     const int k = (int)rec[6 * t + 2];
     const long long G = (long long)rec[6 * t + 3];
+    const long long T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
+    const long long s0 = r0 ? (long long)ends[r0 - 1] : 0LL;
     if (b == 0) return (unsigned int)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
     if (b == 1) return (unsigned int)G;
-    if (b < VGC_GAP_PARAM_WORDS + G) { /* codes over bits [a, a + 32) */
-        const long long s0 = r0 ? (long long)ends[r0 - 1] : 0LL;
-        const long long a = s0 + 32 * (b - VGC_GAP_PARAM_WORDS);
+    if (b < VGC_GAP_PARAM_WORDS + T) { /* restart m: {bit, index} */
+        const long long e = b - VGC_GAP_PARAM_WORDS;
+        const long long last = /* rank of code m N - 1 */
+            r0 + (e / VGC_GAP_RESTART_WORDS + 1) * VGC_GAP_RESTART_CODES - 1;
+        const unsigned long long v =
+            e % VGC_GAP_RESTART_WORDS < 2
+                ? (unsigned long long)((long long)ends[last] - s0)
+                : (unsigned long long)(cw[last] & VGC_INDEX_MASK);
+        return (unsigned int)(e % 2 ? v >> 32 : v);
+    }
+    if (b < VGC_GAP_PARAM_WORDS + T + G) { /* codes over bits [a, a + 32) */
+        const long long a = s0 + 32 * (b - VGC_GAP_PARAM_WORDS - T);
         long long j = r0, last = r0 + count; /* first code ending past a */
         while (j < last) {
             const long long mid = j + (last - j) / 2;
@@ -1033,7 +1173,7 @@ VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
         }
         return word;
     }
-    const long long vw = b - VGC_GAP_PARAM_WORDS - G;
+    const long long vw = b - VGC_GAP_PARAM_WORDS - T - G;
     const int per = sign_only ? 32 : 8, bits = sign_only ? 1 : 4;
     unsigned int word = 0;
     for (int jj = 0; jj < per && vw * per + jj < count; ++jj) {

@@ -1,5 +1,6 @@
 """Messages recorded before the issue-13 restructuring, to prove it changed
-no byte on the wire, and FMT_GAP messages recorded when issue 14 added it:
+no byte on the wire, FMT_GAP messages recorded when issue 14 added it, and
+FMT_GAP groups with restart tables recorded when issue 25 added them:
 ``python tests/golden_messages.py`` rewrites
 ``tests/data/golden_messages.npz`` (only ever on purpose, with a wire
 change; it refuses to change a recorded message unless ``--force``);
@@ -37,16 +38,27 @@ CASES = [
     ('strom', dict(tau=0.05)),
 ]
 STEPS = 6
+#: FMT_GAP groups of more than 1,024 elements, with the restart table of
+#: issue 25, recorded when it was introduced (their own model: the cases
+#: above keep their words)
+RESTART_SHAPES = [(12000,), (3, 4000), (7,)]
+RESTART_DTYPES = [numpy.float32, numpy.float16, numpy.float64]
+RESTART_CASES = [
+    ('vgc', dict(alpha=1.0, index_coding='gap')),
+    ('vgc', dict(alpha=1.5, zeta=0.99)),
+    ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='gap')),
+    ('strom', dict(tau=0.05)),
+]
 
 
-def stream(seed=7):
+def stream(seed=7, shapes=SHAPES, dtypes=DTYPES):
     """Gradients with a wide dynamic range (some elements 2**-12 times the
     others, so that d > 7 occurs) and their per-sample squares."""
     rng = numpy.random.default_rng(seed)
     out = []
     for _ in range(STEPS):
         gs, ss = [], []
-        for s, d in zip(SHAPES, DTYPES):
+        for s, d in zip(shapes, dtypes):
             g = rng.normal(0, 1, s) * numpy.where(rng.random(s) < 0.3,
                                                    2.0 ** -12, 1.0)
             gs.append(g.astype(d))
@@ -55,14 +67,17 @@ def stream(seed=7):
     return out
 
 
-def messages(method, kw, backend):
-    comp = GradientCompressor(method, list('abcde'), SHAPES, DTYPES,
-                              backend=backend, **kw)
-    return [comp.compress(gs, ss).copy() for gs, ss in stream()]
+def messages(method, kw, backend, restarts=False):
+    shapes, dtypes = ((RESTART_SHAPES, RESTART_DTYPES) if restarts
+                      else (SHAPES, DTYPES))
+    comp = GradientCompressor(method, list('abcde')[:len(shapes)], shapes,
+                              dtypes, backend=backend, **kw)
+    return [comp.compress(gs, ss).copy()
+            for gs, ss in stream(shapes=shapes, dtypes=dtypes)]
 
 
-def key(k, step):
-    return 'case{}_step{}'.format(k, step)
+def key(k, step, restarts=False):
+    return '{}{}_step{}'.format('restart' if restarts else 'case', k, step)
 
 
 def record(force=False):
@@ -70,9 +85,12 @@ def record(force=False):
     change is an error unless ``force``."""
     old = dict(numpy.load(PATH)) if os.path.exists(PATH) else {}
     arrays = {}
-    for k, (method, kw) in enumerate(CASES):
-        for step, m in enumerate(messages(method, kw, 'numpy')):
-            name = key(k, step)
+    runs = [(k, method, kw, False) for k, (method, kw) in enumerate(CASES)]
+    runs += [(k, method, kw, True)
+             for k, (method, kw) in enumerate(RESTART_CASES)]
+    for k, method, kw, restarts in runs:
+        for step, m in enumerate(messages(method, kw, 'numpy', restarts)):
+            name = key(k, step, restarts)
             if (name in old and not numpy.array_equal(old[name], m)
                     and not force):
                 raise SystemExit('{} ({} {}) would change; pass --force to '

@@ -430,6 +430,13 @@ ESC = 16
 SIGN_ONLY = 64
 SPAN_SHIFT = 8  # param bits 8..31: further tensors the group covers
 MAX_SPAN = (1 << 24) - 1
+RESTART = 1024  # codes between restart points (issue 25)
+
+
+def restarts(count):
+    """Restart points of a group of count codes: codes 1024, 2048, ...
+    below count."""
+    return max(count - 1, 0) // RESTART
 
 
 class Reject(Exception):
@@ -500,9 +507,13 @@ def oracle_encode(index, nibbles, k, sign_only, span=0):
     increasing) with the 4-bit ``nibbles`` (sign << 3 | d); ``span``: the
     param word's span field (indices then in the span's index space)."""
     assert 0 <= span <= MAX_SPAN
-    stream = []
-    for gap in gaps_of(index):
+    stream, table, prev = [], [], -1
+    for j, gap in enumerate(gaps_of(index)):
+        if j and j % RESTART == 0:  # bit and index as two 64-bit words
+            for x in (len(stream), prev):
+                table += [x & 0xFFFFFFFF, x >> 32]
         stream += gap_code(gap, k)
+        prev = int(index[j])
     values = []
     for nib in nibbles:
         nib = int(nib)
@@ -513,7 +524,7 @@ def oracle_encode(index, nibbles, k, sign_only, span=0):
             put_field(values, nib, 4)
     gap_words = to_words(stream)
     return ([k | (SIGN_ONLY if sign_only else 0) | span << SPAN_SHIFT,
-             len(gap_words)] + gap_words + to_words(values))
+             len(gap_words)] + table + gap_words + to_words(values))
 
 
 class BitReader(object):
@@ -537,7 +548,7 @@ class BitReader(object):
 
 def body_words_needed(param, G, count):
     vbits = 1 if param & SIGN_ONLY else 4
-    return 2 + G + (count * vbits + 31) // 32
+    return 2 + 4 * restarts(count) + G + (count * vbits + 31) // 32
 
 
 def oracle_decode_body(body, count, size):
@@ -555,9 +566,15 @@ def oracle_decode_body(body, count, size):
     k, sign_only = param & 63, bool(param & SIGN_ONLY)
     if len(body) != body_words_needed(param, G, count):
         raise Reject('body length')
-    r = BitReader(body[2:2 + G], 32 * G)
+    t = 4 * restarts(count)
+    table = body[2:2 + t]
+    r = BitReader(body[2 + t:2 + t + G], 32 * G)
     index, prev = [], -1
-    for _ in range(count):
+    for j in range(count):
+        if j and j % RESTART == 0:
+            e = table[4 * (j // RESTART - 1):4 * (j // RESTART)]
+            if (e[0] | e[1] << 32, e[2] | e[3] << 32) != (r.pos, prev):
+                raise Reject('restart point does not match the codes')
         q = None
         for zeros in range(ESC):
             if r.bit():
@@ -582,7 +599,7 @@ def oracle_decode_body(body, count, size):
         if r.bit():
             raise Reject('nonzero padding after the last code')
     vbits = 1 if sign_only else 4
-    vals = body[2 + G:]
+    vals = body[2 + t + G:]
     v = BitReader(vals, 32 * len(vals))
     nibbles = []
     for _ in range(count):

@@ -22,6 +22,7 @@ GAP_ESCAPE = 16
 GAP_SIGN_ONLY = 0x40
 GAP_RESERVED = 0x80
 GAP_SPAN_SHIFT = 8
+GAP_RESTART_CODES = 1024
 
 
 class Invalid(Exception):
@@ -76,12 +77,24 @@ def check_indices(index, size):
         raise Invalid('indices not increasing or out of range')
 
 
-def gap_indices(stream, count, k, size):
+def restart_points(count):
+    """R, the restart points of a FMT_GAP group (Sec. 4.5): one every 1024
+    codes, none before the first."""
+    return (count - 1) // GAP_RESTART_CODES
+
+
+def gap_indices(stream, count, k, size, table=()):
     """The indices of a gap stream (Sec. 4.5): per element, q in unary
     (q zeros and a one) or, after GAP_ESCAPE zeros, Elias gamma of
-    q - GAP_ESCAPE + 1; then k low bits; gap = q << k | low."""
+    q - GAP_ESCAPE + 1; then k low bits; gap = q << k | low.  ``table``:
+    the restart table's words; code 1024 m must start at bit P_m, after
+    index I_m (V26)."""
     n_bits, p, prev, index = 32 * len(stream), 0, -1, []
-    for _ in range(count):
+    for j in range(count):
+        if j and j % GAP_RESTART_CODES == 0:
+            e = table[4 * (j // GAP_RESTART_CODES - 1):]
+            if (e[0] + (e[1] << 32), e[2] + (e[3] << 32)) != (p, prev):
+                raise Invalid('restart point not where its code starts')
         zeros = 0
         while True:
             if p + zeros >= n_bits:
@@ -130,7 +143,8 @@ def body_length(m, pos, fmt, count, a, b, size):
         return 4 * a + count
     if fmt == FMT_GAP:
         value_bits = 1 if m[pos] & GAP_SIGN_ONLY else 4
-        return 2 + m[pos + 1] + -(-count * value_bits // 32)
+        return (2 + 4 * restart_points(count) + m[pos + 1]
+                + -(-count * value_bits // 32))
     raise Invalid('format code')
 
 
@@ -232,8 +246,10 @@ def _gap(tid, last, body, count, a, b, sizes, dtypes):
         raise Invalid('reserved bit 7')
     k, sign_only = param & 63, param & GAP_SIGN_ONLY
     size = sum(sizes[tid:last + 1])
-    index = gap_indices(body[2:2 + n_stream], count, k, size)
-    value_words, width = body[2 + n_stream:], 1 if sign_only else 4
+    t = 4 * restart_points(count)
+    index = gap_indices(body[2 + t:2 + t + n_stream], count, k, size,
+                        body[2:2 + t])
+    value_words, width = body[2 + t + n_stream:], 1 if sign_only else 4
     nibbles = [field(value_words, width * j, width) << (3 if sign_only
                                                         else 0)
                for j in range(count)]

@@ -44,6 +44,8 @@ MODELS = {
     'f16': ([(40,), (3, 3), (0,), (7,)], [F16] * 4),
     'f64': ([(33,), (8,), (2, 2)], [F64] * 3),
     'f16+f32': ([(12,), (30,), (5,)], [F16, F32, F16]),
+    # groups of more than 1,024 elements: FMT_GAP restart tables (issue 25)
+    'big': ([(12000,), (5,), (4100, 2)], [F32] * 3),
 }
 
 
@@ -98,7 +100,7 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
     shapes, dtypes = MODELS[model]
     dev, cpu = _pair(method, kw, shapes, dtypes)
     missing = {(1, 0), (2, len(shapes) - 1), (3, 1)}
-    formats = set()
+    formats, restarts = set(), {0}
     for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
         fake.reset()
         got = dev.compress(_on(fake, gs), _on(fake, ss))
@@ -110,8 +112,13 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
         assert dev.last_bytes == cpu.last_bytes
         _assert_states(dev, cpu, fake)
         formats.update(g.fmt for g in walk(got, dev.sizes))
+        restarts.update(codec.gap_restarts(g.count)
+                        for g in walk(got, dev.sizes)
+                        if g.fmt == codec.FMT_GAP)
     if kw.get('index_coding') == 'gap':  # re-coded on the host
         assert codec.FMT_GAP in formats, formats
+        if model == 'big':  # the device wrote restart tables
+            assert max(restarts) >= 1, restarts
     if (kw.get('index_coding') == 'auto'
             and (method, model) == ('vgc', 'f32')):
         assert {codec.FMT_GAP, codec.FMT_POW2} <= formats, formats
@@ -253,8 +260,9 @@ def _param(xp, shape, dtype, grad):
 def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
                                                ranks, rescale):
     """Every rank's messages (CPU-made) decoded on the device in one
-    launch: the means equal the CPU decoder's bit for bit, and each grad
-    is a view of one new array."""
+    launch, two with FMT_GAP groups (their blocks decoded from the restart
+    points first): the means equal the CPU decoder's bit for bit, and each
+    grad is a view of one new array."""
     fake = device
     shapes, dtypes = MODELS[model]
     if len(set(dtypes)) > 1:
@@ -274,10 +282,17 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     fake.reset()
     elements = exchange.mean_gradients(blocks, comps[0], dev, grads, ranks,
                                        True, dense, rescale=rescale)
-    assert fake.launches == ['vgc_model_decode_mean']
+    groups = [g for b in blocks for g in walk(b, comps[0].sizes)]
+    gap = any(g.fmt == codec.FMT_GAP for g in groups)
+    assert fake.launches == (['vgc_model_gap_expand'] if gap else []) + [
+        'vgc_model_decode_mean']
     assert fake.count('upload') == 1
     assert fake.count('download') == fake.count('scalar') == 0
     assert elements == [codec.message_count(b) for b in blocks]
+    if model == 'big' and kw.get('index_coding') == 'gap':
+        # blocks decoded from their restart points
+        assert max(codec.gap_restarts(g.count) for g in groups
+                   if g.fmt == codec.FMT_GAP) >= 1
     for h, d in zip(host, dev):
         assert d.grad.shape == h.grad.shape and d.grad.dtype == h.grad.dtype
         assert_bitwise(fake.asnumpy(d.grad), h.grad)
@@ -286,9 +301,9 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
 def test_communicator_step_takes_the_whole_model_paths(device):
     """VGCCommunicator.multi_node_mean_grad on a one-rank world, a float32
     model on the device, three steps: the whole-model compress and decode
-    (vgc's default 'auto': 11 launches and one download, then one launch
-    and one upload; no scalar read), the means and the residuals of the
-    CPU path bit for bit."""
+    (vgc's default 'auto': 11 launches and one download, then two
+    launches, FMT_GAP's blocks and the mean, and one upload; no scalar
+    read), the means and the residuals of the CPU path bit for bit."""
     from mpi4py import MPI
     from chainer_vgc import communicator
     fake = device
@@ -318,7 +333,7 @@ def test_communicator_step_takes_the_whole_model_paths(device):
                 assert fake.count('upload') == (3 if k == 0 else 1)
                 assert fake.count('scalar') == 0
                 if k:  # (the first step also sets the arenas up)
-                    assert fake.count('launch') <= 11 + 1, ' '.join(
+                    assert fake.count('launch') <= 11 + 2, ' '.join(
                         fake.launches)
             means[xp] = [backend.to_numpy(p.grad) for p in params]
         for a, b in zip(means[numpy], means[fake]):
@@ -386,3 +401,24 @@ def test_device_gap_codes_with_escapes_and_word_edges(device, method, kw):
         assert_bitwise(got, cpu.compress(gs, ss))
         assert codec.FMT_GAP in {g.fmt for g in walk(got, dev.sizes)}
     _assert_states(dev, cpu, fake)
+
+
+@pytest.mark.parametrize('method', ['vgc', 'strom'])
+def test_gap_groups_of_tiny_tensors_fit_the_buffer(device, method):
+    """With index_coding='gap', a tensor of one or two elements gets a
+    FMT_GAP group longer than its elements (param word, G, a code word, a
+    value word): the device buffer holds the longest message of the
+    coding, so a model of tiny tensors is not cut short (it was: the
+    buffer held a header and one word an element)."""
+    fake = device
+    shapes = [(1,), (1,), (2,), (1,)]
+    kw = dict(alpha=1.0) if method == 'vgc' else dict(tau=0.01)
+    dev, cpu = _pair(method, dict(kw, index_coding='gap'), shapes,
+                     [F32] * len(shapes))
+    gs = [numpy.full(s, 0.5, F32) for s in shapes]
+    ss = [g * g * F32(0.25) for g in gs]
+    got = dev.compress(_on(fake, gs), _on(fake, ss))
+    assert isinstance(dev._device_step, device_step.DeviceStep)
+    want = cpu.compress(gs, ss)
+    assert_bitwise(got, want)
+    assert {g.fmt for g in walk(got, dev.sizes)} == {codec.FMT_GAP}

@@ -12,8 +12,13 @@ oracle rejects.
 Format, as the oracle reads it.  A FMT_GAP group is the 5-word header
 ``tensor_id, 4, count, e_k (int32 bits), float32 bits of scale`` and the body
 
-    word 0   param: bits 0..5 = k, bit 6 = SIGN_ONLY, bits 7..31 zero
+    word 0   param: bits 0..5 = k, bit 6 = SIGN_ONLY, bit 7 zero, bits
+             8..31 the span
     word 1   G: words of the gap stream
+    4R words restart table (issue 25): R = (count - 1) // 1024 entries;
+             entry m is the bit where code 1024 m starts in the stream and
+             the index of element 1024 m - 1, two 64-bit numbers, each as
+             two words, low word first
     G words  gap stream (LSB-first bit string)
     V words  values, V = ceil(count * vbits / 32), vbits = 1 if SIGN_ONLY
              else 4; the field of element j is at bit j * vbits: the nibble
@@ -52,6 +57,7 @@ from reference import gap_code
 from reference import gaps_of
 from reference import oracle_decode_body
 from reference import oracle_encode
+from reference import restarts
 from reference import rice_k
 from reference import split_index
 from reference import to_words  # NOQA: F401
@@ -66,6 +72,11 @@ MAX_POW2_SIZE = 1 << 28
 # (tests/conftest.py; VGC_EXAMPLES scales them all)
 FUZZ = hypothesis.settings(
     max_examples=8 * hypothesis.settings.default.max_examples)
+
+#: thousands of elements through the bit-at-a-time oracle: fewer examples
+SLOW = hypothesis.settings(
+    max_examples=max(5, hypothesis.settings.default.max_examples // 5),
+    deadline=None)
 
 HAS_GAP = hasattr(codec, 'gap_body')
 needs_codec = pytest.mark.skipif(
@@ -248,9 +259,17 @@ def selections(draw, kind='small'):
     'small': any density of a tensor of up to 300 elements;
     'medium': up to 200 elements of a tensor of up to 2**28;
     'huge': a few elements of a tensor of up to 2**40 (escapes, gaps over
-    2**32)."""
+    2**32); 'restarts': 1,024 to 3,100 elements (up to three restart
+    points) of a tensor of up to 2**34."""
     rnd = random.Random(draw(st.integers(0, 2 ** 32)))
-    if kind == 'huge':
+    if kind == 'restarts':
+        count = draw(st.sampled_from([1024, 1025, 2048, 2049, 3100]))
+        size = draw(st.sampled_from([count, count + 1, 5000, 2 ** 20,
+                                     2 ** 34]))
+        size = max(size, count)
+        idx = set(rnd.sample(range(size), count)) if size < 2 ** 21 else \
+            set(rnd.randrange(size) for _ in range(count))
+    elif kind == 'huge':
         size = draw(st.integers(1, 2 ** 40))
         idx = set(draw(st.lists(st.integers(0, size - 1), min_size=1,
                                 max_size=6)))
@@ -379,6 +398,92 @@ def test_body_round_trip_small_tensors(case):
 @given(gap_cases('huge'))
 def test_body_round_trip_huge_gaps(case):
     _check_body_round_trip(*case)
+
+
+@needs_codec
+@SLOW
+@given(gap_cases('restarts'))
+def test_body_round_trip_across_restart_points(case):
+    """Groups of more than 1,024 elements carry a restart table (issue
+    25): the encoders write the oracle's, the decoder reads it back."""
+    body = _check_body_round_trip(*case)
+    assert len(body) >= 2 + 4 * restarts(len(case[1]))
+
+
+@needs_codec
+def test_restart_table_by_hand():
+    """1,024 elements have no restart point; 1,025 have one: where code
+    1,024 starts (every code here is 2 bits: gap 1 with k = 0 is a zero, a
+    one) and the index of element 1,023."""
+    for count in (1024, 1025, 2049):
+        index = list(range(1, 2 * count, 2))
+        body = codec.gap_body(numpy.array(index), numpy.zeros(count, 'u1'),
+                              0, True).tolist()
+        assert body == oracle_encode(index, [0] * count, 0, True)
+        table = body[2:2 + 4 * restarts(count)]
+        want = []
+        for m in range(1, restarts(count) + 1):
+            want += [2 * 1024 * m, 0, index[1024 * m - 1], 0]
+        assert table == want
+        assert body[1] == -(-2 * count // 32)  # G: the codes only
+
+
+def _restart_faults(body, count):
+    """Bodies with one restart-table word changed, or the table cut."""
+    out = []
+    for w in range(2, 2 + 4 * restarts(count)):
+        for change in (1, -1, 1 << 31, 2 ** 32 - 1):
+            bad = list(body)
+            bad[w] = (bad[w] + change) % 2 ** 32
+            out.append(bad)
+    t = 2 + 4 * restarts(count)
+    out.append(body[:2] + body[t - 4:t] + body[2:t - 4] + body[t:])  # order
+    out.append(body[:t - 4] + body[t:])  # an entry missing
+    out.append(body[:2] + body[t:])  # no table
+    return out
+
+
+@needs_codec
+def test_malformed_restart_table_rejected():
+    """A restart point that is not where its code starts, or not after
+    the element it names, a table in another order or too short: both
+    decoders refuse it with WireFormatError (the native one: None), as
+    the oracle does."""
+    rnd = random.Random(25)
+    count, size = 3000, 40000
+    index = sorted(rnd.sample(range(size), count))
+    for sign_only in (False, True):
+        nibbles = [rnd.randrange(2) << 3 if sign_only else rnd.randrange(16)
+                   for _ in index]
+        body = oracle_encode(index, nibbles, rice_k(count, size), sign_only)
+        assert body_agree(body, count, size)
+        for bad in _restart_faults(body, count):
+            with pytest.raises(Reject):
+                oracle_decode_body(bad, count, size)
+            with pytest.raises(codec.WireFormatError):
+                codec.gap_decode_body(numpy.array(bad, dtype=numpy.uint32),
+                                      count, size)
+            if _native_has_gap():
+                assert native_agree(bad, count, size) is False
+
+
+@needs_codec
+@SLOW
+@given(gap_cases('restarts'), st.data())
+def test_mutated_bodies_with_restart_points_agree(case, data):
+    size, index, nibbles, k, sign_only = case
+    body = oracle_encode(index, nibbles, k, sign_only)
+    for _ in range(data.draw(st.integers(1, 2))):
+        # a table word half the time, else any bit
+        if restarts(len(index)) and data.draw(st.booleans()):
+            w = data.draw(st.integers(2, 1 + 4 * restarts(len(index))))
+            body[w] ^= 1 << data.draw(st.integers(0, 31))
+        else:
+            p = data.draw(st.integers(0, 32 * len(body) - 1))
+            body[p >> 5] ^= 1 << (p & 31)
+    body_agree(body, len(index), size)
+    if _native_has_gap():
+        native_agree(body, len(index), size)
 
 
 @needs_codec
@@ -1020,8 +1125,8 @@ def _choose(size, index, nibbles, sign_only, coding):
 def gap_body_len(size, index, sign_only):
     k = rice_k(len(index), size)
     bits = sum(code_bits(g, k) for g in gaps_of(index))
-    return 2 + (bits + 31) // 32 + (len(index) * (1 if sign_only else 4)
-                                    + 31) // 32
+    return (2 + 4 * restarts(len(index)) + (bits + 31) // 32
+            + (len(index) * (1 if sign_only else 4) + 31) // 32)
 
 
 @needs_codec

@@ -135,8 +135,10 @@ def model_instances():
         out.append(('vgc_model_none_write', (numpy.zeros(2, gdt), i64, n,
                                              i64, u32, u32)))
         out.append(('vgc_model_decode_mean', (
-            u32, i64, n, n, False, False, numpy.float64(1),
+            u32, u64, i64, n, n, False, False, numpy.float64(1),
             numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
+    out.append(('vgc_model_gap_expand', (u32, u32,
+                                         numpy.zeros(1, numpy.int32), u64)))
     return out
 
 
@@ -532,8 +534,11 @@ def test_add_scale_divide_kernels_match_numpy(host_kernels, sdt):
 def gap_body_reference(index, nibbles, k, sign_only):
     """The FMT_GAP body straight from the spec, a bit list at a time (an
     oracle independent of the kernels and of chainer_vgc.codec)."""
-    bits, prev = [], -1
-    for i in (int(x) for x in index):
+    bits, prev, table = [], -1, []
+    for j, i in enumerate(int(x) for x in index):
+        if j and j % 1024 == 0:  # restart point: bit, index before (u64)
+            table += [len(bits) & 0xFFFFFFFF, len(bits) >> 32,
+                      prev & 0xFFFFFFFF, prev >> 32]
         gap, prev = i - prev - 1, i
         q, low = gap >> k, gap & ((1 << k) - 1)
         if q < codec.GAP_ESCAPE:
@@ -559,8 +564,8 @@ def gap_body_reference(index, nibbles, k, sign_only):
     stream = words(bits)
     assert len(values) == len(index) * vbits
     head = [k | (codec.GAP_SIGN_ONLY if sign_only else 0), stream.size]
-    return numpy.concatenate([numpy.array(head, numpy.uint32), stream,
-                              words(values)]).astype(numpy.uint32)
+    return numpy.concatenate([numpy.array(head + table, numpy.uint32),
+                              stream, words(values)]).astype(numpy.uint32)
 
 
 def rice_parameter(count, size):
@@ -682,11 +687,16 @@ def _host_gap_body(host_kernels, index, nibbles, k, sign_only):
     end = numpy.cumsum(length)
     g = -(-int(end[-1]) // 32)
     v = -(-count * (1 if sign_only else 4) // 32)
-    body = numpy.zeros(2 + g + v, numpy.uint32)
+    t = 4 * codec.gap_restarts(count)  # the restart table, gathered
+    body = numpy.zeros(2 + t + g + v, numpy.uint32)
     body[:2] = [k | (64 if sign_only else 0), g]
-    host_kernels('vgc_gap_write', gap, end, numpy.int32(k), body[2:2 + g])
+    last = numpy.arange(1, t // 4 + 1) * codec.GAP_RESTART_CODES - 1
+    body[2:2 + t] = numpy.stack([end[last], index[last]], axis=1).astype(
+        numpy.uint64).view(numpy.uint32).reshape(-1)
+    host_kernels('vgc_gap_write', gap, end, numpy.int32(k),
+                 body[2 + t:2 + t + g])
     host_kernels('vgc_gap_values', nibbles, numpy.int64(count),
-                 bool(sign_only), body[2 + g:])
+                 bool(sign_only), body[2 + t + g:])
     return body
 
 

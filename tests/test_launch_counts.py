@@ -9,7 +9,8 @@ most 8 launches, one upload and nothing read back.  The transfers hold for
 every method and are asserted, and so are the launch budgets: the
 whole-model compress step (chainer_vgc.device_step: vgc, hybrid and Strom
 with every index coding, and 'none') and the whole-model decode
-(chainer_vgc.device_decode: one launch).  QSGD keeps its own counts, and
+(chainer_vgc.device_decode: one launch, two with FMT_GAP groups, decoded
+from their restart points).  QSGD keeps its own counts, and
 models of several dtypes are decoded tensor by tensor.
 
 ``python tests/test_launch_counts.py`` prints the counts.

@@ -40,7 +40,9 @@ def test_kernel_source_matches_codec():
                      'VGC_RAW_FLOAT64': codec.RAW_FLOAT64,
                      'VGC_FMT_GAP': codec.FMT_GAP,
                      'VGC_GAP_SIGN_ONLY': codec.GAP_SIGN_ONLY,
-                     'VGC_GAP_PARAM_WORDS': codec.GAP_PARAM_WORDS}
+                     'VGC_GAP_PARAM_WORDS': codec.GAP_PARAM_WORDS,
+                     'VGC_GAP_RESTART_CODES': codec.GAP_RESTART_CODES,
+                     'VGC_GAP_RESTART_WORDS': codec.GAP_RESTART_WORDS}
 
 
 def test_host_source_matches_codec():

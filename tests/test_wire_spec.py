@@ -33,12 +33,25 @@ def assert_same(reference, spec):
             want.view(numpy.uint8).tobytes()
 
 
+def model_of(key):
+    """The sizes and dtypes of a golden message (the restart-table ones,
+    issue 25, have their own model)."""
+    if key.startswith('restart'):
+        return ([int(numpy.prod(s)) for s in golden_messages.RESTART_SHAPES],
+                golden_messages.RESTART_DTYPES)
+    return SIZES, DTYPES
+
+
 def test_every_golden_message_decodes_alike(messages):
-    formats = set()
+    formats, restarts = set(), 0
     for key, m in messages.items():
-        assert_same(codec.unpack(m, SIZES, DTYPES),
-                    spec_decoder.decode(m, SIZES, DTYPES))
-        formats |= {g.fmt for g in walk(m, SIZES)}
+        sizes, dtypes = model_of(key)
+        assert_same(codec.unpack(m, sizes, dtypes),
+                    spec_decoder.decode(m, sizes, dtypes))
+        formats |= {g.fmt for g in walk(m, sizes)}
+        restarts += sum(spec_decoder.restart_points(g.count)
+                        for g in walk(m, sizes) if g.fmt == codec.FMT_GAP)
+    assert restarts > 0
     assert len(messages) >= 50
     assert formats == {codec.FMT_POW2, codec.FMT_RAW, codec.FMT_QSGD,
                        codec.FMT_GAP}, formats
@@ -63,7 +76,8 @@ def mutate(m, rnd):
 
 def test_corrupted_messages_are_accepted_and_refused_alike(messages):
     rnd = random.Random(1)
-    small = [m for m in messages.values() if m.size < 400]
+    small = [m for k, m in messages.items()
+             if m.size < 400 and not k.startswith('restart')]
     seen = {True: 0, False: 0}
     for _ in range(1500):
         m = mutate(rnd.choice(small), rnd)
@@ -80,3 +94,31 @@ def test_corrupted_messages_are_accepted_and_refused_alike(messages):
             assert_same(reference, spec)
         seen[reference is not None] += 1
     assert seen[True] > 100 and seen[False] > 100, seen
+
+
+def test_corrupted_restart_tables_are_refused_alike(messages):
+    """Messages with restart tables (issue 25), one word of a table or
+    of the stream changed: both decoders accept and refuse the same ones,
+    and every change to a table word is refused."""
+    rnd = random.Random(25)
+    seen = 0
+    for key in sorted(k for k in messages if k.startswith('restart')):
+        m = messages[key]
+        sizes, dtypes = model_of(key)
+        for g in walk(m, sizes):
+            if g.fmt != codec.FMT_GAP or spec_decoder.restart_points(
+                    g.count) == 0:
+                continue
+            start = (g.body.__array_interface__['data'][0]  # (a view)
+                     - m.__array_interface__['data'][0]) // 4
+            for _ in range(3):
+                bad = m.copy()
+                w = start + 2 + rnd.randrange(
+                    4 * spec_decoder.restart_points(g.count))
+                bad[w] ^= numpy.uint32(1 << rnd.randrange(32))
+                with pytest.raises(codec.WireFormatError):
+                    codec.unpack(bad, sizes, dtypes)
+                with pytest.raises(spec_decoder.Invalid):
+                    spec_decoder.decode(bad, sizes, dtypes)
+                seen += 1
+    assert seen >= 10

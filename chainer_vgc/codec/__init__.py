@@ -61,7 +61,8 @@ Modules: :mod:`.constants` (the numbers, defined once), :mod:`.c_defines`
 (their C names and the check of a C/CUDA source), :mod:`.header` (group
 header, :class:`WireFormat`, :class:`WireFormatError`, shared checks), one
 module per format (:mod:`.pow2` with the quantization, :mod:`.raw`,
-:mod:`.qsgd`, :mod:`.gap`), :mod:`.index_coding` (FMT_POW2 or FMT_GAP),
+:mod:`.qsgd`, :mod:`.gap` with its restart table in :mod:`.restarts`),
+:mod:`.index_coding` (FMT_POW2 or FMT_GAP),
 :mod:`.formats` (the table) and :mod:`.message` (pack, walk, unpack,
 decode, spans).  This package imports :mod:`chainer_vgc.kernels` (the
 device primitives), never the reverse; it imports neither Chainer nor MPI.
@@ -74,8 +75,8 @@ from chainer_vgc.codec.c_defines import (  # NOQA: F401
     C_CONSTANTS, KERNEL_CONSTANTS, check_kernel_constants)
 from chainer_vgc.codec.constants import (  # NOQA: F401
     CODINGS, FMT_GAP, FMT_INDEXED, FMT_POW2, FMT_QSGD, FMT_RAW, GAP_ESCAPE,
-    GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS, GAP_RESERVED, GAP_SIGN_ONLY,
-    GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS, LOG2_ZERO, MAGIC, MAX_COUNT,
+    GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS, GAP_RESERVED, GAP_RESTART_CODES,
+    GAP_RESTART_WORDS, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS, LOG2_ZERO, MAGIC, MAX_COUNT,
     MAX_D, MAX_GAP_SPAN, MAX_INDEX, MAX_QSGD_BUCKET, MERGE_MAX_COUNT,
     QSGD_OFFSET_BITS, QSGD_RECORD_WORDS, RAW_DENSE, RAW_FLOAT64)
 from chainer_vgc.codec.formats import (  # NOQA: F401
@@ -85,6 +86,7 @@ from chainer_vgc.codec.gap import (  # NOQA: F401
     rice_parameter)
 from chainer_vgc.codec.header import (  # NOQA: F401
     Decoded, Group, WireFormat, WireFormatError)
+from chainer_vgc.codec.restarts import gap_restarts  # NOQA: F401
 from chainer_vgc.codec.index_coding import (  # NOQA: F401
     pow2_best_group, pow2_max_words, pow2_sign_group)
 from chainer_vgc.codec.message import (  # NOQA: F401

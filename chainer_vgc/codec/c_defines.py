@@ -9,7 +9,7 @@ import re
 
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, FMT_QSGD, FMT_RAW, GAP_ESCAPE, GAP_PARAM_WORDS,
-    GAP_RESERVED, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS,
+    GAP_RESERVED, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS,
     LOG2_ZERO, MAGIC, MAX_D, MAX_INDEX, QSGD_OFFSET_BITS, QSGD_RECORD_WORDS,
     RAW_DENSE, RAW_FLOAT64)
 
@@ -36,13 +36,16 @@ C_CONSTANTS = collections.OrderedDict([
     ('VGC_GAP_PARAM_WORDS', GAP_PARAM_WORDS),
     ('VGC_GAP_RESERVED', GAP_RESERVED),
     ('VGC_GAP_SPAN_SHIFT', GAP_SPAN_SHIFT),
+    ('VGC_GAP_RESTART_CODES', GAP_RESTART_CODES),
+    ('VGC_GAP_RESTART_WORDS', GAP_RESTART_WORDS),
 ])
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
                     'VGC_MAX_D', 'VGC_GAP_ESCAPE', 'VGC_MAGIC',
                     'VGC_FMT_POW2', 'VGC_FMT_RAW', 'VGC_HEADER_WORDS',
                     'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64', 'VGC_FMT_GAP',
-                    'VGC_GAP_SIGN_ONLY', 'VGC_GAP_PARAM_WORDS')
+                    'VGC_GAP_SIGN_ONLY', 'VGC_GAP_PARAM_WORDS',
+                    'VGC_GAP_RESTART_CODES', 'VGC_GAP_RESTART_WORDS')
 
 _DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
                      re.MULTILINE)

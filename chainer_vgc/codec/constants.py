@@ -28,6 +28,12 @@ MAX_GAP_SPAN = (1 << 24) - 1
 #: time than it saves wire)
 MERGE_MAX_COUNT = 1024
 GAP_ESCAPE = 16  # unary zeros before the Elias-gamma escape
+#: a FMT_GAP body has a restart point every GAP_RESTART_CODES codes (the
+#: bit where code m * GAP_RESTART_CODES starts and the index before it,
+#: two uint64 in GAP_RESTART_WORDS words), so that a decoder may start at
+#: any of them: the device decodes the blocks in parallel (issue 25)
+GAP_RESTART_CODES = 1024
+GAP_RESTART_WORDS = 4
 GAP_MAX_K = 62
 MAX_COUNT = (1 << 32) - 1  # the header's count is one word
 #: index codings of the pow2 elements (``index_coding`` of vgc, hybrid,

@@ -7,7 +7,13 @@ also covers, in one index space, their concatenation, see
 :func:`chainer_vgc.codec.message.merge_spans`), ``G``, then ``G`` words of
 gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit
 fields ``sign << 3 | d`` (the top 4 bits of the FMT_POW2 word) or 1-bit
-signs.  Bit strings are LSB-first: bit p is ``(w[p >> 5] >> (p & 31)) &
+signs.  Between ``G`` and the codes, a group of more than
+:data:`.GAP_RESTART_CODES` elements has a restart table: for m = 1 ..
+``gap_restarts(count)``, the bit where code ``m * GAP_RESTART_CODES``
+starts in the stream and the index of the element before it (two uint64,
+low word first; :func:`restart_table`), so that a decoder can start at
+any of them (the GPU decodes the blocks in parallel).  Bit strings are
+LSB-first: bit p is ``(w[p >> 5] >> (p & 31)) &
 1``.  Gap j is ``i_j - i_{j-1} - 1`` (``i_{-1} = -1``), coded with ``q =
 gap >> k``: q zeros and a one (q < :data:`.GAP_ESCAPE`), or GAP_ESCAPE
 zeros then the Elias-gamma code of ``q - GAP_ESCAPE + 1`` (n zeros, a one,
@@ -27,10 +33,11 @@ from chainer_vgc import backend
 from chainer_vgc import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, GAP_ESCAPE, GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS,
-    GAP_RESERVED, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, INDEX_BITS, MAX_GAP_SPAN,
-    MAX_INDEX)
+    GAP_RESERVED, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY,
+    GAP_SPAN_SHIFT, INDEX_BITS, MAX_GAP_SPAN, MAX_INDEX)
 from chainer_vgc.codec.header import (
     WireFormat, WireFormatError, no_check, where)
+from chainer_vgc.codec.restarts import gap_restarts, restart_table
 
 # The paper's word spends 28 bits on the index; at the densities VGC reaches
 # (1 element in 200-5000) a gap carries ~8-12 bits of information.  A
@@ -137,8 +144,8 @@ def gap_body(index, nibbles, k, sign_only, span=0):
     param = (k | (GAP_SIGN_ONLY if sign_only else 0)
              | int(span) << GAP_SPAN_SHIFT)
     return numpy.concatenate([
-        numpy.array([param, stream.size], dtype=numpy.uint32), stream,
-        values])
+        numpy.array([param, stream.size], dtype=numpy.uint32),
+        restart_table(starts, index), stream, values])
 
 
 def gap_value_words(count, param):
@@ -172,8 +179,10 @@ def gap_decode_body(body, count, size):
     ``G`` is checked against the words ``count`` codes can fill
     (:func:`gap_stream_words`) before anything is decoded, so a corrupt
     ``G`` costs nothing; then each code is read from a window of the
-    stream as one Python int.  Beyond its output the decoder holds one
-    copy of the stream's bytes and a byte a value field."""
+    stream as one Python int, and at each restart point the bit reached
+    and the index before it must be the ones the restart table gives.
+    Beyond its output the decoder holds one copy of the stream's bytes and
+    a byte a value field."""
     body = numpy.asarray(body, dtype=numpy.uint32).reshape(-1)
     where = 'chainer_vgc wire message, FMT_GAP body: '
     if body.size < GAP_PARAM_WORDS:
@@ -183,9 +192,15 @@ def gap_decode_body(body, count, size):
         raise WireFormatError(where + 'reserved bit set in the param word')
     k = param & GAP_K_MASK
     n_values = gap_value_words(count, param)
-    if body.size != GAP_PARAM_WORDS + n_stream + n_values:
+    n_table = GAP_RESTART_WORDS * gap_restarts(count)
+    if body.size != GAP_PARAM_WORDS + n_table + n_stream + n_values:
         raise WireFormatError(where + '{} words, the header says {}'.format(
-            body.size, GAP_PARAM_WORDS + n_stream + n_values))
+            body.size, GAP_PARAM_WORDS + n_table + n_stream + n_values))
+    table = numpy.ascontiguousarray(
+        body[GAP_PARAM_WORDS:GAP_PARAM_WORDS + n_table], dtype='<u4').view(
+        '<u8').reshape(-1, 2)
+    restarts = {GAP_RESTART_CODES * (m + 1): (int(b), int(i))
+                for m, (b, i) in enumerate(table)}
     nbits = 32 * n_stream
     least, most = gap_stream_words(count, k)
     if n_stream < least:  # the codes before code j fill the stream
@@ -194,7 +209,8 @@ def gap_decode_body(body, count, size):
     if n_stream > most:
         raise WireFormatError(where + 'gap stream longer than its codes or '
                               'nonzero padding (non-canonical)')
-    stream = body[GAP_PARAM_WORDS:GAP_PARAM_WORDS + n_stream]
+    first = GAP_PARAM_WORDS + n_table
+    stream = body[first:first + n_stream]
     # bit p of the stream is bit p & 7 of byte p >> 3
     data = numpy.ascontiguousarray(stream, dtype='<u4').tobytes()
 
@@ -218,6 +234,12 @@ def gap_decode_body(body, count, size):
     index = numpy.empty(count, dtype=numpy.int64)
     pos, prev = 0, -1
     for j in range(count):
+        if j in restarts and restarts[j] != (pos, prev):
+            raise WireFormatError(
+                where + 'restart point {} (code {}) gives bit {} and index '
+                '{}; the codes before it end at bit {}, index {}'.format(
+                    j // GAP_RESTART_CODES, j, restarts[j][0],
+                    restarts[j][1], pos, prev))
         x = bits(pos, window)  # code j, if it is one, lies in x
         zeros = (x & -x).bit_length() - 1 if x else next_one(pos) - pos
         if pos + zeros >= nbits:
@@ -252,7 +274,7 @@ def gap_decode_body(body, count, size):
     # a byte a value field: element j's is bits 4j..4j+3 (SIGN_ONLY: bit
     # j) of the value words, a bit string too
     values = numpy.ascontiguousarray(
-        body[GAP_PARAM_WORDS + n_stream:], dtype='<u4').view(numpy.uint8)
+        body[first + n_stream:], dtype='<u4').view(numpy.uint8)
     if param & GAP_SIGN_ONLY:
         fields = numpy.unpackbits(values, bitorder='little') << 3
     else:
@@ -265,8 +287,8 @@ def gap_decode_body(body, count, size):
 # ---- the body on the device (CuPy) ------------------------------------------
 
 def device_gap_body(index, nibbles, k, sign_only):
-    """The uint32 FMT_GAP body ``[param, G, stream (G words), values]`` of
-    the sorted unique ``index`` (int64 or int32) and their value nibbles
+    """The uint32 FMT_GAP body ``[param, G, restart table, stream (G
+    words), values]`` of the sorted unique ``index`` (int64 or int32) and their value nibbles
     (``sign << 3 | d``; with ``sign_only`` only the sign bit 3 is sent),
     Rice parameter ``k``.
 
@@ -278,7 +300,8 @@ def device_gap_body(index, nibbles, k, sign_only):
     1. ``vgc_gap_lengths``: each element's gap and code length;
     2. ``cupy.cumsum`` of the lengths (int64, so exact in any summation
        order): element i's code ends at bit ``end[i]``; the total is
-       ``end[-1]``, the one scalar read;
+       ``end[-1]``, the one scalar read; the restart table is gathered from
+       ``end`` and ``index`` (little-endian words, as the host);
     3. ``vgc_gap_write``: each code ORed into the zeroed stream at
        ``end[i] - length[i]`` (so the padding bits stay 0);
     4. ``vgc_gap_values``: one thread per value word gathers its fields.
@@ -307,11 +330,16 @@ def device_gap_body(index, nibbles, k, sign_only):
         total = 0
     stream_words = -(-total // 32)
     value_words = -(-count * (1 if sign_only else 4) // 32)
-    body = xp.zeros(GAP_PARAM_WORDS + stream_words + value_words,
-                    dtype=numpy.uint32)
+    n_restarts = gap_restarts(count)
+    start = GAP_PARAM_WORDS + GAP_RESTART_WORDS * n_restarts
+    body = xp.zeros(start + stream_words + value_words, dtype=numpy.uint32)
     body[0] = k | (GAP_SIGN_ONLY if sign_only else 0)
     body[1] = stream_words
-    start = GAP_PARAM_WORDS
+    if n_restarts:  # code m N starts where code m N - 1 ends
+        last = (xp.arange(1, n_restarts + 1) * GAP_RESTART_CODES) - 1
+        pairs = xp.stack([end[last], index[last].astype(numpy.int64)],
+                         axis=1).astype(numpy.uint64)
+        body[GAP_PARAM_WORDS:start] = pairs.view(numpy.uint32).reshape(-1)
     if count:
         kernels.get_kernel('vgc_gap_write')(
             gap, end, numpy.int32(k), body[start:start + stream_words])
@@ -327,8 +355,8 @@ def _gap_body_words(g, head):
     if len(head) < GAP_PARAM_WORDS:
         raise WireFormatError(where(g) + 'truncated in the FMT_GAP param '
                               'words')
-    return (GAP_PARAM_WORDS + int(head[1])
-            + gap_value_words(g.count, int(head[0])))
+    return (GAP_PARAM_WORDS + GAP_RESTART_WORDS * gap_restarts(g.count)
+            + int(head[1]) + gap_value_words(g.count, int(head[0])))
 
 
 def span_parts(g, sizes, decoder=None):

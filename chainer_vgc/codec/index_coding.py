@@ -12,6 +12,7 @@ from chainer_vgc.codec.constants import (
 from chainer_vgc.codec.gap import gap_body, rice_parameter
 from chainer_vgc.codec.header import Group, f32_bits
 from chainer_vgc.codec.pow2 import pow2_encode, pow2_group
+from chainer_vgc.codec.restarts import gap_restarts
 
 
 def pow2_max_words(size, coding):
@@ -20,9 +21,11 @@ def pow2_max_words(size, coding):
     ``count * (k + 2) + (size - count) / 2**k`` bits (an escape is never
     more than one bit longer than the unary code it replaces), which the
     k of :func:`~chainer_vgc.codec.gap.rice_parameter` keeps below 2.4 bits per tensor element;
-    the value fields take at most 4."""
+    the value fields take at most 4, and the restart table 4 words per
+    1,024 elements."""
     fixed = HEADER_WORDS + size
-    gap = HEADER_WORDS + GAP_PARAM_WORDS + 2 + (7 * size + 31) // 32
+    gap = (HEADER_WORDS + GAP_PARAM_WORDS + 2 + (7 * size + 31) // 32
+           + 4 * gap_restarts(size))
     if coding == 'fixed':
         return fixed
     if coding == 'auto' and size <= MAX_INDEX:
