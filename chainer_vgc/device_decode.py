@@ -21,9 +21,12 @@ becomes a view of it.  The sums and means equal
 :func:`chainer_vgc.exchange.sum_messages` + ``write_mean`` bit for bit
 (``tests/test_device_step.py``).
 
-Applies when every parameter has a gradient and shares one dtype, the
-tensors have at most 2**28 elements and no message carries FMT_QSGD;
-otherwise :mod:`chainer_vgc.exchange` decodes tensor by tensor.
+Parameters of several dtypes (float16 weights with float32 batch
+normalization, as Chainer's mixed16 makes them) take one mean launch per
+dtype, each over its tensors.  Applies when every parameter has a
+gradient, the tensors have at most 2**28 elements and no message carries
+FMT_QSGD; otherwise :mod:`chainer_vgc.exchange` decodes tensor by
+tensor.
 """
 
 import numpy
@@ -46,8 +49,6 @@ def applies(blocks, compressor, params, grads, dense):
     """Whether :func:`mean` can decode this step (before reading any
     message: the formats are checked by :func:`mean` itself)."""
     if any(g is None for g in grads) or not params:
-        return False
-    if len({numpy.dtype(p.dtype) for p in params}) != 1:
         return False
     if any(n > codec.MAX_INDEX for n in compressor.sizes):
         return False
@@ -119,6 +120,20 @@ def _bodies(blocks, sizes):
     return desc, parts, records, expanded
 
 
+def _dtype_groups(params, sizes):
+    """``[(dtype, tensor ids, int64 [their offsets end to end, then their
+    ids])]``: the tensors of each parameter dtype, one mean launch each."""
+    groups = {}
+    for t, p in enumerate(params):
+        groups.setdefault(numpy.dtype(p.dtype), []).append(t)
+    out = []
+    for dtype, tids in groups.items():
+        ends = numpy.cumsum([0] + [sizes[t] for t in tids])
+        out.append((dtype, tids, numpy.concatenate([ends, tids]).astype(
+            numpy.int64)))
+    return out
+
+
 def mean(blocks, compressor, params, size, dense, rescale):
     """``param.grad`` = the mean of the (validated) ``blocks`` for every
     parameter; False (nothing done) when a message carries FMT_QSGD."""
@@ -127,40 +142,41 @@ def mean(blocks, compressor, params, size, dense, rescale):
         return False
     desc, parts, records, expanded = got
     xp = backend.get_array_module(params[0].array)
-    bounds = numpy.concatenate([[0], numpy.cumsum(compressor.sizes)]).astype(
-        numpy.int64)
-    # [the tensors' offsets (int64)][descriptors][bodies][FMT_GAP block
-    # records]: one upload
-    head = 2 * bounds.size
+    groups = _dtype_groups(params, compressor.sizes)
+    # [each dtype's offsets and tensor ids (int64)][descriptors][bodies]
+    # [FMT_GAP block records]: one upload
+    head = sum(2 * tab.size for _, _, tab in groups)
     staged = backend.host_buffer(
         head + desc.size + sum(b.size for b in parts)
         + sum(r.size for r in records), numpy.uint32)
-    staged[:head] = bounds.view(numpy.uint32)
-    staged[head:head + desc.size] = desc.reshape(-1)
-    pos = head + desc.size
-    for body in parts + records:
+    pos = 0
+    for body in [tab.view(numpy.uint32) for _, _, tab in groups] + [
+            desc.reshape(-1)] + parts + records:
         staged[pos:pos + body.size] = body
         pos += body.size
     n_blocks = sum(r.size for r in records) // BLOCK_WORDS
-    dtype = numpy.dtype(params[0].dtype)
     with backend.device_scope(params[0].array):
         uploaded = xp.asarray(staged)
-        offsets = uploaded[:head].view(numpy.int64)
         buf = uploaded[head:]  # body offsets count from here
         gaps = xp.empty(max(expanded, 1), numpy.uint64)
         if n_blocks:
             kernels.get_kernel('vgc_model_gap_expand')(
                 buf, uploaded[pos - BLOCK_WORDS * n_blocks:],
                 xp.empty(n_blocks, numpy.int32), gaps)
-        out = xp.empty(int(bounds[-1]), dtype)
         rescaled = rescale not in (None, 1)
-        kernels.get_kernel('vgc_model_decode_mean')(
-            buf, gaps, offsets, numpy.int32(len(compressor.sizes)),
-            numpy.int32(len(blocks)), bool(dense), rescaled,
-            numpy.float64(1.0 / size),
-            numpy.float64(rescale if rescaled else 1.0),
-            numpy.float32(numpy.float16(1.0 / size)), out)
-    for p, lo, hi in zip(params, bounds[:-1], bounds[1:]):
-        p.grad = out[lo:hi].reshape(p.shape)
+        at = 0
+        for dtype, tids, tab in groups:  # one launch a parameter dtype
+            table = uploaded[at:at + 2 * tab.size].view(numpy.int64)
+            at += 2 * tab.size
+            ends = tab[:len(tids) + 1]
+            out = xp.empty(int(ends[-1]), dtype)
+            kernels.get_kernel('vgc_model_decode_mean')(
+                buf, gaps, table[:len(tids) + 1], table[len(tids) + 1:],
+                numpy.int32(len(tids)), numpy.int32(len(compressor.sizes)),
+                numpy.int32(len(blocks)), bool(dense), rescaled,
+                numpy.float64(1.0 / size),
+                numpy.float64(rescale if rescaled else 1.0),
+                numpy.float32(numpy.float16(1.0 / size)), out)
+            for t, lo, hi in zip(tids, ends[:-1], ends[1:]):
+                params[t].grad = out[lo:hi].reshape(params[t].shape)
     return True
-

@@ -133,11 +133,12 @@ SPECS = collections.OrderedDict([
     # decode + mean of every rank's message, one thread per element of
     # the model (chainer_vgc.device_decode)
     ('vgc_model_decode_mean', KernelSpec(
-        'raw uint32 buf, raw uint64 gaps, raw int64 offsets, '
-        'int32 n_tensors, int32 ranks, bool dense, bool rescaled, '
-        'float64 inv, float64 rescale, float32 k16', 'D mean',
-        'mean = vgc_model_mean<D>(i, buf, gaps, offsets, n_tensors, ranks, '
-        'dense, rescaled, inv, rescale, k16)')),
+        'raw uint32 buf, raw uint64 gaps, raw int64 offsets, raw int64 tids, '
+        'int32 n_local, int32 n_tensors, int32 ranks, bool dense, '
+        'bool rescaled, float64 inv, float64 rescale, float32 k16',
+        'D mean',
+        'mean = vgc_model_mean<D>(i, buf, gaps, offsets, tids, n_local, '
+        'n_tensors, ranks, dense, rescaled, inv, rescale, k16)')),
     # FMT_GAP bodies decoded on the device, one thread per block of codes
     # from its restart point (chainer_vgc.device_decode)
     ('vgc_model_gap_expand', KernelSpec(

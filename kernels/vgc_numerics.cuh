@@ -938,14 +938,17 @@ VGC_FN bool vgc_lookup(const W &buf, const X &gaps, long long d, long long j,
  * _finish_mean): sum * (1/p) in D (float16: the product in float32 by
  * k16 = float32(float16(1/p)), rounded once); with a loss scale, sum *
  * (1/p) * scale in the state dtype, then D */
-template <typename D, typename W, typename X, typename O>
+template <typename D, typename W, typename X, typename O, typename T>
 VGC_FN D vgc_model_mean(long long i, const W &buf, const X &gaps,
-                        const O &offsets, int n, int p, bool dense,
-                        bool rescaled, double inv, double rescale,
-                        float k16) {
+                        const O &offsets, const T &tids, int n_local, int n,
+                        int p, bool dense, bool rescaled, double inv,
+                        double rescale, float k16) {
     typedef typename vgc_state<D>::type S;
-    const int t = vgc_segment(offsets, n, i);
-    const long long j = i - (long long)offsets[t];
+    /* i counts the elements of this launch's tensors (one dtype), end to
+     * end: offsets[n_local + 1], their ids in the model tids[n_local] */
+    const int u = vgc_segment(offsets, n_local, i);
+    const int t = (int)tids[u];
+    const long long j = i - (long long)offsets[u];
     S acc = (S)0, v;
     if (!dense) {
         for (int b = 0; b < p; ++b)

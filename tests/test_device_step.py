@@ -260,13 +260,12 @@ def _param(xp, shape, dtype, grad):
 def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
                                                ranks, rescale):
     """Every rank's messages (CPU-made) decoded on the device in one
-    launch, two with FMT_GAP groups (their blocks decoded from the restart
-    points first): the means equal the CPU decoder's bit for bit, and each
-    grad is a view of one new array."""
+    launch a parameter dtype (float16 + float32: two), one more with
+    FMT_GAP groups (their blocks decoded from the restart points first):
+    the means equal the CPU decoder's bit for bit, and each grad is a
+    view of one new array a dtype."""
     fake = device
     shapes, dtypes = MODELS[model]
-    if len(set(dtypes)) > 1:
-        pytest.skip('parameters of two dtypes: decoded tensor by tensor')
     comps = [_pair(method, kw, shapes, dtypes)[1] for _ in range(ranks)]
     blocks = None
     for k in range(3):  # the residuals' third step: a realistic density
@@ -285,7 +284,7 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     groups = [g for b in blocks for g in walk(b, comps[0].sizes)]
     gap = any(g.fmt == codec.FMT_GAP for g in groups)
     assert fake.launches == (['vgc_model_gap_expand'] if gap else []) + [
-        'vgc_model_decode_mean']
+        'vgc_model_decode_mean'] * len(set(dtypes))  # one a dtype
     assert fake.count('upload') == 1
     assert fake.count('download') == fake.count('scalar') == 0
     assert elements == [codec.message_count(b) for b in blocks]
@@ -296,6 +295,11 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     for h, d in zip(host, dev):
         assert d.grad.shape == h.grad.shape and d.grad.dtype == h.grad.dtype
         assert_bitwise(fake.asnumpy(d.grad), h.grad)
+    owners = {}
+    for d in dev:
+        assert d.grad.base is not None
+        owners.setdefault(d.grad.dtype, set()).add(id(d.grad.base))
+    assert all(len(o) == 1 for o in owners.values()), owners
 
 
 def test_communicator_step_takes_the_whole_model_paths(device):

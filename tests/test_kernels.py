@@ -135,7 +135,7 @@ def model_instances():
         out.append(('vgc_model_none_write', (numpy.zeros(2, gdt), i64, n,
                                              i64, u32, u32)))
         out.append(('vgc_model_decode_mean', (
-            u32, u64, i64, n, n, False, False, numpy.float64(1),
+            u32, u64, i64, i64, n, n, n, False, False, numpy.float64(1),
             numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
     out.append(('vgc_model_gap_expand', (u32, u32,
                                          numpy.zeros(1, numpy.int32), u64)))
