@@ -48,7 +48,7 @@ def gap_decode(body, count, size):
     applied; None if it is invalid (the fast path of
     ``codec.gap_decode_body``, which names the fault).  The span (param
     word bits 8..31) is the caller's and ignored here, as by codec; bit 7
-    is reserved.  ``nibbles`` are the value-table entries sign << 3 | d
+    must say whether a restart table follows.  ``nibbles`` are the value-table entries sign << 3 | d
     (d = 0 for SIGN_ONLY)."""
     lib = load()
     body = numpy.ascontiguousarray(body, dtype=numpy.uint32).reshape(-1)

@@ -321,7 +321,9 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
              * value padding), the decoding later (vgc_check_gap) */
             const uint32_t *body = m + pos;
             const int64_t G = body[1];
-            if ((body[0] & VGC_GAP_RESERVED) || (int64_t)count > 32 * G)
+            if (((body[0] & VGC_GAP_RESTARTS) != 0) !=
+                    (vgc_gap_restarts(count) > 0) ||
+                (int64_t)count > 32 * G)
                 return false;
             const uint64_t vbits =
                 (uint64_t)count * ((body[0] & VGC_GAP_SIGN_ONLY) ? 1 : 4);

@@ -158,7 +158,8 @@ static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
                                   int k, bool sign_only, uint32_t *body) {
     const int64_t G = (int64_t)((bits + 31) / 32);
     const int64_t T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
-    body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+    body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u) |
+              (T ? VGC_GAP_RESTARTS : 0u);
     body[1] = (uint32_t)G;
     uint32_t *table = body + VGC_GAP_PARAM_WORDS;
     vgc_bit_writer gaps(table + T);
@@ -204,12 +205,14 @@ static inline uint64_t vgc_read_bits(const uint32_t *s, int64_t G,
  * checks of the spec) over one index space of size elements (a group's
  * span_size): index[count] (strictly increasing, < size) and nib[count]
  * (sign << 3 | d; d = 0 for SIGN_ONLY).  The span (param bits 8..31) is
- * the caller's; only bit 7 is reserved here.  false: invalid. */
+ * the caller's; bit 7 must say whether a restart table follows.  false:
+ * invalid. */
 static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
                            int64_t size, int64_t *index, uint8_t *nib) {
     if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
     const uint32_t param = body[0];
-    if (param & VGC_GAP_RESERVED) return false; /* reserved bit */
+    if (((param & VGC_GAP_RESTARTS) != 0) != (vgc_gap_restarts(count) > 0))
+        return false; /* the restart flag disagrees with count */
     const int k = (int)(param & 63);
     const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
     const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
@@ -658,7 +661,8 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
     }
     int64_t words;
     if (gap) {
-        body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+        body[0] = (uint32_t)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u) |
+                  (T ? VGC_GAP_RESTARTS : 0u);
         body[1] = (uint32_t)G;
         for (int pass = 0; pass < 2; ++pass)
             for (size_t t = 0; t < nc; ++t) {

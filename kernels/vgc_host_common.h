@@ -39,9 +39,9 @@
 #define VGC_FMT_QSGD 3u
 #define VGC_QSGD_OFFSET_BITS 23
 #define VGC_QSGD_RECORD_WORDS 4
-/* FMT_GAP param word: bit 7 reserved, bits 8..31 the span (the tensors
- * after the group's first that the group also covers; docs: addendum v2) */
-#define VGC_GAP_RESERVED 0x80u
+/* FMT_GAP param word: bits 8..31 the span (the tensors after the group's
+ * first that the group also covers; docs: addendum v2); bit 7,
+ * VGC_GAP_RESTARTS, comes with vgc_numerics.cuh */
 #define VGC_GAP_SPAN_SHIFT 8
 
 /* dtype codes shared with native.py */

@@ -478,6 +478,8 @@ VGC_FN unsigned int vgc_gap_value_word(const A &nibbles, long long count,
 #define VGC_GAP_PARAM_WORDS 2
 #define VGC_GAP_RESTART_CODES 1024
 #define VGC_GAP_RESTART_WORDS 4
+/* param bit 7: the body has a restart table (count > RESTART_CODES) */
+#define VGC_GAP_RESTARTS 0x80u
 
 /* restart points of a FMT_GAP group of count >= 1 codes: one every
  * VGC_GAP_RESTART_CODES codes after the first block */
@@ -1138,7 +1140,9 @@ VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
     const long long G = (long long)rec[6 * t + 3];
     const long long T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
     const long long s0 = r0 ? (long long)ends[r0 - 1] : 0LL;
-    if (b == 0) return (unsigned int)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u);
+    if (b == 0)
+        return (unsigned int)k | (sign_only ? VGC_GAP_SIGN_ONLY : 0u) |
+               (T ? VGC_GAP_RESTARTS : 0u);
     if (b == 1) return (unsigned int)G;
     if (b < VGC_GAP_PARAM_WORDS + T) { /* restart m: {bit, index} */
         const long long e = b - VGC_GAP_PARAM_WORDS;

@@ -523,7 +523,8 @@ def oracle_encode(index, nibbles, k, sign_only, span=0):
         else:
             put_field(values, nib, 4)
     gap_words = to_words(stream)
-    return ([k | (SIGN_ONLY if sign_only else 0) | span << SPAN_SHIFT,
+    flag = 0x80 if table else 0  # param bit 7: a restart table follows
+    return ([k | (SIGN_ONLY if sign_only else 0) | flag | span << SPAN_SHIFT,
              len(gap_words)] + table + gap_words + to_words(values))
 
 
@@ -556,13 +557,14 @@ def oracle_decode_body(body, count, size):
     ``body`` must be exactly the group's body.  Sign-only nibbles are
     ``sign << 3`` (d = 0).  ``size``: of the group's index space (a span
     group's: the sum of its tensors' sizes); the span field (param bits
-    8..31) is the caller's to check, bit 7 is reserved."""
+    8..31) is the caller's to check, bit 7 says a restart table follows
+    (exactly when count > 1024)."""
     body = [int(w) for w in body]
     if len(body) < 2:
         raise Reject('no param/G words')
     param, G = body[0], body[1]
-    if param & 0x80:
-        raise Reject('reserved param bit 7')
+    if bool(param & 0x80) != bool(restarts(count)):
+        raise Reject('param bit 7 must say whether a restart table follows')
     k, sign_only = param & 63, bool(param & SIGN_ONLY)
     if len(body) != body_words_needed(param, G, count):
         raise Reject('body length')

@@ -20,7 +20,7 @@ FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP = 1, 2, 3, 4
 RAW_DENSE, RAW_FLOAT64 = 1, 2
 GAP_ESCAPE = 16
 GAP_SIGN_ONLY = 0x40
-GAP_RESERVED = 0x80
+GAP_RESTARTS = 0x80  # param bit 7: a restart table follows (Sec. 4.5)
 GAP_SPAN_SHIFT = 8
 GAP_RESTART_CODES = 1024
 
@@ -242,8 +242,8 @@ def _qsgd(tid, body, count, a, b, size, dtype):
 
 def _gap(tid, last, body, count, a, b, sizes, dtypes):
     param, n_stream = body[0], body[1]
-    if param & GAP_RESERVED:
-        raise Invalid('reserved bit 7')
+    if bool(param & GAP_RESTARTS) != (restart_points(count) > 0):
+        raise Invalid('param bit 7 disagrees with the restart table')
     k, sign_only = param & 63, param & GAP_SIGN_ONLY
     size = sum(sizes[tid:last + 1])
     t = 4 * restart_points(count)

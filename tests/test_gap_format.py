@@ -12,8 +12,9 @@ oracle rejects.
 Format, as the oracle reads it.  A FMT_GAP group is the 5-word header
 ``tensor_id, 4, count, e_k (int32 bits), float32 bits of scale`` and the body
 
-    word 0   param: bits 0..5 = k, bit 6 = SIGN_ONLY, bit 7 zero, bits
-             8..31 the span
+    word 0   param: bits 0..5 = k, bit 6 = SIGN_ONLY, bit 7 = a restart
+             table follows (exactly when count > 1024), bits 8..31 the
+             span
     word 1   G: words of the gap stream
     4R words restart table (issue 25): R = (count - 1) // 1024 entries;
              entry m is the bit where code 1024 m starts in the stream and
@@ -426,6 +427,8 @@ def test_restart_table_by_hand():
             want += [2 * 1024 * m, 0, index[1024 * m - 1], 0]
         assert table == want
         assert body[1] == -(-2 * count // 32)  # G: the codes only
+        # param bit 7 says so (an older decoder refuses it: it was reserved)
+        assert bool(body[0] & codec.GAP_RESTARTS) == (count > 1024)
 
 
 def _restart_faults(body, count):
@@ -440,6 +443,8 @@ def _restart_faults(body, count):
     out.append(body[:2] + body[t - 4:t] + body[2:t - 4] + body[t:])  # order
     out.append(body[:t - 4] + body[t:])  # an entry missing
     out.append(body[:2] + body[t:])  # no table
+    out.append([body[0] & ~0x80] + body[1:2] + body[t:])  # as before 25
+    out.append([body[0] & ~0x80] + body[1:])  # the flag alone cleared
     return out
 
 
@@ -790,9 +795,10 @@ def test_every_single_bit_flip():
 
 @needs_codec
 def test_reserved_param_bits_rejected():
-    """Bit 7 is reserved; bits 8..31 are the span (ADDENDUM v2): in a
-    one-tensor model any span runs past the model.  gap_decode_body leaves
-    the span field to its caller and rejects bit 7 alone."""
+    """Bit 7 says a restart table follows (issue 25), so it must be 0 for
+    3 elements; bits 8..31 are the span (ADDENDUM v2): in a one-tensor
+    model any span runs past the model.  gap_decode_body leaves the span
+    field to its caller and rejects bit 7 alone."""
     body = list(WORKED_BODY)
     for bit in range(7, 32):
         b = list(body)

@@ -563,7 +563,8 @@ def gap_body_reference(index, nibbles, k, sign_only):
 
     stream = words(bits)
     assert len(values) == len(index) * vbits
-    head = [k | (codec.GAP_SIGN_ONLY if sign_only else 0), stream.size]
+    head = [k | (codec.GAP_SIGN_ONLY if sign_only else 0)
+            | (0x80 if table else 0), stream.size]  # bit 7: a table
     return numpy.concatenate([numpy.array(head + table, numpy.uint32),
                               stream, words(values)]).astype(numpy.uint32)
 
@@ -689,7 +690,7 @@ def _host_gap_body(host_kernels, index, nibbles, k, sign_only):
     v = -(-count * (1 if sign_only else 4) // 32)
     t = 4 * codec.gap_restarts(count)  # the restart table, gathered
     body = numpy.zeros(2 + t + g + v, numpy.uint32)
-    body[:2] = [k | (64 if sign_only else 0), g]
+    body[:2] = [k | (64 if sign_only else 0) | (0x80 if t else 0), g]
     last = numpy.arange(1, t // 4 + 1) * codec.GAP_RESTART_CODES - 1
     body[2:2 + t] = numpy.stack([end[last], index[last]], axis=1).astype(
         numpy.uint64).view(numpy.uint32).reshape(-1)

@@ -665,7 +665,7 @@ def _gap_body_corruptions(rng, body):
     if how == 0:  # a bit anywhere
         pos = int(rng.integers(0, bad.size))
         bad[pos] ^= numpy.uint32(1 << int(rng.integers(0, 32)))
-    elif how == 1:  # a reserved param bit
+    elif how == 1:  # the restart flag (bit 7) or a span bit
         bad[0] |= numpy.uint32(1 << int(rng.integers(7, 32)))
     elif how == 2:  # k
         bad[0] = (bad[0] & ~numpy.uint32(63)) | numpy.uint32(
@@ -1259,7 +1259,8 @@ def test_corrupt_span_messages_are_rejected_as_the_reference_rejects(isa):
 
 def test_span_fast_paths_equal_the_reference():
     """native_gap.gap_decode ignores the span bits (8..31) as
-    codec.gap_decode_body does (only bit 7 is reserved); codec.merge_spans
+    codec.gap_decode_body does (bit 7 must match the restart table);
+    codec.merge_spans
     with native_gap.gap_decode / gap_encode as its fast decoder and encoder
     writes the reference's message."""
     index, nib = numpy.array([3, 4, 40]), numpy.array([1, 8, 2], numpy.uint8)
@@ -1269,7 +1270,7 @@ def test_span_fast_paths_equal_the_reference():
         got = native_gap.gap_decode(body, 3, 100)
         assert numpy.array_equal(got[0], want[0])
         assert numpy.array_equal(got[1], want[1])
-        body[0] |= numpy.uint32(codec.GAP_RESERVED)
+        body[0] |= numpy.uint32(codec.GAP_RESTARTS)
         with pytest.raises(WireFormatError):
             codec.gap_decode_body(body, 3, 100)
         assert native_gap.gap_decode(body, 3, 100) is None

@@ -42,7 +42,8 @@ def test_kernel_source_matches_codec():
                      'VGC_GAP_SIGN_ONLY': codec.GAP_SIGN_ONLY,
                      'VGC_GAP_PARAM_WORDS': codec.GAP_PARAM_WORDS,
                      'VGC_GAP_RESTART_CODES': codec.GAP_RESTART_CODES,
-                     'VGC_GAP_RESTART_WORDS': codec.GAP_RESTART_WORDS}
+                     'VGC_GAP_RESTART_WORDS': codec.GAP_RESTART_WORDS,
+                     'VGC_GAP_RESTARTS': codec.GAP_RESTARTS}
 
 
 def test_host_source_matches_codec():

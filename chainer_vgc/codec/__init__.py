@@ -31,7 +31,7 @@ header checks, checked decoder, unchecked device decoder):
     paper)
     ``a``, ``b`` as ``FMT_POW2``; body: a param word (bits 0-5: the Rice
     parameter k; bit 6, :data:`GAP_SIGN_ONLY`: one value bit, the sign,
-    and d = 0; bit 7: 0; bits 8-31: the span, the number of tensors after
+    and d = 0; bit 7, :data:`GAP_RESTARTS`: a restart table follows; bits 8-31: the span, the number of tensors after
     ``tensor_id`` the group also covers, in one index space, their
     concatenation, see :func:`merge_spans`), ``G``, then ``G`` words of
     gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
@@ -75,7 +75,7 @@ from chainer_vgc.codec.c_defines import (  # NOQA: F401
     C_CONSTANTS, KERNEL_CONSTANTS, check_kernel_constants)
 from chainer_vgc.codec.constants import (  # NOQA: F401
     CODINGS, FMT_GAP, FMT_INDEXED, FMT_POW2, FMT_QSGD, FMT_RAW, GAP_ESCAPE,
-    GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS, GAP_RESERVED, GAP_RESTART_CODES,
+    GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS, GAP_RESTARTS, GAP_RESTART_CODES,
     GAP_RESTART_WORDS, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS, LOG2_ZERO, MAGIC, MAX_COUNT,
     MAX_D, MAX_GAP_SPAN, MAX_INDEX, MAX_QSGD_BUCKET, MERGE_MAX_COUNT,
     QSGD_OFFSET_BITS, QSGD_RECORD_WORDS, RAW_DENSE, RAW_FLOAT64)

@@ -20,7 +20,9 @@ FMT_GAP = 4
 GAP_PARAM_WORDS = 2  # param word (k, flags), gap-stream length
 GAP_K_MASK = 0x3F
 GAP_SIGN_ONLY = 1 << 6  # param flag: one value bit (the sign), d = 0
-GAP_RESERVED = 1 << 7  # param bit that must be 0
+#: param bit 7: the body has a restart table, set exactly when count >
+#: GAP_RESTART_CODES (issue 25; reserved, so 0, before it)
+GAP_RESTARTS = 1 << 7
 GAP_SPAN_SHIFT = 8  # param bits 8-31: further tensors the group covers
 MAX_GAP_SPAN = (1 << 24) - 1
 #: groups of more elements are never merged into spans (their 7-word

@@ -1,8 +1,9 @@
 """FMT_GAP (the elements of FMT_POW2, indices gap-coded; beyond the paper).
 
 ``a``, ``b`` as FMT_POW2; body: a param word (bits 0-5: the Rice parameter
-k; bit 6, :data:`.GAP_SIGN_ONLY`: one value bit, the sign, and d = 0; bit 7:
-0; bits 8-31: the span, the number of tensors after ``tensor_id`` the group
+k; bit 6, :data:`.GAP_SIGN_ONLY`: one value bit, the sign, and d = 0; bit 7,
+:data:`.GAP_RESTARTS`: a restart table follows, exactly when there are more
+than :data:`.GAP_RESTART_CODES` elements; bits 8-31: the span, the number of tensors after ``tensor_id`` the group
 also covers, in one index space, their concatenation, see
 :func:`chainer_vgc.codec.message.merge_spans`), ``G``, then ``G`` words of
 gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit
@@ -33,7 +34,7 @@ from chainer_vgc import backend
 from chainer_vgc import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, GAP_ESCAPE, GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS,
-    GAP_RESERVED, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY,
+    GAP_RESTARTS, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY,
     GAP_SPAN_SHIFT, INDEX_BITS, MAX_GAP_SPAN, MAX_INDEX)
 from chainer_vgc.codec.header import (
     WireFormat, WireFormatError, no_check, where)
@@ -142,6 +143,7 @@ def gap_body(index, nibbles, k, sign_only, span=0):
         raise ValueError('gap_body: {} words of gap codes; a group holds at '
                          'most 2**32 - 1'.format(stream.size))
     param = (k | (GAP_SIGN_ONLY if sign_only else 0)
+             | (GAP_RESTARTS if gap_restarts(index.size) else 0)
              | int(span) << GAP_SPAN_SHIFT)
     return numpy.concatenate([
         numpy.array([param, stream.size], dtype=numpy.uint32),
@@ -170,7 +172,8 @@ def gap_stream_words(count, k):
 def gap_decode_body(body, count, size):
     """Decode and check a FMT_GAP body (host words) of ``count`` elements
     of a tensor of ``size``: ``(index int64, nibbles uint8)``.  Raises
-    :class:`~chainer_vgc.codec.header.WireFormatError` on reserved bits, a
+    :class:`~chainer_vgc.codec.header.WireFormatError` on a restart flag
+    (param bit 7) that disagrees with ``count``, a
     code running past the stream, an Elias-gamma prefix of 64 zeros or
     more, a gap past the end of the tensor, a stream longer than its codes
     or nonzero padding.  ``size``: of the group's index space (its span's
@@ -188,8 +191,11 @@ def gap_decode_body(body, count, size):
     if body.size < GAP_PARAM_WORDS:
         raise WireFormatError(where + 'truncated')
     param, n_stream = int(body[0]), int(body[1])
-    if param & GAP_RESERVED:
-        raise WireFormatError(where + 'reserved bit set in the param word')
+    if bool(param & GAP_RESTARTS) != bool(gap_restarts(count)):
+        raise WireFormatError(
+            where + 'param bit 7 (restart table) is {} for {} elements: it is '
+            'set exactly when there are more than {}'.format(
+                int(bool(param & GAP_RESTARTS)), count, GAP_RESTART_CODES))
     k = param & GAP_K_MASK
     n_values = gap_value_words(count, param)
     n_table = GAP_RESTART_WORDS * gap_restarts(count)
@@ -333,7 +339,8 @@ def device_gap_body(index, nibbles, k, sign_only):
     n_restarts = gap_restarts(count)
     start = GAP_PARAM_WORDS + GAP_RESTART_WORDS * n_restarts
     body = xp.zeros(start + stream_words + value_words, dtype=numpy.uint32)
-    body[0] = k | (GAP_SIGN_ONLY if sign_only else 0)
+    body[0] = (k | (GAP_SIGN_ONLY if sign_only else 0)
+               | (GAP_RESTARTS if n_restarts else 0))
     body[1] = stream_words
     if n_restarts:  # code m N starts where code m N - 1 ends
         last = (xp.arange(1, n_restarts + 1) * GAP_RESTART_CODES) - 1
