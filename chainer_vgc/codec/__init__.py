@@ -31,10 +31,12 @@ header checks, checked decoder, unchecked device decoder):
     paper)
     ``a``, ``b`` as ``FMT_POW2``; body: a param word (bits 0-5: the Rice
     parameter k; bit 6, :data:`GAP_SIGN_ONLY`: one value bit, the sign,
-    and d = 0; bit 7, :data:`GAP_RESTARTS`: a restart table follows; bits 8-31: the span, the number of tensors after
-    ``tensor_id`` the group also covers, in one index space, their
-    concatenation, see :func:`merge_spans`), ``G``, then ``G`` words of
-    gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
+    and d = 0; bit 7, :data:`GAP_RESTARTS`: a restart table follows;
+    bits 8-31: the span, the number of tensors after ``tensor_id`` the
+    group also covers, in one index space, their concatenation, see
+    :func:`merge_spans`), ``G``, the restart table (more than
+    :data:`GAP_RESTART_CODES` elements: where a decoder can start), then
+    ``G`` words of gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit fields
     ``sign << 3 | d`` (the top 4 bits of the ``FMT_POW2`` word) or 1-bit
     signs.  Bit strings are LSB-first: bit p is ``(w[p >> 5] >> (p & 31))
     & 1``.  Gap j is ``i_j - i_{j-1} - 1`` (``i_{-1} = -1``), coded with

@@ -2,26 +2,22 @@
 
 ``a``, ``b`` as FMT_POW2; body: a param word (bits 0-5: the Rice parameter
 k; bit 6, :data:`.GAP_SIGN_ONLY`: one value bit, the sign, and d = 0; bit 7,
-:data:`.GAP_RESTARTS`: a restart table follows, exactly when there are more
-than :data:`.GAP_RESTART_CODES` elements; bits 8-31: the span, the number of tensors after ``tensor_id`` the group
-also covers, in one index space, their concatenation, see
-:func:`chainer_vgc.codec.message.merge_spans`), ``G``, then ``G`` words of
-gap codes, then the values, ``ceil(count * vbits / 32)`` words of 4-bit
-fields ``sign << 3 | d`` (the top 4 bits of the FMT_POW2 word) or 1-bit
-signs.  Between ``G`` and the codes, a group of more than
-:data:`.GAP_RESTART_CODES` elements has a restart table: for m = 1 ..
-``gap_restarts(count)``, the bit where code ``m * GAP_RESTART_CODES``
-starts in the stream and the index of the element before it (two uint64,
-low word first; :func:`restart_table`), so that a decoder can start at
-any of them (the GPU decodes the blocks in parallel).  Bit strings are
-LSB-first: bit p is ``(w[p >> 5] >> (p & 31)) &
-1``.  Gap j is ``i_j - i_{j-1} - 1`` (``i_{-1} = -1``), coded with ``q =
-gap >> k``: q zeros and a one (q < :data:`.GAP_ESCAPE`), or GAP_ESCAPE
-zeros then the Elias-gamma code of ``q - GAP_ESCAPE + 1`` (n zeros, a one,
-the n bits below its top bit); then the k low bits of the gap.  ``G`` is
-exactly the words the codes fill, padding bits are 0: for given k, value
-width and span, the elements have one encoding (:func:`gap_body`).  No
-limit on the tensor size; at most 2**32 - 1 elements per group.
+:data:`.GAP_RESTARTS`: a restart table follows; bits 8-31: the span, the
+number of tensors after ``tensor_id`` the group also covers, in one index
+space, their concatenation, see :func:`chainer_vgc.codec.message.merge_spans`),
+``G``, the restart table when there are more than
+:data:`.GAP_RESTART_CODES` elements (:mod:`chainer_vgc.codec.restarts`: where
+a decoder can start), ``G`` words of gap codes, then the values,
+``ceil(count * vbits / 32)`` words of 4-bit fields ``sign << 3 | d`` (the
+top 4 bits of the FMT_POW2 word) or 1-bit signs.  Bit strings are
+LSB-first: bit p is ``(w[p >> 5] >> (p & 31)) & 1``.  Gap j is ``i_j -
+i_{j-1} - 1`` (``i_{-1} = -1``), coded with ``q = gap >> k``: q zeros and a
+one (q < :data:`.GAP_ESCAPE`), or GAP_ESCAPE zeros then the Elias-gamma
+code of ``q - GAP_ESCAPE + 1`` (n zeros, a one, the n bits below its top
+bit); then the k low bits of the gap.  ``G`` is exactly the words the codes
+fill, padding bits are 0: for given k, value width and span, the elements
+have one encoding (:func:`gap_body`).  No limit on the tensor size; at most
+2**32 - 1 elements per group.
 
 The body is built by :func:`gap_body`: the NumPy reference here, or on the
 device (CuPy input) by the kernels of :mod:`chainer_vgc.kernels`
