@@ -140,8 +140,6 @@ static inline int64_t vgc_gap_value_words(int64_t count, bool sign_only) {
     return (count * (sign_only ? 1 : 4) + 31) / 32;
 }
 
-/* Writes the FMT_GAP body (param word, G, gap stream, values) of the
- * elements each(f) visits; G = ceil(bits / 32).  Returns its words. */
 /* Restart m of a FMT_GAP body's table: code m N starts at bit `bit` of
  * the stream, after the element of index `prev`. */
 static inline void vgc_put_restart(uint32_t *table, int64_t m, uint64_t bit,
@@ -153,6 +151,9 @@ static inline void vgc_put_restart(uint32_t *table, int64_t m, uint64_t bit,
     e[3] = (uint32_t)((uint64_t)prev >> 32);
 }
 
+/* Writes the FMT_GAP body (param word, G, restart table, gap stream,
+ * values) of the elements each(f) visits; G = ceil(bits / 32).  Returns
+ * its words. */
 template <typename Each>
 static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
                                   int k, bool sign_only, uint32_t *body) {
@@ -184,22 +185,8 @@ static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
     return VGC_GAP_PARAM_WORDS + T + G + vgc_gap_value_words(count, sign_only);
 }
 
-/* Bits pos..pos+31 of the stream s of G words (0 past its end). */
-static inline uint32_t vgc_peek32(const uint32_t *s, int64_t G, uint64_t pos) {
-    const uint64_t i = pos >> 5;
-    const uint64_t lo = i < (uint64_t)G ? s[i] : 0;
-    const uint64_t hi = i + 1 < (uint64_t)G ? s[i + 1] : 0;
-    return (uint32_t)((lo | hi << 32) >> (pos & 31));
-}
-
-/* The field of n <= 64 bits at pos. */
-static inline uint64_t vgc_read_bits(const uint32_t *s, int64_t G,
-                                     uint64_t pos, int n) {
-    if (n == 0) return 0;
-    if (n <= 32) return vgc_peek32(s, G, pos) & (~0u >> (32 - n));
-    return (uint64_t)vgc_peek32(s, G, pos) |
-           (uint64_t)(vgc_peek32(s, G, pos + 32) & (~0u >> (64 - n))) << 32;
-}
+/* The stream is read through vgc_stream32 and vgc_stream_bits of
+ * vgc_numerics.cuh (the device's decoder reads it with them too). */
 
 /* Decodes and checks a FMT_GAP body of exactly len words (the decoder
  * checks of the spec) over one index space of size elements (a group's
@@ -282,7 +269,7 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
         const uint64_t limit = (uint64_t)(size - prev - 1);
         const uint64_t qmax = (limit - 1) >> k;
         uint64_t q;
-        const uint32_t w = vgc_peek32(s, G, pos);
+        const uint32_t w = vgc_stream32(s, 0, G, pos);
         if (w & ((1u << VGC_GAP_ESCAPE) - 1)) { /* unary */
             const int z = __builtin_ctz(w);
             if (pos + z + 1 > total) return false;
@@ -295,7 +282,7 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
             int n = 0;
             for (;;) {
                 if (pos + n >= total) return false;
-                const uint32_t x = vgc_peek32(s, G, pos + n);
+                const uint32_t x = vgc_stream32(s, 0, G, pos + n);
                 if (x) {
                     n += __builtin_ctz(x);
                     break;
@@ -306,14 +293,14 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
             if (n >= 64) return false;
             if (pos + 2 * (uint64_t)n + 1 > total) return false;
             const uint64_t v =
-                (1ull << n) | vgc_read_bits(s, G, pos + n + 1, n);
+                (1ull << n) | vgc_stream_bits(s, 0, G, pos + n + 1, n);
             pos += 2 * (uint64_t)n + 1;
             if (qmax < VGC_GAP_ESCAPE || v > qmax - (VGC_GAP_ESCAPE - 1))
                 return false;
             q = v + (VGC_GAP_ESCAPE - 1);
         }
         if (pos + k > total) return false;
-        const uint64_t gap = (q << k) | vgc_read_bits(s, G, pos, k);
+        const uint64_t gap = (q << k) | vgc_stream_bits(s, 0, G, pos, k);
         pos += k;
         if (gap >= limit) return false; /* overruns the tensor */
         prev += 1 + (int64_t)gap;
@@ -596,7 +583,7 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
     const size_t nc = ws->chunks.size();
     const int64_t T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
     uint32_t *table = body + VGC_GAP_PARAM_WORDS, *gs = table + T, *vs = gs;
-    int64_t G = 0;
+    int64_t G = 0, gap_words = 0; /* (FMT_GAP's body) */
     bool too_long = false;
     if (coding != VGC_CODING_FIXED) {
         int64_t prev = -1;
@@ -629,8 +616,9 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
                     bits += ws->chunks[t].gap_bits;
                 }
                 G = (int64_t)((bits + 31) / 32);
-                gap |= VGC_GAP_PARAM_WORDS + T + G +
-                           vgc_gap_value_words(count, sign_only) < count;
+                gap_words = VGC_GAP_PARAM_WORDS + T + G +
+                            vgc_gap_value_words(count, sign_only);
+                gap |= gap_words < count;
                 too_long = gap && (bits + 31) / 32 > 0xFFFFFFFFu;
                 vs = gs + G;
             } /* (every thread waits here) */
@@ -676,8 +664,7 @@ static int64_t vgc_emit(vgc_workspace *ws, int tid, int64_t n, int coding,
                 for (int e = 0; e < 4; ++e)
                     if (at[e]) *at[e] = pass ? *at[e] | c.edge_bits[e] : 0u;
             }
-        words = VGC_GAP_PARAM_WORDS + T + G +
-                vgc_gap_value_words(count, sign_only);
+        words = gap_words;
     } else {
         vgc_for_chunks(ws, [&](vgc_chunk &c) {
             if (c.out) memcpy(body + c.offset, c.words.data(), 4 * c.out);

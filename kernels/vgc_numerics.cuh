@@ -559,6 +559,19 @@ VGC_FN int vgc_model_e_k(const M &maxbits, int t) {
     return vgc_floor_log2(vgc_from_bits((U)maxbits[t]));
 }
 
+/* The layouts' e_k of tensor t (0 unless from_max: Strom and hybrid send
+ * signs), and its largest |r| cleared for the next step */
+template <typename M>
+VGC_FN int vgc_model_take_e_k(M &maxbits, int t, bool from_max,
+                              bool is_f64) {
+    int e_k = 0;
+    if (from_max)
+        e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
+                     : vgc_model_e_k<float>(maxbits, t);
+    maxbits[t] = 0;
+    return e_k;
+}
+
 /* 1 where a selected element is sent: representable against e_k */
 template <typename F, typename M, typename O>
 VGC_FN int vgc_model_keep(long long i, F r2, signed char sel,
@@ -630,11 +643,7 @@ VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
     long long w = 2, groups = 0;
     for (int t = 0; t < n; ++t) {
         const long long count = vgc_sent(pos, offsets, t);
-        int e_k = 0;
-        if (from_max)
-            e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
-                         : vgc_model_e_k<float>(maxbits, t);
-        maxbits[t] = 0;
+        const int e_k = vgc_model_take_e_k(maxbits, t, from_max, is_f64);
         ek[t] = e_k;
         if (!count) {
             base[t] = -1;
@@ -875,8 +884,27 @@ VGC_FN S vgc_raw_value(const W &buf, long long at, bool f64) {
     return vgc_to<S>(vgc_from_bits(lo | (hi << 32)));
 }
 
+/* where key is among a[off .. off + count), their bits under mask sorted
+ * increasing (a binary search); -1 if it is not */
+template <typename A>
+VGC_FN long long vgc_find(const A &a, long long off, long long count,
+                          unsigned long long mask, unsigned long long key) {
+    long long lo = 0, hi = count; /* the first >= key */
+    while (lo < hi) {
+        const long long mid = lo + (hi - lo) / 2;
+        if (((unsigned long long)a[off + mid] & mask) < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < count && ((unsigned long long)a[off + lo] & mask) == key
+               ? lo
+               : -1;
+}
+
 /* the value the group described at buf[d] carries for index j, if any
- * (a FMT_GAP group's elements: in gaps, by vgc_model_gap_expand) */
+ * (a FMT_GAP group's elements: in gaps, by vgc_model_gap_expand, j at
+ * the tensor's place in the group) */
 template <typename S, typename W, typename X>
 VGC_FN bool vgc_lookup(const W &buf, const X &gaps, long long d, long long j,
                        S &value) {
@@ -885,54 +913,32 @@ VGC_FN bool vgc_lookup(const W &buf, const X &gaps, long long d, long long j,
     const long long off = (long long)(unsigned int)buf[d] |
                           ((long long)(unsigned int)buf[d + 1] << 32);
     const unsigned int kind = buf[d + 3];
-    if (kind == VGC_BODY_GAP) { /* j at the tensor's place in the group */
-        const unsigned long long key = vgc_u64_at(buf, d + 6) + j;
-        long long lo = 0, hi = count;
-        while (lo < hi) {
-            const long long mid = lo + (hi - lo) / 2;
-            if (((unsigned long long)gaps[off + mid] & VGC_EXPANDED_INDEX) <
-                key)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo == count ||
-            ((unsigned long long)gaps[off + lo] & VGC_EXPANDED_INDEX) != key)
-            return false;
-        long long index;
-        const S scale = vgc_to<S>(vgc_from_bits((unsigned int)buf[d + 5]));
-        value = vgc_pow2_decode<S>(
-            (unsigned int)(((unsigned long long)gaps[off + lo] >> 60) << 28),
-            (int)buf[d + 4], scale, index);
-        return true;
-    }
     if (kind == VGC_BODY_DENSE32 || kind == VGC_BODY_DENSE64) {
         const bool f64 = kind == VGC_BODY_DENSE64;
         value = vgc_raw_value<S>(buf, off + (f64 ? 2 * j : j), f64);
         return true;
     }
-    const unsigned int mask = kind == VGC_BODY_POW2 ? VGC_INDEX_MASK
-                                                     : 0xFFFFFFFFu;
-    long long lo = 0, hi = count; /* the first key >= j */
-    while (lo < hi) {
-        const long long mid = lo + (hi - lo) / 2;
-        if ((long long)((unsigned int)buf[off + mid] & mask) < j)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo == count ||
-        (long long)((unsigned int)buf[off + lo] & mask) != j)
-        return false;
-    if (kind == VGC_BODY_POW2) {
+    const bool gap = kind == VGC_BODY_GAP;
+    const long long at =
+        gap ? vgc_find(gaps, off, count, VGC_EXPANDED_INDEX,
+                       vgc_u64_at(buf, d + 6) + (unsigned long long)j)
+            : vgc_find(buf, off, count,
+                       kind == VGC_BODY_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu,
+                       (unsigned long long)j);
+    if (at < 0) return false;
+    if (gap || kind == VGC_BODY_POW2) { /* (an expanded element's nibble
+                                          * as the top of a FMT_POW2 word) */
+        const unsigned int word =
+            gap ? (unsigned int)(((unsigned long long)gaps[off + at] >> 60)
+                                 << 28)
+                : (unsigned int)buf[off + at];
         long long index;
         const S scale = vgc_to<S>(vgc_from_bits((unsigned int)buf[d + 5]));
-        value = vgc_pow2_decode<S>((unsigned int)buf[off + lo],
-                                   (int)buf[d + 4], scale, index);
+        value = vgc_pow2_decode<S>(word, (int)buf[d + 4], scale, index);
         return true;
     }
     const bool f64 = kind == VGC_BODY_RAW64;
-    value = vgc_raw_value<S>(buf, off + count + (f64 ? 2 * lo : lo), f64);
+    value = vgc_raw_value<S>(buf, off + count + (f64 ? 2 * at : at), f64);
     return true;
 }
 
@@ -1059,11 +1065,7 @@ VGC_FN void vgc_model_gap_layout(const P &pos, const E &ends,
     for (int t = 0; t < n; ++t) {
         const long long count = vgc_sent(pos, offsets, t);
         const long long r0 = vgc_rank0(pos, offsets, t);
-        int e_k = 0;
-        if (from_max)
-            e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
-                         : vgc_model_e_k<float>(maxbits, t);
-        maxbits[t] = 0;
+        const int e_k = vgc_model_take_e_k(maxbits, t, from_max, is_f64);
         rec[6 * t] = w;
         rec[6 * t + 1] = 0;
         if (!count) continue;
