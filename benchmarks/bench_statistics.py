@@ -1,83 +1,258 @@
 #!/usr/bin/env python
 """Training-step time and peak memory with per-sample statistics vs without.
 
-The VGG-like network of the paper's Appendix D, batch 64 of generated
-32x32x3 input, momentum SGD, on the CPU (NumPy).  One step = forward,
-backward, update; the statistics step uses PerSampleSquares.backward in
-place of loss.backward.  Steps alternate between the two so that both see
-the same machine state; the medians and their ratio are printed, with the
-peak of traced allocations (tracemalloc, which sees NumPy's buffers).
+One step = forward, backward, update; the statistics step uses
+``PerSampleSquares.backward`` in place of ``loss.backward``.  The two kinds
+of step alternate, so both see the same machine state; the medians, their
+ratio and the extra peak memory of the statistics step are printed, one row
+per model:
+
+* ``mlp``: the demo's MLP (784-200-200-10, batch 32, ``make demo``);
+* ``vgg``: the App. D VGG at the Fashion-MNIST grid's setting (width 1/8,
+  28x28x1 input, no dropout, batch 32);
+* ``vgg-full``: the App. D VGG at full width, batch 64, 28x28x1 (the GPU
+  runbook's setting);
+* ``dcgan``: a DCGAN-shaped generator (Linear, three stride-2
+  Deconvolution2D with BatchNormalization) and discriminator (seven
+  Convolution2D with BatchNormalization), updated in turn as in ChainerMN's
+  DCGAN example, batch 16 of 32x32x3; the statistics step computes both
+  models' statistics.
+
+Under ``mpiexec -n P`` every rank runs the same steps on its own data with
+a barrier before each, and the slowest rank's time counts (``make bench``
+runs it at P = 2, one BLAS thread each: a rank of a 2-rank job on the
+2-core machine).  ``--device @cupy:0`` runs on a GPU: steps are timed
+to the device's synchronisation, and memory is what CuPy's pool hands out.
+
+Peak memory: on the CPU tracemalloc's peak (it sees NumPy's buffers) over
+the step, less the memory held before it; the statistics' workspace
+(buffers kept from step to step, ``PerSampleSquares.work``) is printed
+beside it and counted in the extra memory.
 """
 
 import argparse
+import os
+import time
 import tracemalloc
 
 import chainer
 import chainer.functions as F
 import numpy
 
+from chainer_vgc.models import DCGANDiscriminator
+from chainer_vgc.models import DCGANGenerator
+from chainer_vgc.models import MLP
 from chainer_vgc.models import VGG
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
 
 from bench_common import machine
-from bench_common import timed
+
+MODELS = ('mlp', 'vgg', 'vgg-full', 'dcgan')
+
+
+class _Classifier(object):
+    """One network trained on labelled generated data."""
+
+    def __init__(self, net, x, t, device, max_memory):
+        self.net = net
+        net.to_device(device)
+        self.x, self.t = device.send(x), device.send(t)
+        self.opt = chainer.optimizers.MomentumSGD(lr=0.01)
+        self.opt.setup(net)
+        net(self.x)  # shapes of lazily built links
+        self.stats = PerSampleSquares(net, max_memory=max_memory)
+        self.nets = [net]
+
+    def step(self, with_stats):
+        self.net.cleargrads()
+        loss = F.softmax_cross_entropy(self.net(self.x), self.t)
+        if with_stats:
+            self.stats.backward(loss, batch=(self.x, self.t))
+        else:
+            loss.backward()
+        self.opt.update()
+
+
+class _GAN(object):
+    """The DCGAN updater's step: the discriminator on real and generated
+    images, then the generator through the discriminator."""
+
+    def __init__(self, batch, device, max_memory, rng):
+        self.gen, self.dis = DCGANGenerator(), DCGANDiscriminator()
+        self.nets = [self.dis, self.gen]  # in the order they are updated
+        self.opts = []
+        for net in self.nets:
+            net.to_device(device)
+            opt = chainer.optimizers.Adam(alpha=0.0002, beta1=0.5)
+            opt.setup(net)
+            self.opts.append(opt)
+        self.stats = [PerSampleSquares(n, max_memory=max_memory)
+                      for n in self.nets]
+        self.real = device.send(rng.uniform(-1, 1, (batch, 3, 32, 32))
+                                .astype(numpy.float32))
+        self.z = device.send(self.gen.make_hidden(batch, rng))
+
+    def step(self, with_stats):
+        fake = self.gen(self.z)
+        y_fake, y_real = self.dis(fake), self.dis(self.real)
+        b = len(self.z)
+        loss_dis = (F.sum(F.softplus(-y_real)) + F.sum(F.softplus(y_fake))) / b
+        loss_gen = F.sum(F.softplus(-y_fake)) / b
+        for k, (net, loss, batch) in enumerate((
+                (self.dis, loss_dis, (self.real,)),
+                (self.gen, loss_gen, (self.z,)))):
+            net.cleargrads()
+            if with_stats:
+                self.stats[k].backward(loss, batch=batch)
+            else:
+                loss.backward()
+            self.opts[k].update()
+        fake.unchain_backward()
+
+
+def build(name, device, max_memory, rng):
+    if name == 'dcgan':
+        return _GAN(16, device, max_memory, rng)
+    if name == 'mlp':
+        net, shape, b = MLP((200, 200), 10), (784,), 32
+    else:
+        full = name == 'vgg-full'
+        net = VGG(10, width=1.0 if full else 0.125, dropout=False)
+        shape, b = (1, 28, 28), 64 if full else 32
+    x = rng.normal(size=(b,) + shape).astype(numpy.float32)
+    t = rng.integers(0, 10, b).astype(numpy.int32)
+    return _Classifier(net, x, t, device, max_memory)
+
+
+class _HostMemory(object):
+    """Peak bytes allocated over a call, beyond what was held before it."""
+
+    def __enter__(self):
+        tracemalloc.start()
+        return self
+
+    def measure(self, fn):
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+
+    def __exit__(self, *exc):
+        tracemalloc.stop()
+
+
+class _DeviceMemory(object):
+    """The same for CuPy's pool: bytes handed out, counted by a hook."""
+
+    def __enter__(self):
+        import cupy
+        tracker = self
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = 'bench_statistics_peak'
+
+            def malloc_postprocess(self, device_id, size, mem_size,
+                                   mem_ptr=0, pmem_id=0):
+                tracker.used += mem_size
+                tracker.peak = max(tracker.peak, tracker.used)
+
+            def free_postprocess(self, device_id, mem_size, mem_ptr=0,
+                                 pmem_id=0):
+                tracker.used -= mem_size
+
+        self.used = self.peak = 0
+        self.hook = Hook()
+        self.hook.__enter__()
+        return self
+
+    def measure(self, fn):
+        self.peak = self.used
+        base = self.used
+        fn()
+        return self.peak - base
+
+    def __exit__(self, *exc):
+        self.hook.__exit__(*exc)
+
+
+def run_model(name, args, device, comm):
+    rng = numpy.random.default_rng(1 + (comm.rank if comm else 0))
+    numpy.random.seed(0)
+    model = build(name, device, args.max_memory, rng)
+    on_gpu = device.xp is not numpy
+
+    def sync():
+        if on_gpu:
+            device.device.synchronize()
+        if comm is not None:
+            comm.Barrier()
+
+    for mode in (False, True, False, True):  # warm up both (and the pool)
+        model.step(mode)
+    sync()
+    times = {False: [], True: []}
+    peaks = {False: 0, True: 0}
+    with (_DeviceMemory() if on_gpu else _HostMemory()) as memory:
+        for _ in range(args.steps):
+            for mode in (False, True):
+                sync()
+                t0 = time.perf_counter()
+                peak = memory.measure(lambda: model.step(mode) or sync())
+                spent = time.perf_counter() - t0
+                if comm is not None:  # the slowest rank, the largest peak
+                    spent, peak = numpy.max(comm.allgather((spent, peak)),
+                                            axis=0)
+                times[mode].append(spent)
+                peaks[mode] = max(peaks[mode], peak)
+    plain, stats = (float(numpy.median(times[m])) for m in (False, True))
+    n_params = sum(p.size for net in model.nets for p in net.params())
+    hooks = model.stats if isinstance(model.stats, list) else [model.stats]
+    work = sum(h.work.nbytes for h in hooks)
+    if comm is not None:
+        work = max(comm.allgather(work))
+    return dict(model=name, params=n_params, plain=plain, stats=stats,
+                ratio=stats / plain, peak_plain=peaks[False],
+                peak_stats=peaks[True], work=work,
+                extra=max(0, peaks[True] - peaks[False]) + work)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--batchsize', type=int, default=64)
-    p.add_argument('--steps', type=int, default=5)
-    p.add_argument('--width', type=float, default=1.0,
-                   help='channel multiplier (1.0 = the paper network)')
+    p.add_argument('--model', choices=MODELS + ('all',), default='all')
+    p.add_argument('--steps', type=int, default=5,
+                   help='timed steps of each kind (median)')
+    p.add_argument('--device', default='@numpy',
+                   help="Chainer device specifier ('@cupy:0': GPU 0)")
     p.add_argument('--max-memory', type=int, default=DEFAULT_MAX_MEMORY)
     args = p.parse_args()
-    rng = numpy.random.default_rng(0)
-    numpy.random.seed(0)
-    model = VGG(width=args.width)
-    opt = chainer.optimizers.MomentumSGD(lr=0.01)
-    opt.setup(model)
-    b = args.batchsize
-    x = rng.normal(size=(b, 3, 32, 32)).astype(numpy.float32)
-    t = rng.integers(0, 10, b).astype(numpy.int32)
-    model(x)
-    n_params = sum(p.size for p in model.params())
-    stats = PerSampleSquares(model, max_memory=args.max_memory)
-
-    def step(with_stats):
-        model.cleargrads()
-        loss = F.softmax_cross_entropy(model(x), t)
-        if with_stats:
-            stats.backward(loss, batch=(x,))
-        else:
-            loss.backward()
-        opt.update()
-
-    for mode in (False, True):  # warm up both
-        step(mode)
-    times = {False: [], True: []}
-    peaks = {False: 0, True: 0}
-    tracemalloc.start()
-    for _ in range(args.steps):
-        for mode in (False, True):
-            tracemalloc.reset_peak()
-            base = tracemalloc.get_traced_memory()[0]
-            times[mode].append(timed(step, mode)[1])
-            peaks[mode] = max(peaks[mode],
-                              tracemalloc.get_traced_memory()[1] - base)
-    tracemalloc.stop()
-    plain, with_stats = (float(numpy.median(times[m])) for m in (False, True))
-    print('machine: ' + machine(chainer=True))
-    print('VGG-like (App. D, width {}), {:,} parameters, batch {}, '
-          '32x32x3, {} steps each (median), max_memory {} MiB'.format(
-              args.width, n_params, b, args.steps, args.max_memory >> 20))
-    print('| step | seconds | peak traced MiB |')
-    print('|---|---:|---:|')
-    print('| plain | {:.3f} | {:.0f} |'.format(plain, peaks[False] / 2 ** 20))
-    print('| with statistics | {:.3f} | {:.0f} |'.format(
-        with_stats, peaks[True] / 2 ** 20))
-    print('time ratio: {:.2f}x; extra peak memory: {:.0f} MiB'.format(
-        with_stats / plain, max(0, peaks[True] - peaks[False]) / 2 ** 20))
+    comm = None
+    if any(v in os.environ for v in ('PMI_RANK', 'OMPI_COMM_WORLD_RANK')):
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else None
+    device = chainer.get_device(args.device)
+    device.use()
+    names = MODELS if args.model == 'all' else (args.model,)
+    rows = [run_model(n, args, device, comm) for n in names]
+    if comm is not None and comm.rank:
+        return
+    print('machine: {}, device {}, {} rank(s)'.format(
+        machine(chainer=True), args.device, comm.size if comm else 1))
+    print('median of {} steps of each kind, alternating; max_memory {} MiB'
+          .format(args.steps, args.max_memory >> 20))
+    print('| model | parameters | plain s | with statistics s | ratio | '
+          'step peak MiB plain | step peak MiB statistics | workspace MiB | '
+          'extra MiB |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+    for r in rows:
+        print('| {model} | {params:,} | {plain:.4f} | {stats:.4f} | '
+              '{ratio:.2f} | {pp:.1f} | {ps:.1f} | {w:.1f} | {ex:.1f} |'
+              .format(pp=r['peak_plain'] / 2 ** 20,
+                      ps=r['peak_stats'] / 2 ** 20, w=r['work'] / 2 ** 20,
+                      ex=r['extra'] / 2 ** 20, **r))
+    print('extra = the workspace the statistics keep from step to step + '
+          'how much higher the statistics step\'s peak is than the plain '
+          "step's")
 
 
 if __name__ == '__main__':

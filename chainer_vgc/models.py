@@ -86,3 +86,76 @@ class MLP(chainer.Chain):
             if k < len(self.layers) - 1:
                 h = F.relu(h)
         return h
+
+
+class DCGANGenerator(chainer.Chain):
+    """A DCGAN generator shaped like ChainerMN's DCGAN example (not from the
+    paper; the benchmark of the statistics' cost on deconvolutions): a
+    ``n_hidden``-dim noise vector, a Linear to ``ch`` maps of 4x4, then
+    three stride-2 Deconvolution2D (4x4 kernels) halving the channels, each
+    with BatchNormalization and ReLU, and a 3x3 Deconvolution2D to
+    ``out_channels`` 32x32 maps with a tanh."""
+
+    def __init__(self, n_hidden=100, ch=512, out_channels=3):
+        super(DCGANGenerator, self).__init__()
+        self.n_hidden, self.ch = n_hidden, ch
+        w = chainer.initializers.Normal(0.02)
+        with self.init_scope():
+            self.fc = L.Linear(n_hidden, 4 * 4 * ch, initialW=w)
+            self.up1 = L.Deconvolution2D(ch, ch // 2, 4, 2, 1, initialW=w)
+            self.up2 = L.Deconvolution2D(ch // 2, ch // 4, 4, 2, 1,
+                                         initialW=w)
+            self.up3 = L.Deconvolution2D(ch // 4, ch // 8, 4, 2, 1,
+                                         initialW=w)
+            self.out = L.Deconvolution2D(ch // 8, out_channels, 3, 1, 1,
+                                         initialW=w)
+            self.bn0 = L.BatchNormalization(4 * 4 * ch)
+            self.bn1 = L.BatchNormalization(ch // 2)
+            self.bn2 = L.BatchNormalization(ch // 4)
+            self.bn3 = L.BatchNormalization(ch // 8)
+
+    def make_hidden(self, batchsize, rng):
+        """Noise of shape (batchsize, n_hidden, 1, 1), uniform in [-1, 1),
+        from the NumPy generator ``rng``."""
+        return rng.uniform(-1, 1, (batchsize, self.n_hidden, 1, 1)).astype(
+            'f')
+
+    def forward(self, z):
+        h = F.relu(self.bn0(self.fc(z)))
+        h = F.reshape(h, (len(z), self.ch, 4, 4))
+        h = F.relu(self.bn1(self.up1(h)))
+        h = F.relu(self.bn2(self.up2(h)))
+        h = F.relu(self.bn3(self.up3(h)))
+        return F.tanh(self.out(h))
+
+
+class DCGANDiscriminator(chainer.Chain):
+    """The matching discriminator: seven Convolution2D (3x3 stride 1 and
+    4x4 stride 2 in turn, channels ``ch // 8`` up to ``ch``), all but the
+    first with BatchNormalization, leaky ReLU, and a Linear to one logit."""
+
+    def __init__(self, ch=512, in_channels=3):
+        super(DCGANDiscriminator, self).__init__()
+        w = chainer.initializers.Normal(0.02)
+        plan = [(in_channels, ch // 8, 3, 1), (ch // 8, ch // 4, 4, 2),
+                (ch // 4, ch // 4, 3, 1), (ch // 4, ch // 2, 4, 2),
+                (ch // 2, ch // 2, 3, 1), (ch // 2, ch, 4, 2),
+                (ch, ch, 3, 1)]
+        self.depth = len(plan)
+        with self.init_scope():
+            for k, (cin, cout, size, stride) in enumerate(plan):
+                setattr(self, 'c{}'.format(k), L.Convolution2D(
+                    cin, cout, size, stride, 1, initialW=w))
+                if k:
+                    setattr(self, 'bn{}'.format(k),
+                            L.BatchNormalization(cout, use_gamma=False))
+            self.fc = L.Linear(4 * 4 * ch, 1, initialW=w)
+
+    def forward(self, x):
+        h = x
+        for k in range(self.depth):
+            h = getattr(self, 'c{}'.format(k))(h)
+            if k:
+                h = getattr(self, 'bn{}'.format(k))(h)
+            h = F.leaky_relu(h)
+        return self.fc(h)

@@ -741,7 +741,7 @@ def record_subnormal_steps(core, add):
 
 def sum_squares_host(g):
     """The statistics' per-sample square sum on the CPU
-    (chainer_vgc/statistics/handlers.py, _sum_squares)."""
+    (chainer_vgc/statistics/contraction.py, sum_squares)."""
     return numpy.einsum('i...,i...->...', g, g)
 
 
@@ -1313,7 +1313,7 @@ def check_rule_steps(ctx, ck, kind, p, arr):
 
 
 def check_sum_squares(ctx, ck, p, arr):
-    """As chainer_vgc/statistics/handlers.py _sum_squares calls it."""
+    """As chainer_vgc/statistics/contraction.py sum_squares calls it."""
     core, xp = ctx.core, ctx.xp
     g = arr['g']
     got = core.backend.to_numpy(core.kernels.get_kernel('vgc_sum_squares')(

@@ -14,6 +14,12 @@ module:
 * :mod:`~chainer_vgc.statistics.handlers`: each covered Chainer function's
   per-example contributions (Linear, Convolution2D, Deconvolution2D,
   BatchNormalization, EmbedID), in one table keyed by function class;
+* :mod:`~chainer_vgc.statistics.uses`: one use of a parameter, and the
+  readable definition of its sum of squares;
+* :mod:`~chainer_vgc.statistics.contraction`: the fast exact sums for
+  weights whose contributions are products (Gram or blocked per-example,
+  a workspace reused from step to step), with
+  :mod:`~chainer_vgc.statistics.im2col` for convolutions;
 * :mod:`~chainer_vgc.statistics.graph`: which function nodes consume each
   parameter, and which rows of their inputs belong to which example;
 * :mod:`~chainer_vgc.statistics.bruteforce`: the per-example passes, and
@@ -25,7 +31,8 @@ everywhere, is re-exported here.
 
 from chainer_vgc.params import model_params  # NOQA
 from chainer_vgc.statistics.bruteforce import bruteforce_sqsum  # NOQA
-from chainer_vgc.statistics.handlers import _sum_squares  # NOQA
+from chainer_vgc.statistics.contraction import (  # NOQA
+    sum_squares as _sum_squares)
 from chainer_vgc.statistics.hook import DEFAULT_MAX_MEMORY  # NOQA
 from chainer_vgc.statistics.hook import PerSampleSquares  # NOQA
 from chainer_vgc.statistics.hook import UncoveredParameterError  # NOQA

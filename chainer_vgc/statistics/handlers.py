@@ -47,95 +47,11 @@ from chainer.utils import conv as conv_utils
 import numpy
 
 from chainer_vgc import backend
-from chainer_vgc import kernels
-
-
-class _Use(object):
-    """One use of a parameter by a function node, at backward time.
-
-    ``rows``: leading size of the function's example axis.  Subclasses give
-    ``per_example(r0, r1)`` (contributions of rows r0..r1-1, shape
-    ``(r1 - r0,) + param.shape``) and ``row_bytes`` (bytes per row of that);
-    ``sqsum(group, max_memory)`` may be overridden by an exact shortcut.
-    """
-
-    rows = 0
-    row_bytes = 1
-
-    def __init__(self, xp, dtype):
-        self.xp = xp
-        self.dtype = dtype
-
-    def per_example(self, r0, r1):
-        raise NotImplementedError
-
-    def examples(self, z0, z1, group):
-        """Contributions of examples z0..z1-1 (groups of ``group`` rows)."""
-        g = self.per_example(z0 * group, z1 * group)
-        if group > 1:
-            g = g.reshape((z1 - z0, group) + g.shape[1:]).sum(axis=1)
-        return g
-
-    def sqsum(self, group, max_memory, out=None):
-        """The sum over examples of the squared contributions; ``out``
-        (an array of the parameter's shape and the state dtype, or None)
-        receives it, written by the last reduction itself."""
-        b = self.rows // group
-        return _chunked_sqsum(
-            lambda z0, z1: self.examples(z0, z1, group), b,
-            _chunk(max_memory, self.row_bytes * group), out)
-
-
-def _chunked_sqsum(examples, b, step, out):
-    """sum_z g_z**2 over the examples 0..b-1, ``examples(z0, z1)`` giving
-    the contributions of a chunk; the last chunk's reduction (or the
-    add of the partial sums) writes into ``out`` when given."""
-    acc = None
-    for z0 in range(0, b, step):
-        z1 = min(b, z0 + step)
-        last = z1 == b
-        g = examples(z0, z1)
-        xp = backend.get_array_module(g)
-        if acc is None:
-            acc = _sum_squares(xp, g, out if last else None)
-        else:
-            acc = kernels.add(acc, _sum_squares(xp, g),
-                              out if last else None)
-    return acc
-
-
-def _combined_sqsum(use_list, b, max_memory, out=None):
-    """Sum of squares of per-example contributions added over the uses
-    ``[(use, group)]`` of one parameter (shared weights, RNN-style reuse),
-    b examples, chunk by chunk (into ``out``, as :meth:`_Use.sqsum`)."""
-    def examples(z0, z1):
-        total = None
-        for use, g in use_list:
-            part = use.examples(z0, z1, g)
-            total = part if total is None else kernels.add(total, part)
-        return total
-    row_bytes = sum(u.row_bytes * g for u, g in use_list)
-    return _chunked_sqsum(examples, b, _chunk(max_memory, row_bytes), out)
-
-
-def _sum_squares(xp, g, out=None):
-    """sum over axis 0 of g**2 without a temporary of g's size: NumPy's
-    einsum; on the GPU the ``vgc_sum_squares`` ReductionKernel
-    (:mod:`chainer_vgc.kernels`; CuPy's einsum would make two transposed
-    copies of g).  The GPU adds the examples in another order than NumPy,
-    so the last bits of the statistics may differ between devices.
-    ``out``: written in place (and returned)."""
-    if xp is numpy:
-        return xp.einsum('i...,i...->...', g, g, out=out)
-    return kernels.get_kernel('vgc_sum_squares')(g, axis=0, out=out)
-
-
-def _chunk(max_memory, bytes_per_item):
-    return max(1, int(max_memory // max(1, bytes_per_item)))
-
-
-def _as(a, dtype):
-    return a.astype(dtype, copy=False)
+from chainer_vgc.statistics import contraction
+from chainer_vgc.statistics.im2col import im2col
+from chainer_vgc.statistics.uses import _as
+from chainer_vgc.statistics.uses import _chunk
+from chainer_vgc.statistics.uses import _Use
 
 
 class _LinearW(_Use):
@@ -148,42 +64,88 @@ class _LinearW(_Use):
     def per_example(self, r0, r1):
         return self.gy[r0:r1, :, None] * self.x[r0:r1, None, :]
 
-    def sqsum(self, group, max_memory, out=None):
+    def sqsum(self, group, max_memory, out=None, work=None):
         if group > 1:
-            return super(_LinearW, self).sqsum(group, max_memory, out)
-        # one row per example: (gy_z x_z^T)**2 = gy_z**2 (x_z**2)^T, exactly
+            return super(_LinearW, self).sqsum(group, max_memory, out, work)
+        # one row per example: (gy_z x_z^T)**2 = gy_z**2 (x_z**2)^T exactly
+        # (the Gram formulation of one position, without its generality)
+        xp, work = self.xp, work or contraction.Workspace()
         step = _chunk(max_memory, (self.x.shape[1] + self.gy.shape[1])
                       * self.dtype.itemsize)
-        acc = None
+        if out is None:
+            out = xp.empty((self.gy.shape[1], self.x.shape[1]), self.dtype)
         for r0 in range(0, self.rows, step):
             gy, x = self.gy[r0:r0 + step], self.x[r0:r0 + step]
-            last = r0 + step >= self.rows
-            if acc is None:
-                acc = self.xp.dot((gy * gy).T, x * x,
-                                  out=out if last else None)
+            gy2 = work.get(xp, 'gy2', gy.shape, self.dtype)
+            x2 = work.get(xp, 'x2', x.shape, self.dtype)
+            xp.multiply(gy, gy, out=gy2)
+            xp.multiply(x, x, out=x2)
+            if r0 == 0:
+                xp.dot(gy2.T, x2, out=out)
             else:
-                acc = kernels.add(acc, (gy * gy).T.dot(x * x),
-                                  out if last else None)
-        return acc
+                part = work.get(xp, 'part', out.shape, self.dtype)
+                xp.dot(gy2.T, x2, out=part)
+                xp.add(out, part, out=out)
+        return out
+
+    def operands(self):
+        """A_z = gy_z (one column per row), B_z = x_z: with one row per
+        example the Gram formulation is ``(gy**2)^T (x**2)``."""
+        gy, x = self.gy, self.x
+
+        def make(r0, r1, work):
+            return gy[r0:r1, None, :, None], x[r0:r1, None, None, :]
+
+        return contraction.Operands(self.xp, self.dtype, 1, gy.shape[1],
+                                    x.shape[1], 1, make,
+                                    (gy.shape[1], x.shape[1]))
 
 
 class _SumOverPositions(_Use):
-    """Bias-like parameters: per-example sum of gy (times x_hat for BN
-    gamma) over every axis but the example axis and the parameter axes."""
+    """Bias-like parameters (biases, BN's beta): per-example sum of gy
+    over every axis but the example axis and the parameter axes."""
 
-    def __init__(self, xp, dtype, gy, axes, factor=None):
+    def __init__(self, xp, dtype, gy, axes):
         super(_SumOverPositions, self).__init__(xp, dtype)
         self.gy = _as(gy, dtype)
-        self.factor = factor
         self.axes = tuple(a for a in axes if a != 0)
         self.rows = gy.shape[0]
         self.row_bytes = gy[0].size * dtype.itemsize
 
     def per_example(self, r0, r1):
         g = self.gy[r0:r1]
-        if self.factor is not None:
-            g = g * self.factor[r0:r1]
         return g.sum(axis=self.axes) if self.axes else g
+
+
+class _BNGamma(_Use):
+    """BatchNormalization's gamma: the example's slice of the batch
+    gradient, ``sum gy_z * x_hat_z`` over the positions, computed as
+    ``inv_std * (sum gy_z * x_z - mean * sum gy_z)`` so that neither x_hat
+    nor the product is formed as an array of x's size (NumPy's einsum; on
+    the GPU one product per chunk)."""
+
+    def __init__(self, xp, dtype, fn, x, gy):
+        super(_BNGamma, self).__init__(xp, dtype)
+        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
+        self.mean, self.inv_std = _as(fn.mean, dtype), _as(fn.inv_std, dtype)
+        self.axes = tuple(a for a in fn.axis if a != 0)
+        self.rows = x.shape[0]
+        self.row_bytes = 3 * self.mean.size * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        x, gy = self.x[r0:r1], self.gy[r0:r1]
+        if not self.axes:
+            s_gx, s_g = gy * x, gy
+        elif self.xp is numpy:
+            letters = 'abcdefghij'[:x.ndim]
+            kept = ''.join(c for k, c in enumerate(letters)
+                           if k not in self.axes)
+            s_gx = numpy.einsum('{0},{0}->{1}'.format(letters, kept), gy, x)
+            s_g = gy.sum(axis=self.axes)
+        else:
+            s_gx = (gy * x).sum(axis=self.axes)
+            s_g = gy.sum(axis=self.axes)
+        return self.inv_std * (s_gx - self.mean * s_g)
 
 
 class _ConvW(_Use):
@@ -209,9 +171,9 @@ class _ConvW(_Use):
         kh, kw = self.w_shape[2:]
         kwargs = dict(cover_all=bool(fn.cover_all), dy=fn.dy, dx=fn.dx,
                       out_h=other.shape[2], out_w=other.shape[3])
-        im2col = (conv_utils.im2col_cpu if xp is numpy
-                  else conv_utils.im2col_gpu)
-        col = im2col(img, kh, kw, fn.sy, fn.sx, fn.ph, fn.pw, **kwargs)
+        columns = (conv_utils.im2col_cpu if xp is numpy
+                   else conv_utils.im2col_gpu)
+        col = columns(img, kh, kw, fn.sy, fn.sx, fn.ph, fn.pw, **kwargs)
         n, groups = r1 - r0, fn.groups
         hw = other.shape[2] * other.shape[3]
         # (n, G, C_img/G * kh * kw, hw) and (n, G, C_other/G, hw)
@@ -219,6 +181,49 @@ class _ConvW(_Use):
         oth = other.reshape(n, groups, -1, hw)
         g = xp.matmul(oth, col.transpose(0, 1, 3, 2))
         return g.reshape((n,) + tuple(self.w_shape))
+
+    #: the columns Chainer made for this node's weight gradient, when
+    #: :meth:`adopt_columns` could take them
+    columns = None
+
+    def adopt_columns(self, capture):
+        """Take the im2col Chainer computed for this node from ``capture``
+        (an active :class:`~chainer_vgc.statistics.im2col.ColumnCapture`)
+        when it is of this image, geometry and the state dtype."""
+        img, other = (self.gy, self.x) if self.transposed else (self.x,
+                                                                 self.gy)
+        kh, kw = self.w_shape[2:]
+        col = capture.take(img, self.fn, kh, kw)
+        if (col is not None and col.dtype == self.dtype and col.shape ==
+                img.shape[:2] + (kh, kw) + other.shape[2:]):
+            self.columns = col
+
+    def operands(self):
+        """A_z = the other side's maps (G, C_other/G, h*w), B_z = the
+        im2col of the image side (G, h*w, C_img/G*kh*kw), per example."""
+        fn, xp = self.fn, self.xp
+        img_all, other_all = ((self.gy, self.x) if self.transposed
+                              else (self.x, self.gy))
+        kh, kw = self.w_shape[2:]
+        groups = fn.groups
+        oh, ow = other_all.shape[2:]
+        m_rows = other_all.shape[1] // groups
+        n_cols = img_all.shape[1] // groups * kh * kw
+
+        columns = self.columns
+
+        def make(r0, r1, work):
+            n = r1 - r0
+            a = other_all[r0:r1].reshape(n, groups, m_rows, oh * ow)
+            if columns is not None:
+                col = columns[r0:r1]
+            else:
+                col = im2col(xp, img_all[r0:r1], fn, kh, kw, oh, ow, work)
+            b = col.reshape(n, groups, n_cols, oh * ow).transpose(0, 1, 3, 2)
+            return a, b
+
+        return contraction.Operands(xp, self.dtype, groups, m_rows, n_cols,
+                                    oh * ow, make, self.w_shape)
 
 
 class _EmbedW(_Use):
@@ -246,7 +251,7 @@ class _EmbedW(_Use):
         _scatter_add(self.xp, out, (example, ids), gy)
         return out
 
-    def sqsum(self, group, max_memory, out=None):
+    def sqsum(self, group, max_memory, out=None, work=None):
         # sparse: combine each example's tokens by word id, square, scatter
         xp = self.xp
         per_token = (self.gy[0].size // max(1, self.ids[0].size) + 2) * 8
@@ -304,10 +309,7 @@ def _conv_bias(fn, in_data, gy, dtype, xp):
 
 
 def _bn_gamma(fn, in_data, gy, dtype, xp):
-    x = _as(in_data[0], dtype)
-    x_hat = (x - _as(fn.mean, dtype)[fn.expander]) * _as(
-        fn.inv_std, dtype)[fn.expander]
-    return _SumOverPositions(xp, dtype, gy, tuple(fn.axis), factor=x_hat)
+    return _BNGamma(xp, dtype, fn, in_data[0], gy)
 
 
 def _bn_beta(fn, in_data, gy, dtype, xp):

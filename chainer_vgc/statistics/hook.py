@@ -33,16 +33,19 @@ the parameter's device; a parameter that gets no gradient gives None.
 
 import chainer
 from chainer import backend as chainer_backend
+import numpy
 
 from chainer_vgc import backend
 from chainer_vgc.params import model_params
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
+from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics.graph import _array_ids
 from chainer_vgc.statistics.graph import _check_rows
+from chainer_vgc.statistics.im2col import ColumnCapture
 from chainer_vgc.statistics.graph import _scan
-from chainer_vgc.statistics.handlers import _combined_sqsum
 from chainer_vgc.statistics.handlers import _supported
 from chainer_vgc.statistics.handlers import _uses_of
+from chainer_vgc.statistics.uses import _combined_sqsum
 
 #: default bound of each per-example intermediate (bytes)
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
@@ -132,6 +135,10 @@ class PerSampleSquares(chainer.FunctionHook):
         self._uses = {}
         #: the current backward pass (a _Pass), None outside backward
         self._pass = None
+        #: the products' buffers, kept from step to step
+        self.work = Workspace()
+        #: Chainer's own im2col of each convolution, taken over (CPU)
+        self._capture = ColumnCapture()
 
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
         """Run ``loss.backward(**backward_kwargs)`` and compute the sums.
@@ -185,11 +192,11 @@ class PerSampleSquares(chainer.FunctionHook):
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
-            with self:
+            with self, self._capture:
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(
-                    use_list, b, self.max_memory, current.out(i))
+                    use_list, b, self.max_memory, current.out(i), self.work)
         finally:
             self._pass = None
         for i, p in enumerate(self.params):
@@ -286,7 +293,9 @@ class PerSampleSquares(chainer.FunctionHook):
             use = _uses_of(function, k, in_data, gy, dtype, xp)
             group = use.rows // current.b  # a multiple: see _check_rows
             if i in current.single:  # done now: nothing is kept
+                if xp is numpy and hasattr(use, 'adopt_columns'):
+                    use.adopt_columns(self._capture)
                 current.results[i] = use.sqsum(group, self.max_memory,
-                                               current.out(i))
+                                               current.out(i), self.work)
             else:  # shared: combined per example when backward is over
                 current.pending.setdefault(i, []).append((use, group))
