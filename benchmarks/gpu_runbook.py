@@ -34,6 +34,13 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
        strom) are compared word for word with the CPU path's (native
        backend) compressing the same gradients and statistics from the same
        state.
+    7. ``statistics``: the per-sample statistics of convolutions (strides,
+       padding, dilation, groups), deconvolutions, batch normalization,
+       Linear (one and several rows per example) and a discriminator
+       applied to two batches, computed on the GPU and on the CPU from the
+       same parameters and data: equal to float32 rounding (rtol 1e-4).
+       (Dry: the second pass runs on the CPU with the blocked product in
+       place of the Gram one.)
 
     Each step prints PASS or FAIL; the summary lists them, and the exit
     status is 1 if one failed.  ``--log FILE`` keeps everything printed.
@@ -331,6 +338,7 @@ class Runbook(object):
             self.train()
             self.own_step('vgg_step', 900)
             self.own_step('steps', 900)
+            self.own_step('statistics', 600)
         self.say('\nSummary')
         for name, ok, detail in self.results:
             self.say('  {:5} {:14} {}'.format('PASS' if ok else 'FAIL',
@@ -527,6 +535,102 @@ def steps(args):
     return 1 if failures else 0
 
 
+def statistics_check(args):
+    """PerSampleSquares on the device and on the CPU, same parameters and
+    data, float32: every sum equal to rtol 1e-4 (the two add in other
+    orders).  The models cover each formulation of
+    chainer_vgc/statistics/contraction.py (Gram, blocked, concatenated
+    shared uses) and every handler but EmbedID."""
+    import numpy
+    import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    from chainer_vgc.models import DCGANDiscriminator
+    from chainer_vgc.models import DCGANGenerator
+    from chainer_vgc.models import VGG
+    from chainer_vgc.statistics import PerSampleSquares
+    from chainer_vgc.statistics import contraction
+    device = _device(args.dry)
+    cpu = chainer.get_device('@numpy')
+    rng = numpy.random.RandomState(2)
+
+    class Convs(chainer.Chain):
+        def __init__(self):
+            super(Convs, self).__init__()
+            with self.init_scope():
+                self.c1 = L.Convolution2D(4, 8, 3, stride=2, pad=1, dilate=1)
+                self.c2 = L.Convolution2D(8, 8, 3, pad=2, dilate=2, groups=2)
+                self.d1 = L.Deconvolution2D(8, 6, 4, stride=2, pad=1)
+                self.bn = L.BatchNormalization(6)
+                self.fc = L.Linear(None, 5)
+
+        def forward(self, x):
+            h = F.relu(self.c2(F.relu(self.c1(x))))
+            h = F.relu(self.bn(self.d1(h)))
+            return self.fc(F.reshape(h, (len(x), 6, -1)), n_batch_axes=2)
+
+    def convs():
+        model = Convs()
+        x = rng.standard_normal((6, 4, 12, 12)).astype(numpy.float32)
+        return model, (lambda m, d: F.sum(m(d[0]) ** 2) / 6), (x,)
+
+    def vgg():
+        model = VGG(10, width=0.25, dropout=False)
+        x = rng.standard_normal((8, 3, 32, 32)).astype(numpy.float32)
+        t = rng.randint(0, 10, 8).astype(numpy.int32)
+        return (model, lambda m, d: F.softmax_cross_entropy(m(d[0]), d[1]),
+                (x, t))
+
+    def discriminator():
+        model = DCGANDiscriminator(ch=64)
+        gen = DCGANGenerator(ch=64)
+        fake = gen(gen.make_hidden(4, numpy.random.default_rng(0))).array
+        real = rng.uniform(-1, 1, (4, 3, 32, 32)).astype(numpy.float32)
+
+        def loss(m, d):
+            return (F.sum(F.softplus(-m(d[0]))) +
+                    F.sum(F.softplus(m(d[1])))) / 4
+        return model, loss, (real, fake)
+
+    failures, compared = [], 0
+    gram = contraction.GRAM_MAX_POSITIONS
+    for name, make in (('convs', convs), ('vgg', vgg),
+                       ('discriminator', discriminator)):
+        numpy.random.seed(3)
+        model, loss_fn, data = make()
+        loss_fn(model, data)  # shapes of lazily built links
+        results = []
+        for dev in (cpu, device):
+            # dry: the second pass takes the blocked per-example product
+            # where the first takes the Gram one (still two formulations)
+            contraction.GRAM_MAX_POSITIONS = (0 if args.dry and dev is device
+                                              else gram)
+            model.to_device(dev)
+            batch = tuple(dev.send(a) for a in data)
+            model.cleargrads()
+            stats = PerSampleSquares(model, batch_size=len(data[0]))
+            sums = stats.backward(loss_fn(model, batch))
+            results.append([None if s is None else chainer.backend.CpuDevice()
+                            .send(s) for s in sums])
+        for pname, want, got in zip(stats.names, *results):
+            compared += 1
+            if (want is None) != (got is None) or (want is not None and not
+                                                   numpy.allclose(
+                                                       got, want, rtol=1e-4,
+                                                       atol=1e-4 * float(
+                                                           abs(want).max()))):
+                failures.append('{}{}'.format(name, pname))
+        print('{}: {} sums compared'.format(name, len(stats.names)),
+              flush=True)
+    contraction.GRAM_MAX_POSITIONS = gram
+    for f in failures:
+        print('FAIL ' + f)
+    print('RESULT {} statistics of 3 models, device vs CPU: {}'.format(
+        compared, 'all equal to rtol 1e-4' if not failures else
+        '{} differ'.format(len(failures))))
+    return 1 if failures else 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = p.add_subparsers(dest='cmd', required=True)
@@ -544,7 +648,7 @@ def main(argv=None):
                    help='seconds for the whole run (default 540, inside the '
                    "device tool's 600 s per command); steps that would end "
                    'later are cut, and the summary still prints')
-    for name in ('vgg-step', 'steps'):
+    for name in ('vgg-step', 'steps', 'statistics'):
         s = sub.add_parser(name)
         s.add_argument('--dry', action='store_true')
         if name == 'steps':  # flip a bit of every device message
@@ -557,6 +661,8 @@ def main(argv=None):
         return Runbook(args).run()
     if args.cmd == 'vgg-step':
         return vgg_step(args)
+    if args.cmd == 'statistics':
+        return statistics_check(args)
     return steps(args)
 
 

@@ -213,21 +213,21 @@ def _blocked_into(xp, a, b, acc, first, work, budget):
     else:
         z_block = min(m, 4)
         rows_block = max(1, budget // (z_block * n * itemsize))
-    buf = work.get(xp, 'block', (z_block, rows_block, n), a.dtype)
-    part = work.get(xp, 'part', (rows_block, n), a.dtype)
     for g in range(groups):
         for r0 in range(0, mm, rows_block):
             r1 = min(mm, r0 + rows_block)
             target = acc[g, r0:r1]
             for z0 in range(0, m, z_block):
                 z1 = min(m, z0 + z_block)
-                prod = buf[:z1 - z0, :r1 - r0]
+                # contiguous views of the same two buffers every time
+                prod = work.get(xp, 'block', (z1 - z0, r1 - r0, n), a.dtype)
                 xp.matmul(a[z0:z1, g, r0:r1], b[z0:z1, g], out=prod)
                 if first and z0 == 0:
                     sum_squares(xp, prod, target)
                 else:
-                    sum_squares(xp, prod, part[:r1 - r0])
-                    xp.add(target, part[:r1 - r0], out=target)
+                    part = work.get(xp, 'part', (r1 - r0, n), a.dtype)
+                    sum_squares(xp, prod, part)
+                    xp.add(target, part, out=target)
 
 
 def sum_squares(xp, g, out=None):
