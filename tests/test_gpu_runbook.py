@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNBOOK = os.path.join(ROOT, 'benchmarks', 'gpu_runbook.py')
 STEPS = ['venv', 'imports', 'gpu_check', 'train/none', 'train/vgc',
-         'train/hybrid', 'vgg_step', 'steps']
+         'train/hybrid', 'vgg_step', 'steps', 'statistics']
 
 
 @pytest.mark.install
@@ -71,6 +71,8 @@ def test_bundle_then_dry_run_passes_every_step(tmp_path):
                      r'compared on the fake CuPy \(dry\): all identical', text)
     assert re.search(r'PASS imports: both orders, \d+ modules from the venv',
                      text)
+    assert re.search(r'PASS statistics: 152 statistics of 3 models from the '
+                     r'same inputs, device vs CPU: all equal', text)
 
 
 def test_steps_catch_a_flipped_bit():

@@ -11,7 +11,8 @@ group of channels.  :class:`Operands` describes one such product;
 :func:`sum_squared_products` computes ``sum_z (A_z B_z)**2`` by one of two
 exact formulations, whichever costs less for the shape:
 
-* **Gram** (P <= :data:`GRAM_MAX_POSITIONS`): (A_z B_z)**2 summed over z
+* **Gram** (P <= :data:`GRAM_MAX_POSITIONS`, on the GPU
+  :data:`GRAM_MAX_POSITIONS_GPU`): (A_z B_z)**2 summed over z
   equals ``sum_{z, p <= q} c_pq (a_zp a_zq) (b_zp b_zq)`` (c = 1 on the
   diagonal, 2 off it): one GEMM with inner size B * P(P+1)/2 and no
   per-example gradient at all.  For P = 1 (Linear, one row per example) it
@@ -45,6 +46,9 @@ from chainer_vgc import kernels
 #: where the blocked per-example product took 0.12 s, at P = 9 0.38 s
 #: against 0.13 s; 64 examples, M = 512, N = 4608)
 GRAM_MAX_POSITIONS = 4
+#: on the GPU, where a launch costs more than the memory traffic the Gram
+#: formulation saves (its pairs are a launch or two each), only up to this
+GRAM_MAX_POSITIONS_GPU = 1
 #: bytes of the per-example block buffer on the CPU (about the 2 MiB L2
 #: cache of a core; 4 MiB blocks were the fastest of those tried).  On the
 #: GPU the block is bounded by ``max_memory`` instead: fewer, larger
@@ -149,7 +153,8 @@ def sum_squared_products(op, b, max_memory, work, out=None, rows=1):
     when given.  Gram or blocked per-example (module doc)."""
     xp = op.xp
     positions = op.positions * rows
-    gram = positions <= GRAM_MAX_POSITIONS
+    gram = positions <= (GRAM_MAX_POSITIONS if xp is numpy
+                         else GRAM_MAX_POSITIONS_GPU)
     pairs = positions * (positions + 1) // 2
     per_example = op.bytes_per_example * rows  # the operands
     if gram:  # and their pair products
