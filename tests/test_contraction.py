@@ -326,3 +326,38 @@ def test_column_capture_hands_over_only_the_same_image_and_geometry():
         assert capture.take(img, Node, 3, 3) is None   # another stride
     assert conv_utils.im2col_cpu is not None
     assert getattr(conv_utils.im2col_cpu, '__name__') == 'im2col_cpu'
+
+
+@pytest.mark.parametrize('max_memory', [2 ** 30, 1])
+def test_shared_convolutions_keep_chainers_columns_within_max_memory(
+        monkeypatch, max_memory):
+    """The two uses of a shared convolution keep Chainer's columns until
+    the second is seen, when they fit in max_memory (no im2col of the
+    statistics' own); with max_memory = 1 byte they make their own.  The
+    sums equal the reference either way."""
+    made = []
+    original = handlers.im2col
+
+    def counting(*args):
+        made.append(args[1].shape)
+        return original(*args)
+    monkeypatch.setattr(handlers, 'im2col', counting)
+    rng = numpy.random.default_rng(9)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(9)
+        model = Siamese()
+        x1, x2 = rng.normal(size=(2, 4, 3, 6, 6))
+        stats = PerSampleSquares(model, batch_size=4, max_memory=max_memory)
+        model.cleargrads()
+        sums = stats.backward(F.sum(model(x1, x2) ** 2) / 4)
+        uses = record(model, F.sum(model(x1, x2) ** 2) / 4, 4)
+    # 1 byte: chunks of one example, an im2col per use and example
+    assert len(made) == (0 if max_memory > 1 else 2 * 4)
+    by_param = {}
+    for use, rows, p in uses:
+        by_param.setdefault(id(p), []).append((use, rows))
+    for p, s in zip(stats.params, sums):
+        if id(p) in by_param:
+            want = use_module._reference_combined_sqsum(by_param[id(p)], 4,
+                                                        2 ** 30)
+            assert_close(s, want, str(p.shape))

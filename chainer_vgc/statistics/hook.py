@@ -11,8 +11,12 @@ is one :class:`_Pass`.
 
 A parameter used by several function nodes (shared weights, RNN-style
 reuse) has its per-example contributions of all uses added *before*
-squaring; those uses are kept until the backward pass ends and then
-combined chunk by chunk.
+squaring; those uses are kept until the last of them has been seen (or,
+for uses no gradient reached, the backward pass ends) and then combined
+chunk by chunk.  On the CPU each convolution's use keeps the columns
+Chainer made for its weight gradient
+(:class:`~chainer_vgc.statistics.im2col.ColumnCapture`); the uses waiting
+for their partners keep at most ``max_memory`` of them.
 
 A parameter consumed by any other function gets no silent wrong answer:
 ``uncovered='error'`` (default) raises :class:`UncoveredParameterError`
@@ -78,6 +82,8 @@ class _Pass(object):
             for fn, k in us:
                 self.by_fn.setdefault(id(fn), []).append((i, k))
         self.pending = {}
+        #: bytes of Chainer's columns the pending uses keep
+        self.held = 0
         self.results = {}
 
     def out(self, i):
@@ -277,7 +283,7 @@ class PerSampleSquares(chainer.FunctionHook):
 
         For each parameter ``function`` consumes, adds the per-example
         contributions of ``out_grad[0]`` to that parameter's sum of squares
-        (shared parameters: kept until the backward pass is over).  Does
+        (shared parameters: kept until their last use is seen).  Does
         nothing outside :meth:`backward`.
         """
         current = self._pass
@@ -292,10 +298,28 @@ class PerSampleSquares(chainer.FunctionHook):
             dtype = backend.state_dtype(self.params[i].dtype)
             use = _uses_of(function, k, in_data, gy, dtype, xp)
             group = use.rows // current.b  # a multiple: see _check_rows
+            if xp is numpy and hasattr(use, 'adopt_columns'):
+                use.adopt_columns(self._capture)
             if i in current.single:  # done now: nothing is kept
-                if xp is numpy and hasattr(use, 'adopt_columns'):
-                    use.adopt_columns(self._capture)
                 current.results[i] = use.sqsum(group, self.max_memory,
                                                current.out(i), self.work)
-            else:  # shared: combined per example when backward is over
-                current.pending.setdefault(i, []).append((use, group))
+                continue
+            # shared: combined per example once its last use is seen (or
+            # when the backward pass is over); the Chainer columns a use
+            # keeps meanwhile stay under max_memory in all
+            held = getattr(use, 'columns', None)
+            if held is not None:
+                if current.held + held.nbytes > self.max_memory:
+                    use.columns = None
+                else:
+                    current.held += held.nbytes
+            pending = current.pending.setdefault(i, [])
+            pending.append((use, group))
+            if len(pending) == len(current.uses[i]):
+                del current.pending[i]
+                current.results[i] = _combined_sqsum(
+                    pending, current.b, self.max_memory, current.out(i),
+                    self.work)
+                current.held -= sum(u.columns.nbytes for u, _ in pending
+                                    if getattr(u, 'columns', None)
+                                    is not None)
