@@ -39,8 +39,11 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
        groups, a deconvolution, batch normalization, Linear with several
        rows per example, the App. D VGG, a discriminator applied to two
        batches), computed on the GPU and on the CPU from the same recorded
-       inputs: equal to float32 rounding (rtol 1e-4).  (Dry: the CPU side
-       takes the blocked product where the other takes the Gram one.)
+       inputs: equal to float32 rounding (rtol 1e-4); and the hook itself
+       on the device (which takes Chainer's own im2col) equal to the
+       device's sums from the recorded inputs (rtol 1e-5).  (Dry: the CPU
+       side takes the blocked product where the other takes the Gram
+       one.)
 
     Each step prints PASS or FAIL; the summary lists them, and the exit
     status is 1 if one failed.  ``--log FILE`` keeps everything printed.
@@ -555,6 +558,7 @@ def statistics_check(args):
     from chainer_vgc.models import DCGANDiscriminator
     from chainer_vgc.models import DCGANGenerator
     from chainer_vgc.models import VGG
+    from chainer_vgc.statistics import PerSampleSquares
     from chainer_vgc.statistics import contraction
     from chainer_vgc.statistics import handlers
     from chainer_vgc.statistics import uses as use_module
@@ -669,13 +673,24 @@ def statistics_check(args):
                                         name, pname, mode,
                                         float(abs(got - want).max() / max(
                                             1e-30, float(abs(want).max())))))
-        print('{}: {} sums compared twice ({} uses)'.format(
+        # the hook itself on the device (it takes Chainer's own columns)
+        # against the same device's sums from the recorded inputs
+        model.cleargrads()
+        hook = PerSampleSquares(model, batch_size=b, max_memory=2 ** 26)
+        hooked = dict(zip(hook.names, hook.backward(loss_fn(model, batch))))
+        for pname, want in sorted(on_device[0].items()):
+            got = host(hooked.get(pname))
+            compared += 1
+            if got is None or not numpy.allclose(
+                    got, want, rtol=1e-5, atol=1e-5 * float(abs(want).max())):
+                failures.append('{}{} (hook)'.format(name, pname))
+        print('{}: {} sums compared three times ({} uses)'.format(
             name, len(on_host), len(rec.seen)), flush=True)
     for f in failures:
         print('FAIL ' + f)
     print('RESULT {} statistics of 3 models from the same inputs, device vs '
-          'CPU: {}'.format(compared, 'all equal to rtol 1e-4' if not failures
-                           else '{} differ'.format(len(failures))))
+          'CPU and hook: {}'.format(compared, 'all equal' if not failures
+                                    else '{} differ'.format(len(failures))))
     return 1 if failures else 0
 
 

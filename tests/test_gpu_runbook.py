@@ -71,8 +71,8 @@ def test_bundle_then_dry_run_passes_every_step(tmp_path):
                      r'compared on the fake CuPy \(dry\): all identical', text)
     assert re.search(r'PASS imports: both orders, \d+ modules from the venv',
                      text)
-    assert re.search(r'PASS statistics: 152 statistics of 3 models from the '
-                     r'same inputs, device vs CPU: all equal', text)
+    assert re.search(r'PASS statistics: 228 statistics of 3 models from the '
+                     r'same inputs, device vs CPU and hook: all equal', text)
 
 
 def test_steps_catch_a_flipped_bit():

@@ -13,7 +13,7 @@ A parameter used by several function nodes (shared weights, RNN-style
 reuse) has its per-example contributions of all uses added *before*
 squaring; those uses are kept until the last of them has been seen (or,
 for uses no gradient reached, the backward pass ends) and then combined
-chunk by chunk.  On the CPU each convolution's use keeps the columns
+chunk by chunk.  Each convolution's use keeps the columns
 Chainer made for its weight gradient
 (:class:`~chainer_vgc.statistics.im2col.ColumnCapture`); the uses waiting
 for their partners keep at most ``max_memory`` of them.
@@ -143,7 +143,7 @@ class PerSampleSquares(chainer.FunctionHook):
         self._pass = None
         #: the products' buffers, kept from step to step
         self.work = Workspace()
-        #: Chainer's own im2col of each convolution, taken over (CPU)
+        #: Chainer's own im2col of each convolution, taken over
         self._capture = ColumnCapture()
 
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
@@ -298,7 +298,7 @@ class PerSampleSquares(chainer.FunctionHook):
             dtype = backend.state_dtype(self.params[i].dtype)
             use = _uses_of(function, k, in_data, gy, dtype, xp)
             group = use.rows // current.b  # a multiple: see _check_rows
-            if xp is numpy and hasattr(use, 'adopt_columns'):
+            if hasattr(use, 'adopt_columns'):
                 use.adopt_columns(self._capture)
             if i in current.single:  # done now: nothing is kept
                 current.results[i] = use.sqsum(group, self.max_memory,

@@ -50,8 +50,9 @@ class ColumnCapture(object):
     gradient, kept for that node's statistics instead of computed twice.
 
     While active (``with``: one :class:`~chainer_vgc.statistics.
-    PerSampleSquares` backward pass), ``chainer.utils.conv.im2col_cpu`` is
-    wrapped so that the last columns it made are kept, with the image they
+    PerSampleSquares` backward pass), ``chainer.utils.conv.im2col_cpu`` and
+    ``im2col_gpu`` (Chainer's GPU path without cuDNN) are wrapped so that
+    the last columns they made are kept, with the image they
     came from and the call's geometry.  ``Convolution2DGradW`` (the weight
     gradient of Convolution2D, and of Deconvolution2D with the roles of x
     and gy swapped) makes them last in each node's backward, and the hook
@@ -64,12 +65,16 @@ class ColumnCapture(object):
 
     def __init__(self):
         self._slot = None
-        self._original = None
+        self._originals = {}
 
     def __enter__(self):
-        original = conv_utils.im2col_cpu
-        self._original = original
+        self._originals = {}
+        for name in ('im2col_cpu', 'im2col_gpu'):
+            self._originals[name] = getattr(conv_utils, name)
+            setattr(conv_utils, name, self._wrap(self._originals[name]))
+        return self
 
+    def _wrap(self, original):
         def capturing(img, kh, kw, sy, sx, ph, pw, pval=0, cover_all=False,
                       dy=1, dx=1, out_h=None, out_w=None):
             col = original(img, kh, kw, sy, sx, ph, pw, pval, cover_all, dy,
@@ -77,13 +82,13 @@ class ColumnCapture(object):
             self._slot = ((img, (kh, kw, sy, sx, ph, pw, bool(cover_all),
                                  dy, dx), col) if pval == 0 else None)
             return col
-
-        conv_utils.im2col_cpu = capturing
-        return self
+        capturing.__name__ = original.__name__
+        return capturing
 
     def __exit__(self, *exc):
-        conv_utils.im2col_cpu = self._original
-        self._slot = self._original = None
+        for name, original in self._originals.items():
+            setattr(conv_utils, name, original)
+        self._slot, self._originals = None, {}
 
     def take(self, img, fn, kh, kw):
         """The kept columns of ``img`` for node ``fn``'s geometry, or
