@@ -361,3 +361,36 @@ def test_shared_convolutions_keep_chainers_columns_within_max_memory(
             want = use_module._reference_combined_sqsum(by_param[id(p)], 4,
                                                         2 ** 30)
             assert_close(s, want, str(p.shape))
+
+
+def test_column_capture_binds_either_signature(monkeypatch):
+    """im2col_gpu has no ``pval``: its third-from-last positional argument
+    is cover_all, not pval.  The capture wraps both as Chainer calls them
+    (positionally and by keyword), here with a CPU stand-in of the GPU
+    function's signature; a non-zero pval (CPU) is not kept."""
+    from chainer.utils import conv as conv_utils
+    from chainer_vgc.statistics.im2col import ColumnCapture
+
+    def im2col_gpu(img, kh, kw, sy, sx, ph, pw, cover_all=False, dy=1,
+                   dx=1, out_h=None, out_w=None):
+        return conv_utils.im2col_cpu(img, kh, kw, sy, sx, ph, pw,
+                                     cover_all=cover_all, dy=dy, dx=dx,
+                                     out_h=out_h, out_w=out_w)
+    monkeypatch.setattr(conv_utils, 'im2col_gpu', im2col_gpu)
+    img = numpy.random.default_rng(10).normal(size=(2, 3, 7, 7))
+
+    class Node(object):
+        sy, sx, ph, pw, dy, dx, cover_all = 2, 2, 1, 1, 1, 1, True
+
+    with ColumnCapture() as capture:
+        col = conv_utils.im2col_gpu(img, 3, 3, 2, 2, 1, 1, True, 1, 1)
+        assert capture.take(img, Node, 3, 3) is col
+        col = conv_utils.im2col_gpu(img, 3, 3, 2, 2, 1, 1, cover_all=True)
+        assert capture.take(img, Node, 3, 3) is col
+        conv_utils.im2col_gpu(img, 3, 3, 2, 2, 1, 1, False)
+        assert capture.take(img, Node, 3, 3) is None   # not cover_all
+        col = conv_utils.im2col_cpu(img, 3, 3, 2, 2, 1, 1, 0, True)
+        assert capture.take(img, Node, 3, 3) is col
+        conv_utils.im2col_cpu(img, 3, 3, 2, 2, 1, 1, -1.0, True)
+        assert capture.take(img, Node, 3, 3) is None   # padded with -1
+    assert conv_utils.im2col_gpu is im2col_gpu

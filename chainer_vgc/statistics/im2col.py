@@ -10,6 +10,8 @@ hundreds of MiB a step for a VGG, which the kernel then pages in again).
 The layout is Chainer's: (n, C, kh, kw, out_h, out_w).
 """
 
+import inspect
+
 from chainer.utils import conv as conv_utils
 import numpy
 
@@ -75,12 +77,19 @@ class ColumnCapture(object):
         return self
 
     def _wrap(self, original):
-        def capturing(img, kh, kw, sy, sx, ph, pw, pval=0, cover_all=False,
-                      dy=1, dx=1, out_h=None, out_w=None):
-            col = original(img, kh, kw, sy, sx, ph, pw, pval, cover_all, dy,
-                           dx, out_h, out_w)
-            self._slot = ((img, (kh, kw, sy, sx, ph, pw, bool(cover_all),
-                                 dy, dx), col) if pval == 0 else None)
+        """``original`` (im2col_cpu or im2col_gpu, whose signatures differ:
+        only the CPU one has ``pval``) with its result kept in the slot."""
+        signature = inspect.signature(original)
+
+        def capturing(*args, **kwargs):
+            col = original(*args, **kwargs)
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            a = call.arguments
+            self._slot = ((a['img'], (a['kh'], a['kw'], a['sy'], a['sx'],
+                                      a['ph'], a['pw'], bool(a['cover_all']),
+                                      a['dy'], a['dx']), col)
+                          if a.get('pval', 0) == 0 else None)
             return col
         capturing.__name__ = original.__name__
         return capturing
