@@ -121,16 +121,18 @@ def concatenate(parts, work):
         m = z1 - z0
         a = work.get(first.xp, 'cat_a', (m, first.groups, first.m,
                                          positions), first.dtype)
-        b = work.get(first.xp, 'cat_b', (m, first.groups, positions,
-                                         first.n), first.dtype)
+        # B with the positions last, as im2col lays them out: the copies
+        # are runs of P elements, and the matmul reads it transposed
+        bt = work.get(first.xp, 'cat_b', (m, first.groups, first.n,
+                                          positions), first.dtype)
         at = 0
         for op, g in parts:
             pa, pb = _grouped(op, z0, z1, g, work)
             p = pa.shape[-1]
             a[..., at:at + p] = pa
-            b[:, :, at:at + p] = pb
+            bt[..., at:at + p] = pb.transpose(0, 1, 3, 2)
             at += p
-        return a, b
+        return a, bt.transpose(0, 1, 3, 2)
 
     return Operands(first.xp, first.dtype, first.groups, first.m, first.n,
                     positions, make, first.shape)

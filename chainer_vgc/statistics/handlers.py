@@ -363,6 +363,12 @@ def _handler(fn):
     return None
 
 
+def _takes_columns(fn):
+    """Whether node fn is a convolution whose weight's statistics can take
+    the im2col Chainer makes for its weight gradient."""
+    return _handler(fn) is _CONV
+
+
 def _supported(fn, k):
     """Whether input k of function node fn is a parameter use covered
     here."""

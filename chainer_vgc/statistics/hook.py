@@ -35,9 +35,10 @@ Results are in the residual state dtype (float32 for float16 parameters) on
 the parameter's device; a parameter that gets no gradient gives None.
 """
 
+import contextlib
+
 import chainer
 from chainer import backend as chainer_backend
-import numpy
 
 from chainer_vgc import backend
 from chainer_vgc.params import model_params
@@ -45,14 +46,18 @@ from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
 from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics.graph import _array_ids
 from chainer_vgc.statistics.graph import _check_rows
-from chainer_vgc.statistics.im2col import ColumnCapture
 from chainer_vgc.statistics.graph import _scan
 from chainer_vgc.statistics.handlers import _supported
+from chainer_vgc.statistics.handlers import _takes_columns
 from chainer_vgc.statistics.handlers import _uses_of
+from chainer_vgc.statistics.im2col import ColumnCapture
 from chainer_vgc.statistics.uses import _combined_sqsum
 
 #: default bound of each per-example intermediate (bytes)
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 class UncoveredParameterError(ValueError):
@@ -198,7 +203,9 @@ class PerSampleSquares(chainer.FunctionHook):
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
-            with self, self._capture:
+            with self, (self._capture if any(
+                    _takes_columns(fn) for us in self._uses.values()
+                    for fn, _ in us) else _NOTHING):
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(

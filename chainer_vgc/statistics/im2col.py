@@ -68,12 +68,19 @@ class ColumnCapture(object):
     def __init__(self):
         self._slot = None
         self._originals = {}
+        #: {name: (the function wrapped, its wrapper)}, made once
+        self._wrappers = {}
 
     def __enter__(self):
         self._originals = {}
         for name in ('im2col_cpu', 'im2col_gpu'):
-            self._originals[name] = getattr(conv_utils, name)
-            setattr(conv_utils, name, self._wrap(self._originals[name]))
+            original = getattr(conv_utils, name)
+            wrapper = self._wrappers.get(name)
+            if wrapper is None or wrapper[0] is not original:
+                wrapper = self._wrappers[name] = (original,
+                                                  self._wrap(original))
+            self._originals[name] = original
+            setattr(conv_utils, name, wrapper[1])
         return self
 
     def _wrap(self, original):
