@@ -114,7 +114,7 @@ class _SumOverPositions(_Use):
 
     def per_example(self, r0, r1):
         g = self.gy[r0:r1]
-        return g.sum(axis=self.axes) if self.axes else g
+        return _sum_over(self.xp, g, self.axes) if self.axes else g
 
 
 class _BNGamma(_Use):
@@ -136,16 +136,23 @@ class _BNGamma(_Use):
         x, gy = self.x[r0:r1], self.gy[r0:r1]
         if not self.axes:
             s_gx, s_g = gy * x, gy
-        elif self.xp is numpy:
-            letters = 'abcdefghij'[:x.ndim]
-            kept = ''.join(c for k, c in enumerate(letters)
-                           if k not in self.axes)
-            s_gx = numpy.einsum('{0},{0}->{1}'.format(letters, kept), gy, x)
-            s_g = gy.sum(axis=self.axes)
         else:
-            s_gx = (gy * x).sum(axis=self.axes)
-            s_g = gy.sum(axis=self.axes)
+            s_gx = _sum_over(self.xp, gy, self.axes, x)
+            s_g = _sum_over(self.xp, gy, self.axes)
         return self.inv_std * (s_gx - self.mean * s_g)
+
+
+def _sum_over(xp, a, axes, b=None):
+    """``a`` (times ``b``) summed over ``axes``: NumPy's einsum, which on
+    the 2-core machine summed (n, C, h, w) over h, w 1.5-4x faster than
+    ``sum`` and forms no product array; CuPy's ``sum`` on the GPU."""
+    if xp is not numpy:
+        return (a if b is None else a * b).sum(axis=axes)
+    letters = 'abcdefghij'[:a.ndim]
+    kept = ''.join(c for k, c in enumerate(letters) if k not in axes)
+    if b is None:
+        return numpy.einsum('{}->{}'.format(letters, kept), a)
+    return numpy.einsum('{0},{0}->{1}'.format(letters, kept), a, b)
 
 
 class _ConvW(_Use):
