@@ -394,3 +394,17 @@ def test_column_capture_binds_either_signature(monkeypatch):
         conv_utils.im2col_cpu(img, 3, 3, 2, 2, 1, 1, -1.0, True)
         assert capture.take(img, Node, 3, 3) is None   # padded with -1
     assert conv_utils.im2col_gpu is im2col_gpu
+
+
+def test_linear_one_row_is_the_earlier_shortcut_bit_for_bit():
+    """The MLP's statistics (Linear, one row per example: the demo) are the
+    very numbers of the shortcut before issue 26, (gy**2)^T (x**2) by one
+    dot per chunk, so `make demo`'s figures do not move."""
+    rng = numpy.random.default_rng(11)
+    lin = L.Linear(784, 200)
+    x = rng.normal(size=(32, 784)).astype(numpy.float32)
+    uses = record(lin, F.sum(F.tanh(lin(x))) / 32, 32)
+    (use, rows, p), = uses
+    got = use.sqsum(rows, 64 * 2 ** 20, work=contraction.Workspace())
+    gy, xs = use.gy, use.x
+    numpy.testing.assert_array_equal(got, numpy.dot((gy * gy).T, xs * xs))
