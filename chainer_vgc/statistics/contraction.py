@@ -110,7 +110,7 @@ class Operands(object):
                 (other.groups, other.m, other.n))
 
 
-def concatenate(parts, work):
+def concatenate(parts):
     """The :class:`Operands` whose product for example z is the sum of the
     ``parts``' products (each a list of (operands, rows per example)):
     their A and B side by side along P."""

@@ -21,8 +21,11 @@ class _Use(object):
 
     ``rows``: leading size of the function's example axis.  Subclasses give
     ``per_example(r0, r1)`` (contributions of rows r0..r1-1, shape
-    ``(r1 - r0,) + param.shape``) and ``row_bytes`` (bytes per row of that);
-    ``sqsum(group, max_memory)`` may be overridden by an exact shortcut.
+    ``(r1 - r0,) + param.shape``) and ``row_bytes`` (bytes per row of that).
+    :meth:`sqsum` takes the fast exact formulations of
+    :mod:`~chainer_vgc.statistics.contraction` where the subclass gives
+    ``operands`` (or a shortcut of its own); :meth:`reference_sqsum` is the
+    definition they are tested against.
     """
 
     rows = 0
@@ -99,7 +102,7 @@ def _combined_sqsum(use_list, b, max_memory, out=None, work=None):
         if all(parts[0][0].same_product(op) for op, _ in parts):
             work = work if work is not None else contraction.Workspace()
             return contraction.sum_squared_products(
-                contraction.concatenate(parts, work), b, max_memory, work,
+                contraction.concatenate(parts), b, max_memory, work,
                 out)
     return _reference_combined_sqsum(use_list, b, max_memory, out)
 
