@@ -17,6 +17,10 @@ Latency terms are ignored, as in the paper.
 
     python -m chainer_vgc.costmodel --params 15e6 --workers 4 \\
         --compression 400 --bandwidth 1Gbit
+
+:func:`two_tier` extends it to nodes of k ranks joined by one slower link
+each (the layout of a hierarchical exchange, issue 27), and ``--table``
+prints it for p = 8 ... 1024 and k = 4, 8.
 """
 
 import argparse
@@ -72,13 +76,89 @@ def cost(params, workers, compression, bandwidth, bits_per_param=32,
     return Cost(t_r, t_v, t_r / t_v if t_v else float('inf'), bound)
 
 
+TwoTier = collections.namedtuple(
+    'TwoTier', ['flat_s', 'hierarchical_s', 'dense_s',
+                'dense_hierarchical_s', 'inter_bits_flat',
+                'inter_bits_hierarchical'])
+
+
+def two_tier(params, workers, ranks_per_node, compression, bandwidth,
+             intra_bandwidth, bits_per_param=32, bits_per_element=32):
+    """Predicted exchange times (seconds) on p ranks in nodes of k, fast
+    links inside a node (``intra_bandwidth``) and one link per node
+    between them (``bandwidth``), which every ring leaving the node
+    shares.  Ring collectives, each as slow as its busiest link, no
+    latency, as Sec. 5; q = p / k nodes:
+
+    * flat VGC, a ring allgatherv over p ranks placed node by node: each
+      node's link carries the p - 1 other messages of N e / c bits:
+      ``(p - 1) N e / c`` (Sec. 5's ``N e p / c`` is its upper bound); on
+      one node (q = 1) the ring runs on the fast links;
+    * hierarchical VGC (issue 27): g and s reduce-scattered inside the
+      node, ``2 (k - 1) / k N s`` over the fast links; k rings of q ranks,
+      one per 1/k shard, share the node's link: ``(q - 1) N e / c``; the
+      decoded means allgathered inside the node, ``(k - 1) / k N s``;
+    * dense, a ring allreduce over p ranks: ``2 (p - 1) / p N s``;
+    * dense hierarchical (ChainerMN's two_dimensional): reduce-scatter
+      and allgather inside the node, k allreduce rings of shards across:
+      ``2 (k - 1) / k N s`` fast, ``2 (q - 1) / q N s`` across.
+
+    ``compression`` c is one worker's, taken to be the same for a node
+    acting as one worker of batch kB (its lower variance lets more
+    elements pass, so c may shift).  Also returned: the bits on a node's
+    link, flat and hierarchical (their ratio is (q - 1) / (p - 1))."""
+    p, k = int(workers), int(ranks_per_node)
+    if k < 1 or p < 1 or p % k:
+        raise ValueError('two_tier: workers must be a multiple of '
+                         'ranks_per_node >= 1, got {!r} and {!r}'.format(
+                             workers, ranks_per_node))
+    cost(params, p, compression, bandwidth, bits_per_param, 0,
+         bits_per_element)  # the same checks
+    n, c, q = float(params), float(compression), p // k
+    s, e = float(bits_per_param), float(bits_per_element)
+    inter = 1.0 / parse_bandwidth(bandwidth)
+    intra = 1.0 / parse_bandwidth(intra_bandwidth)
+    bits_flat = (p - 1) * n * e / c
+    bits_hier = (q - 1) * n * e / c
+    inside = (k - 1) / float(k) * n * s * intra
+    # a flat ring's busiest link: between nodes when it has more than one
+    ring = max(inter if q > 1 else 0.0, intra if k > 1 else 0.0)
+    return TwoTier(
+        flat_s=bits_flat * ring,
+        hierarchical_s=3 * inside + bits_hier * inter,
+        dense_s=2 * (p - 1) / float(p) * n * s * ring,
+        dense_hierarchical_s=2 * inside + 2 * (q - 1) / float(q) * n * s
+        * inter,
+        inter_bits_flat=bits_flat, inter_bits_hierarchical=bits_hier)
+
+
+def table(params, compression, bandwidth, intra_bandwidth,
+          ranks_per_node=(4, 8), workers=(8, 16, 32, 64, 128, 256, 512,
+                                          1024), **kw):
+    """:func:`two_tier` over ``workers`` x ``ranks_per_node``, as lines of
+    a Markdown table."""
+    lines = ['| p | k | flat VGC s | hierarchical VGC s | dense s | '
+             'dense hierarchical s | fastest |',
+             '|---:|---:|---:|---:|---:|---:|---|']
+    names = ('flat VGC', 'hierarchical VGC', 'dense', 'dense hierarchical')
+    for p in workers:
+        for k in ranks_per_node:
+            t = two_tier(params, p, k, compression, bandwidth,
+                         intra_bandwidth, **kw)
+            times = t[:4]
+            lines.append('| {} | {} | {} | {} |'.format(
+                p, k, ' | '.join('{:.4g}'.format(x) for x in times),
+                names[times.index(min(times))]))
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description='Sec. 5 cost model: dense ring allreduce vs pipelined '
         'ring allgatherv of compressed gradients')
     ap.add_argument('--params', type=float, required=True,
                     help='number of parameters N')
-    ap.add_argument('--workers', type=int, required=True, help='p')
+    ap.add_argument('--workers', type=int, help='p (not with --table)')
     ap.add_argument('--compression', type=float, required=True,
                     help='compression ratio c: parameters / elements sent '
                     'per worker (vgc/compression)')
@@ -93,7 +173,30 @@ def main(argv=None):
     ap.add_argument('--chunk', type=float, default=0,
                     help='pipelining block m in bytes (chainer_vgc ring: '
                     '262144)')
+    ap.add_argument('--table', action='store_true',
+                    help='nodes: flat and hierarchical VGC, dense and dense '
+                    'hierarchical, for p = 8 ... 1024 and --ranks-per-node '
+                    '(--bandwidth: between nodes)')
+    ap.add_argument('--ranks-per-node', type=int, nargs='+', default=[4, 8],
+                    help='k, with --table (default 4 8)')
+    ap.add_argument('--intra-bandwidth', default='100Gbit',
+                    help='links inside a node, with --table (default '
+                    '100Gbit)')
     args = ap.parse_args(argv)
+    if args.table:
+        print('N = {:,.0f} parameters, c = {:g}, between nodes {:g} bit/s, '
+              'inside {:g} bit/s'.format(
+                  args.params, args.compression,
+                  parse_bandwidth(args.bandwidth),
+                  parse_bandwidth(args.intra_bandwidth)))
+        lines = table(args.params, args.compression, args.bandwidth,
+                      args.intra_bandwidth, tuple(args.ranks_per_node),
+                      bits_per_param=args.bits_per_param,
+                      bits_per_element=args.bits_per_element)
+        print('\n'.join(lines))
+        return lines
+    if args.workers is None:
+        ap.error('--workers is required (or --table)')
     r = cost(args.params, args.workers, args.compression, args.bandwidth,
              args.bits_per_param, 8 * args.chunk, args.bits_per_element)
     print('N = {:,.0f} parameters x {:g} bits, p = {}, c = {:g} (elements), '

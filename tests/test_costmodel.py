@@ -95,3 +95,54 @@ def test_command_line():
     assert 'T_r = 2(p-1)Ns*beta/p      = 1.2 s' in out
     assert 'T_v <= (Nep/c+(p-1)m)*beta = 0.032 s' in out
     assert 'speedup T_r / T_v = 37.5' in out
+
+
+def test_two_tier_by_hand():
+    """p = 16 in nodes of k = 4 (q = 4), N = 1e7, c = 100, 1 Gbit/s
+    between nodes, 100 Gbit/s inside, s = e = 32:
+    flat     (p-1) N e / c / 1e9 = 15 * 1e7 * 32 / 100 / 1e9 = 0.048
+    hier.    3 * 3/4 * 1e7 * 32 / 1e11 + 3 * 1e7 * 32 / 100 / 1e9
+             = 0.0072 + 0.0096 = 0.0168
+    dense    2 * 15/16 * 1e7 * 32 / 1e9 = 0.6
+    dense h. 2 * 3/4 * 1e7 * 32 / 1e11 + 2 * 3/4 * 1e7 * 32 / 1e9
+             = 0.0048 + 0.48 = 0.4848"""
+    t = costmodel.two_tier(1e7, 16, 4, 100, '1Gbit', '100Gbit')
+    assert t.flat_s == pytest.approx(0.048)
+    assert t.hierarchical_s == pytest.approx(0.0168)
+    assert t.dense_s == pytest.approx(0.6)
+    assert t.dense_hierarchical_s == pytest.approx(0.4848)
+    # a node's link carries (q - 1) / (p - 1) of the flat bits
+    assert t.inter_bits_hierarchical / t.inter_bits_flat == \
+        pytest.approx(3 / 15)
+
+
+def test_two_tier_limits():
+    """k = 1: every rank is a node, hierarchical = flat, and flat and
+    dense are Sec. 5's ring figures with p - 1 for p.  q = 1: one node,
+    nothing crosses a node's link, every ring runs on the fast links."""
+    t = costmodel.two_tier(25e6, 4, 1, 100, '1Gbit', '100Gbit')
+    assert t.hierarchical_s == pytest.approx(t.flat_s)
+    assert t.dense_hierarchical_s == pytest.approx(t.dense_s)
+    flat = costmodel.cost(25e6, 4, 100, '1Gbit')
+    assert t.dense_s == pytest.approx(flat.allreduce_s)
+    assert t.flat_s == pytest.approx(flat.allgatherv_s * 3 / 4)
+    one = costmodel.two_tier(25e6, 8, 8, 100, '1Gbit', '100Gbit')
+    assert one.inter_bits_hierarchical == 0
+    assert one.flat_s == pytest.approx(7 * 25e6 * 32 / 100 / 1e11)
+    assert one.dense_s == pytest.approx(2 * 7 / 8 * 25e6 * 32 / 1e11)
+    with pytest.raises(ValueError, match='multiple of ranks_per_node'):
+        costmodel.two_tier(25e6, 6, 4, 100, '1Gbit', '100Gbit')
+
+
+def test_table_command_prints_every_p_and_k():
+    out = subprocess.run(
+        [sys.executable, '-m', 'chainer_vgc.costmodel', '--params', '14.5e6',
+         '--compression', '239', '--bandwidth', '1Gbit', '--table'],
+        capture_output=True, text=True, check=True).stdout
+    rows = [ln for ln in out.splitlines() if ln.startswith('| ') and
+            ln[2].isdigit()]
+    assert [tuple(r.split('|')[1:3]) for r in rows] == [
+        (' {} '.format(p), ' {} '.format(k))
+        for p in (8, 16, 32, 64, 128, 256, 512, 1024) for k in (4, 8)]
+    # at p = 1024, k = 8 the hierarchical exchange is the fastest
+    assert rows[-1].rstrip(' |').endswith('hierarchical VGC')
