@@ -208,8 +208,8 @@ def run_model(name, args, device, comm):
     plain, stats = (float(numpy.median(times[m])) for m in (False, True))
     n_params = sum(p.size for net in model.nets for p in net.params())
     hooks = model.stats if isinstance(model.stats, list) else [model.stats]
-    work = sum(getattr(h, 'work', None).nbytes if hasattr(h, 'work') else 0
-               for h in hooks)
+    # (a package from before issue 26, timed for comparison, has none)
+    work = sum(h.work.nbytes for h in hooks if hasattr(h, 'work'))
     if comm is not None:
         work = max(comm.allgather(work))
     return dict(model=name, params=n_params, plain=plain, stats=stats,

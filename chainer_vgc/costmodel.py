@@ -49,17 +49,13 @@ def parse_bandwidth(text):
     return value
 
 
-def cost(params, workers, compression, bandwidth, bits_per_param=32,
-         chunk_bits=0, bits_per_element=32):
-    """Sec. 5 times (seconds) for one exchange; see the module doc.
-
-    ``compression``: parameters / elements sent per worker;
-    ``bits_per_param``: s, of the dense gradient (16, 32, 64);
-    ``bits_per_element``: e, on the wire (32 for chainer_vgc's words)."""
-    n, p, c = float(params), int(workers), float(compression)
-    for ok, need, got in ((n > 0, 'params > 0', params),
-                          (p >= 1, 'workers >= 1', workers),
-                          (c > 0, 'compression > 0', compression),
+def _check(params, workers, compression, bits_per_param, bits_per_element,
+           chunk_bits=0):
+    """ValueError naming the first input out of range."""
+    for ok, need, got in ((float(params) > 0, 'params > 0', params),
+                          (int(workers) >= 1, 'workers >= 1', workers),
+                          (float(compression) > 0, 'compression > 0',
+                           compression),
                           (bits_per_param > 0, 'bits_per_param > 0',
                            bits_per_param),
                           (bits_per_element > 0, 'bits_per_element > 0',
@@ -68,6 +64,18 @@ def cost(params, workers, compression, bandwidth, bits_per_param=32,
         if not ok:
             raise ValueError('cost model: need {}, got {!r}'.format(need,
                                                                     got))
+
+
+def cost(params, workers, compression, bandwidth, bits_per_param=32,
+         chunk_bits=0, bits_per_element=32):
+    """Sec. 5 times (seconds) for one exchange; see the module doc.
+
+    ``compression``: parameters / elements sent per worker;
+    ``bits_per_param``: s, of the dense gradient (16, 32, 64);
+    ``bits_per_element``: e, on the wire (32 for chainer_vgc's words)."""
+    _check(params, workers, compression, bits_per_param, bits_per_element,
+           chunk_bits)
+    n, p, c = float(params), int(workers), float(compression)
     beta = 1.0 / parse_bandwidth(bandwidth)
     s, e = float(bits_per_param), float(bits_per_element)
     t_r = 2 * (p - 1) * n * s * beta / p
@@ -112,8 +120,7 @@ def two_tier(params, workers, ranks_per_node, compression, bandwidth,
         raise ValueError('two_tier: workers must be a multiple of '
                          'ranks_per_node >= 1, got {!r} and {!r}'.format(
                              workers, ranks_per_node))
-    cost(params, p, compression, bandwidth, bits_per_param, 0,
-         bits_per_element)  # the same checks
+    _check(params, p, compression, bits_per_param, bits_per_element)
     n, c, q = float(params), float(compression), p // k
     s, e = float(bits_per_param), float(bits_per_element)
     inter = 1.0 / parse_bandwidth(bandwidth)

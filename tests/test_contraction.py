@@ -263,12 +263,9 @@ def test_batch_normalization_gamma_without_x_hat(shape):
     assert_close(use.sqsum(1, 2 ** 30), (want ** 2).sum(axis=0), 'gamma')
 
 
-def test_convolutions_take_chainers_own_columns(monkeypatch):
-    """On the CPU the statistics of a convolution or deconvolution used
-    once reuse the im2col Chainer made for its weight gradient: the
-    statistics make no im2col of their own, and the sums equal the
-    reference."""
-    from chainer_vgc.statistics import im2col as im2col_module
+@pytest.fixture
+def own_im2col(monkeypatch):
+    """The image shapes of the statistics' own im2col calls, in order."""
     made = []
     original = handlers.im2col
 
@@ -276,6 +273,15 @@ def test_convolutions_take_chainers_own_columns(monkeypatch):
         made.append(args[1].shape)
         return original(*args)
     monkeypatch.setattr(handlers, 'im2col', counting)
+    return made
+
+
+def test_convolutions_take_chainers_own_columns(monkeypatch, own_im2col):
+    """On the CPU the statistics of a convolution or deconvolution used
+    once reuse the im2col Chainer made for its weight gradient: the
+    statistics make no im2col of their own, and the sums equal the
+    reference."""
+    from chainer_vgc.statistics import im2col as im2col_module
     rng = numpy.random.default_rng(7)
     with chainer.using_config('dtype', numpy.float64):
         numpy.random.seed(7)
@@ -285,7 +291,7 @@ def test_convolutions_take_chainers_own_columns(monkeypatch):
         model.cleargrads()
         sums = stats.backward(F.sum(model(x) ** 2) / 5)
         uses = record(model, F.sum(model(x) ** 2) / 5, 5)
-    assert made == []
+    assert own_im2col == []
     want = {id(p): use.reference_sqsum(rows, 2 ** 30)
             for use, rows, p in uses}
     for p, s in zip(stats.params, sums):
@@ -298,7 +304,7 @@ def test_convolutions_take_chainers_own_columns(monkeypatch):
     model.cleargrads()
     with chainer.using_config('dtype', numpy.float64):
         again = stats.backward(F.sum(model(x) ** 2) / 5)
-    assert len(made) == 2
+    assert len(own_im2col) == 2
     for a, b in zip(sums, again):
         assert_close(a, b, 'own im2col')
 
@@ -330,18 +336,11 @@ def test_column_capture_hands_over_only_the_same_image_and_geometry():
 
 @pytest.mark.parametrize('max_memory', [2 ** 30, 1])
 def test_shared_convolutions_keep_chainers_columns_within_max_memory(
-        monkeypatch, max_memory):
+        own_im2col, max_memory):
     """The two uses of a shared convolution keep Chainer's columns until
     the second is seen, when they fit in max_memory (no im2col of the
     statistics' own); with max_memory = 1 byte they make their own.  The
     sums equal the reference either way."""
-    made = []
-    original = handlers.im2col
-
-    def counting(*args):
-        made.append(args[1].shape)
-        return original(*args)
-    monkeypatch.setattr(handlers, 'im2col', counting)
     rng = numpy.random.default_rng(9)
     with chainer.using_config('dtype', numpy.float64):
         numpy.random.seed(9)
@@ -352,7 +351,7 @@ def test_shared_convolutions_keep_chainers_columns_within_max_memory(
         sums = stats.backward(F.sum(model(x1, x2) ** 2) / 4)
         uses = record(model, F.sum(model(x1, x2) ** 2) / 4, 4)
     # 1 byte: chunks of one example, an im2col per use and example
-    assert len(made) == (0 if max_memory > 1 else 2 * 4)
+    assert len(own_im2col) == (0 if max_memory > 1 else 2 * 4)
     by_param = {}
     for use, rows, p in uses:
         by_param.setdefault(id(p), []).append((use, rows))

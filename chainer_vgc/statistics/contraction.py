@@ -202,12 +202,7 @@ def _gram_into(xp, a, b, acc, first, work):
                     b[:, :, j].transpose(1, 0, 2), out=right[:, :, k])
     lhs = left.reshape(groups, mm, m * q)
     rhs = right.reshape(groups, m * q, n)
-    if first:
-        xp.matmul(lhs, rhs, out=acc)
-    else:
-        part = work.get(xp, 'part', acc.shape, acc.dtype)
-        xp.matmul(lhs, rhs, out=part)
-        xp.add(acc, part, out=acc)
+    accumulate(xp, acc, first, work, lambda dst: xp.matmul(lhs, rhs, out=dst))
 
 
 def _blocked_into(xp, a, b, acc, first, work, budget):
@@ -232,12 +227,20 @@ def _blocked_into(xp, a, b, acc, first, work, budget):
                 # contiguous views of the same two buffers every time
                 prod = work.get(xp, 'block', (z1 - z0, r1 - r0, n), a.dtype)
                 xp.matmul(a[z0:z1, g, r0:r1], b[z0:z1, g], out=prod)
-                if first and z0 == 0:
-                    sum_squares(xp, prod, target)
-                else:
-                    part = work.get(xp, 'part', (r1 - r0, n), a.dtype)
-                    sum_squares(xp, prod, part)
-                    xp.add(target, part, out=target)
+                accumulate(xp, target, first and z0 == 0, work,
+                           lambda dst: sum_squares(xp, prod, dst))
+
+
+def accumulate(xp, acc, first, work, write):
+    """``write(dst)`` straight into ``acc`` the first time, else into the
+    workspace's partial-sum buffer, added to ``acc`` (a contiguous
+    array)."""
+    if first:
+        write(acc)
+        return
+    part = work.get(xp, 'part', acc.shape, acc.dtype)
+    write(part)
+    xp.add(acc, part, out=acc)
 
 
 def sum_squares(xp, g, out=None):

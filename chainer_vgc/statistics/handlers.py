@@ -80,12 +80,8 @@ class _LinearW(_Use):
             x2 = work.get(xp, 'x2', x.shape, self.dtype)
             xp.multiply(gy, gy, out=gy2)
             xp.multiply(x, x, out=x2)
-            if r0 == 0:
-                xp.dot(gy2.T, x2, out=out)
-            else:
-                part = work.get(xp, 'part', out.shape, self.dtype)
-                xp.dot(gy2.T, x2, out=part)
-                xp.add(out, part, out=out)
+            contraction.accumulate(xp, out, r0 == 0, work,
+                                   lambda dst: xp.dot(gy2.T, x2, out=dst))
         return out
 
     def operands(self):
