@@ -40,8 +40,9 @@ __version__ = '0.1.0'
 
 #: public name -> (module, needs Chainer, needs MPI)
 _LAZY = {
-    'create_communicator': ('communicator', True, True),
+    'create_communicator': ('factory', True, True),
     'VGCCommunicator': ('communicator', True, True),
+    'HierarchicalCommunicator': ('hierarchy', True, True),
     'create_multi_node_optimizer': ('optimizer', True, True),
     'GradientCompressor': ('compressor', False, False),
     'WireFormatError': ('codec', False, False),
@@ -53,6 +54,8 @@ _LAZY = {
 #: (``chainer_vgc.communicator``) like the names above
 _SUBMODULES = {
     'communicator': (True, True),
+    'factory': (True, True),
+    'hierarchy': (True, True),
     'optimizer': (True, True),
     'multi_node_optimizer': (True, True),
     'double_buffering': (True, True),

@@ -68,7 +68,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         sweep) does not exhaust MPI's communicators."""
         dup = Collectives(self.mpi_comm.Dup(), self.allgatherv_method,
                           self.chunk_words, self.cuda_aware_mpi)
-        dup._free = weakref.finalize(dup, _free_mpi_comm, dup.mpi_comm)
+        dup._free = weakref.finalize(dup, free_mpi_comm, dup.mpi_comm)
         dup._free.atexit = False  # (MPI_Finalize frees what is left)
         return dup
 
@@ -161,7 +161,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
             recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
 
 
-def _free_mpi_comm(mpi_comm):
+def free_mpi_comm(mpi_comm):
     """``MPI_Comm_free`` of a duplicate, unless MPI is finalized (local in
     MPICH and Open MPI: a rank frees its handle whenever its copy is
     dropped; the context id returns when every rank has freed it)."""

@@ -117,6 +117,12 @@ class VGCCommunicator(Collectives):
     warming_up = _of_state('warming_up', 'whether the next exchange is a '
                            'warm-up (dense) one')
 
+    #: the method state's class, and the exchange's function (see
+    #: :func:`chainer_vgc.step.exchange_async`'s ``run``): the
+    #: hierarchical communicator has its own
+    _State = MethodState
+    _run = None
+
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
@@ -126,7 +132,7 @@ class VGCCommunicator(Collectives):
         super(VGCCommunicator, self).__init__(mpi_comm, allgatherv,
                                               chunk_words, cuda_aware_mpi)
         # checked here, on construction
-        self._current = MethodState(
+        self._current = self._State(
             method, rank=self.rank, exclude=exclude, min_size=min_size,
             warmup=warmup, alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
             uncovered=uncovered, max_memory=max_memory,
@@ -160,7 +166,8 @@ class VGCCommunicator(Collectives):
         if st is None:
             st, self._unbound = self._unbound, None
             if st is None:
-                st = MethodState(rank=self.rank, **self._current.settings())
+                st = self._State(rank=self.rank,
+                                 **self._current.settings())
             if len(self._states):
                 # a model dropped but kept in a reference cycle (Chainer's
                 # optimizers hold one) is not alive: a sweep of one model
@@ -257,7 +264,7 @@ class VGCCommunicator(Collectives):
             collectives = self
         handle = step.exchange_async(collectives, state, model, zero_fill,
                                      sqsums, loss_scale, uncovered or (),
-                                     background)
+                                     background, self._run)
         if background:
             self._in_flight.append(handle)
         return handle
@@ -302,41 +309,3 @@ class VGCCommunicator(Collectives):
             self._background.free()
             self._background = None
 
-
-def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
-                        abort_on_exception=True, exclude=None, min_size=0,
-                        uncovered='error', warmup=0, alpha_ramp=None,
-                        dense_dtype=None, **kwargs):
-    """A :class:`VGCCommunicator` on ``mpi_comm`` (default COMM_WORLD).
-
-    ``method``: a rule name or a
-    :class:`~chainer_vgc.rules.CompressionRule` object.  The controls (see
-    :class:`VGCCommunicator` for the details):
-
-    - ``exclude``: parameter names and/or predicates ``f(name, param)``
-      sent uncompressed (dense allreduce); ``min_size``: parameters of
-      fewer elements too;
-    - ``uncovered``: ``'error'``, ``'bruteforce'`` or ``'dense'`` for the
-      parameters the per-sample statistics cannot cover;
-    - ``warmup``: dense exchanges before compression starts;
-      ``alpha_ramp=(alpha0, steps)``: alpha from alpha0 to its value;
-    - ``dense_dtype``: None or ``'float16'`` for the dense group.
-
-    The rule's hyperparameters (``alpha``, ``tau``, ...) are further keyword
-    arguments.  ``abort_on_exception`` installs ChainerMN's global except
-    hook, so an uncaught exception on one rank aborts the whole job instead
-    of leaving the others waiting in a collective.
-    """
-    if mpi_comm is None:
-        from mpi4py import MPI
-        mpi_comm = MPI.COMM_WORLD
-    if abort_on_exception:
-        import sys
-        from chainermn import global_except_hook
-        if sys.excepthook is not global_except_hook._global_except_hook:
-            global_except_hook.add_hook()
-    return VGCCommunicator(mpi_comm, method=method, allgatherv=allgatherv,
-                           exclude=exclude, min_size=min_size,
-                           uncovered=uncovered, warmup=warmup,
-                           alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
-                           **kwargs)

@@ -206,6 +206,23 @@ class MethodState(object):
         if (self.names == names and self.dense == dense
                 and self.compressor is not None):
             return
+        self.check_ranks(names, params, dense, collectives)
+        if self.dense_dtype == numpy.float16:
+            # (during a warm-up every parameter is in the dense group)
+            wide = [n for n, p in zip(names, params)
+                    if (n in dense or self.warmup)
+                    and p.dtype == numpy.float64]
+            if wide:
+                raise ValueError(
+                    "dense_dtype='float16' would round the float64 "
+                    'parameters {} of the dense group to float16; use '
+                    'dense_dtype=None for this model'.format(wide))
+        self._build(names, params, dense, collectives.intra_size)
+
+    def check_ranks(self, names, params, dense, collectives):
+        """Every rank of ``collectives`` has the same model (``names``,
+        ``params``' shapes and dtypes), method, transport, dense group and
+        warm-up: one allgather; ValueError on every rank otherwise."""
         signature = ((self.method, hyperparams_record(
                          self.base_rule.hyperparams())),
                      collectives.transport_settings(),
@@ -223,17 +240,6 @@ class MethodState(object):
                 '{} but rank {} has {}. Every rank must build the same model '
                 'and communicator'.format(diffs, label, mine, diffs[0],
                                           theirs))
-        if self.dense_dtype == numpy.float16:
-            # (during a warm-up every parameter is in the dense group)
-            wide = [n for n, p in zip(names, params)
-                    if (n in dense or self.warmup)
-                    and p.dtype == numpy.float64]
-            if wide:
-                raise ValueError(
-                    "dense_dtype='float16' would round the float64 "
-                    'parameters {} of the dense group to float16; use '
-                    'dense_dtype=None for this model'.format(wide))
-        self._build(names, params, dense, collectives.intra_size)
 
     def _build(self, names, params, dense, intra_size):
         # residuals are kept per parameter name: a parameter initialized

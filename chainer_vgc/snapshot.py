@@ -27,7 +27,7 @@ from chainer_vgc.rules import create_rule
 FORMAT = 2
 
 
-def serialize(state, model, serializer, ranks):
+def serialize(state, model, serializer, ranks, layout=None):
     """Save or load ``state`` (a :class:`~chainer_vgc.method_state.
     MethodState`) for ``model`` in a run of ``ranks`` ranks.
 
@@ -38,13 +38,16 @@ def serialize(state, model, serializer, ranks):
     residuals then start fresh) and may happen before the model's
     parameters are initialized (trainer snapshots load the optimizer
     before the model), so loaded arrays are kept and installed by the
-    state's next ``setup``.
+    state's next ``setup``.  ``layout``: the hierarchical communicator's
+    nodes and local rank, in words (None: flat); loading needs the same.
     """
     if isinstance(serializer, chainer.serializer.Deserializer):
-        return _load(state, model, serializer, ranks)
+        return _load(state, model, serializer, ranks, layout)
     states = state.residuals()
-    serializer('meta', json.dumps(_meta(state, model, sorted(states),
-                                        ranks), default=plain_json))
+    meta = _meta(state, model, sorted(states), ranks)
+    if layout is not None:
+        meta['layout'] = layout
+    serializer('meta', json.dumps(meta, default=plain_json))
     _serialize_run(state, serializer)
     for name in sorted(states):
         for key in sorted(states[name]):
@@ -59,7 +62,7 @@ def _meta(state, model, state_names, ranks):
             'states': state_names}
 
 
-def _load(state, model, serializer, ranks):
+def _load(state, model, serializer, ranks, layout=None):
     keys = sorted(state.rule.init_state(0, numpy.float32, numpy))
     try:
         text = str(serializer('meta', ''))
@@ -68,6 +71,7 @@ def _load(state, model, serializer, ranks):
     meta = json.loads(text) if text else None
     fresh = False
     if meta is not None:
+        _check_layout(meta, ranks, layout)
         fresh = _check_meta(state, meta, model, ranks)
     if not fresh:
         _serialize_run(state, serializer, meta)
@@ -90,6 +94,21 @@ def _load(state, model, serializer, ranks):
             '(was it saved with another method?)'.format(state.method))
     state.loaded = loaded
     state.compressor = None  # installed by the next setup()
+
+
+def _check_layout(meta, ranks, layout):
+    """A hierarchical run's residuals are those of one rank's shard: it
+    resumes only on the same nodes, ranks per node and local rank."""
+    saved = meta.get('layout')
+    if saved == layout:
+        return
+    flat = 'flat ({} ranks)'
+    raise ValueError(
+        'chainer_vgc: the snapshot was saved by a run laid out as {}; this '
+        'run is {}. Resume with the same layout (hierarchy and '
+        'ranks_per_node), each rank loading its own snapshot'.format(
+            saved or flat.format(meta.get('ranks')),
+            layout or flat.format(ranks)))
 
 
 def _check_meta(state, meta, model, ranks):

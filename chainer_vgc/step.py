@@ -180,7 +180,8 @@ def _complete_at_exit():
 
 
 def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
-                   loss_scale=None, uncovered=(), background=False):
+                   loss_scale=None, uncovered=(), background=False,
+                   run=None):
     """Start one exchange of ``model``'s gradients for ``state`` on
     ``collectives``; returns its :class:`ExchangeHandle`.
 
@@ -192,10 +193,15 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
     unscale; ``uncovered``: the names this step's statistics did not
     cover.  With ``background``, the exchange runs on a thread (its
     collectives must then be the background ones, and its device work is
-    ordered after the work queued so far on the current stream)."""
+    ordered after the work queued so far on the current stream).
+    ``run``: the exchange itself (default :func:`run_exchange`; the
+    hierarchical one is :func:`chainer_vgc.node_step.run_node_exchange`),
+    called with this function's arguments and a copy of the totals."""
+    if run is None:
+        run = run_exchange
     totals = dict(state.totals)
     if not background:
-        return ExchangeHandle(state, lambda: run_exchange(
+        return ExchangeHandle(state, lambda: run(
             collectives, state, model, zero_fill, sqsums, loss_scale,
             uncovered, totals), False)
     first = next((p.array for _, p in sorted(model.namedparams())
@@ -203,15 +209,15 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
     debug = chainer.is_debug()  # (Chainer's config is per thread)
     ready = backend.stream_marker(first)  # the backward's work, queued
 
-    def run():
+    def in_background():
         with backend.device_scope(first), \
                 chainer.using_config('debug', debug):
             backend.wait_marker(ready)
-            result = run_exchange(collectives, state, model, zero_fill,
-                                  sqsums, loss_scale, uncovered, totals)
+            result = run(collectives, state, model, zero_fill, sqsums,
+                         loss_scale, uncovered, totals)
             backend.finish_stream(first)
             return result
-    return ExchangeHandle(state, run, True, collectives)
+    return ExchangeHandle(state, in_background, True, collectives)
 
 
 def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
@@ -220,38 +226,78 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
     the state's) is updated and returned in the result."""
     state.note_uncovered(uncovered, collectives)
     state.setup(model, collectives)
-    compressed, dense = state.split(model, totals['steps'])
     result = ExchangeResult(totals)
+    done = exchange_groups(collectives, state, model, zero_fill, sqsums,
+                           loss_scale, result)
+    if done is not None:
+        result.figures = extensions.report_step(
+            done.blocks, done.n_params, totals, done.elements,
+            done.param_bytes, size=collectives.size,
+            dense_elements=done.n_dense * collectives.size,
+            dense_wire=done.dense_wire, n_compressed=done.n_compressed,
+            observer=model, label=state.label)
+    return result
+
+
+class Groups(object):
+    """What :func:`exchange_groups` sent: the compressed group's
+    ``blocks`` (every rank's message) and ``elements`` (per message), the
+    dense group's ``n_dense`` elements per rank and ``dense_wire`` bytes
+    per rank, and the sizes ``n_params``, ``n_compressed`` (elements)
+    and ``param_bytes``."""
+
+    def __init__(self, compressed, dense, blocks, elements, n_dense,
+                 dense_wire):
+        self.blocks, self.elements = blocks, elements
+        self.n_dense, self.dense_wire = n_dense, dense_wire
+        self.n_compressed = sum(p.size for _, p in compressed)
+        self.n_params = self.n_compressed + sum(p.size for _, p in dense)
+        self.param_bytes = sum(p.size * p.dtype.itemsize
+                               for _, p in compressed + dense)
+
+
+def exchange_groups(collectives, state, model, zero_fill, sqsums, loss_scale,
+                    result, agree_on=None):
+    """Both groups of one set-up exchange: the compressed group's
+    allgatherv, then the dense group's allreduce (every parameter's during
+    the warm-up).  Returns :class:`Groups`, or None when a rank's
+    gradients were not finite (the step is skipped, reported, and
+    ``param.grad`` is NaN).  ``agree_on``: see :func:`_compressed_mean`."""
+    compressed, dense = state.split(model, result.totals['steps'])
     blocks, elements = [], None
     if compressed:
-        state.ramp_alpha(totals['steps'])
+        state.ramp_alpha(result.totals['steps'])
         params = [p for _, p in compressed]
         if sqsums is not None:  # aligned with all parameters
             sqsums = [sqsums[i] for i, _ in compressed]
         out = _compressed_mean(collectives, state, params, sqsums,
-                               zero_fill, loss_scale, result, model)
+                               zero_fill, loss_scale, result, model,
+                               agree_on)
         if out is None:  # skipped on every rank (reported)
-            for _, p in dense:
-                p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
-            return result
+            nan_grads([p for _, p in dense])
+            return None
         blocks, elements = out
     n_dense, dense_wire = collectives.dense_mean(
         [p for _, p in dense], zero_fill, state.dense_dtype)
-    result.figures = extensions.report_step(
-        blocks, sum(p.size for _, p in compressed) +
-        sum(p.size for _, p in dense), totals, elements,
-        sum(p.size * p.dtype.itemsize for _, p in compressed + dense),
-        size=collectives.size, dense_elements=n_dense * collectives.size,
-        dense_wire=dense_wire,
-        n_compressed=sum(p.size for _, p in compressed),
-        observer=model, label=state.label)
-    return result
+    return Groups(compressed, dense, blocks, elements, n_dense, dense_wire)
+
+
+def nan_grads(params):
+    """A skipped step's gradients: NaN, so that Chainer's dynamic loss
+    scaling skips the update."""
+    for p in params:
+        p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
 
 
 def _compressed_mean(collectives, state, params, sqsums, zero_fill,
-                     loss_scale, result, model):
+                     loss_scale, result, model, agree_on=None):
     """The compressed group's exchange; (blocks, elements per block), or
-    None when a rank's gradients were not finite (skipped)."""
+    None when a rank's gradients were not finite (skipped).  The ranks
+    agree on faults with ``agree_on(obj)`` (default: the collectives'
+    ``allgather_obj``), which returns the objects of this group's ranks
+    in rank order."""
+    if agree_on is None:
+        agree_on = collectives.allgather_obj
     comp = state.compressor
     if comp.rule.needs_sqsum and sqsums is None:
         raise RuntimeError(
@@ -275,7 +321,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         Its seconds (mostly waiting for the slowest rank to arrive) are
         the ``agree`` phase, not ``compress``."""
         t = time.perf_counter()
-        both = collectives.allgather_obj((int(code), has_grad))
+        both = agree_on((int(code), has_grad))
         present[:] = [any(bits) for bits in zip(*(b for _, b in both))]
         waited[0] += time.perf_counter() - t
         return [c for c, _ in both]
@@ -286,7 +332,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         message = comp.compress(rule_grads, rule_sqsums, copy=False,
                                 agree=agree)
     except SkippedStep as e:
-        _skip(params, e, result, state, model)
+        skip_step(params, e, result, state, model)
         return None
     t1 = time.perf_counter()
     # the message is in host memory on every path (codec.pack): MPI never
@@ -303,7 +349,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     return blocks, elements
 
 
-def _skip(params, error, result, state, model):
+def skip_step(params, error, result, state, model):
     """A rank's gradients were not finite: nothing was exchanged and no
     residual changed.  The gradients become NaN, so that Chainer's dynamic
     loss scaling skips the update and lowers the scale (the optimizer
@@ -312,8 +358,7 @@ def _skip(params, error, result, state, model):
     communicators raise."""
     if chainer.is_debug():
         raise ValueError('Parameters diverged: {}'.format(error))
-    for p in params:
-        p.grad = p.xp.full(p.shape, numpy.nan, dtype=p.dtype)
+    nan_grads(params)
     result.skipped = True
     result.totals['skipped'] += 1
     result.figures = {'vgc/skipped': 1.0}

@@ -183,3 +183,13 @@ def test_double_buffering_error_ends_the_job(tmp_path, mode):
     assert said.read_text() == 'deliberate failure on rank 2'
     assert 'the job went on' not in proc.stderr
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize('p,k', [(2, 2), (4, 2), (4, 1), (8, 4)])
+def test_hierarchical_exchange_equals_flat_run_of_node_workers(p, k):
+    """hierarchy='node' with nodes of k emulated ranks: every rule, a dense
+    group, warm-up, loss scaling, a non-finite step and background
+    exchanges give, bit for bit, the flat run of p/k workers fed their
+    nodes' g and s; the node's g and s equal those of one batch of kB."""
+    run_ok(p, 'check_hierarchy.py', k, expect='hierarchy OK at p={}'
+           .format(p), timeout=180)

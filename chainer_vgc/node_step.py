@@ -1,0 +1,344 @@
+"""One hierarchical exchange: a node of k ranks acts as one VGC worker.
+
+The question this module answers: in what order does one exchange run
+when ranks share nodes (issue 27)?  VGC's statistics are additive: a node
+whose k ranks computed g_i (each the mean over its B examples) and s_i
+(the sum of squares of its per-example gradients / B, paper Sec. 4.1) is
+exactly one worker of batch kB, with
+
+    g = (g_0 + ... + g_{k-1}) / k,    s = (s_0 + ... + s_{k-1}) / k**2.
+
+So, on every rank:
+
+1. every rank checks that all ranks have the same model and settings,
+   and the parameters are given to the local ranks (:func:`chainer_vgc.
+   node_layout.owners`: whole parameters, so that each tensor is
+   quantized as the flat exchange would, Sec. 4.2);
+2. inside the node, one dense reduce-scatter (``Alltoallv``, then the sum
+   in local-rank order): each local rank holds its node's g and s of the
+   parameters it owns (:func:`reduce_to_owners`);
+3. each local rank runs the flat exchange (:func:`chainer_vgc.step.
+   exchange_groups`) on its shard, with its shard's residuals, among the
+   ranks of the same local index on the q = p/k nodes: allgatherv of the
+   compressed group, allreduce of the dense group.  The ranks agree on
+   faults over every rank (one small allgather, as the flat exchange),
+   so a non-finite gradient anywhere skips the step everywhere;
+4. inside the node, an allgather of the shards' means
+   (:func:`gather_means`).
+
+The result is VGC with q workers of batch kB, bit for bit
+(tests/mpi/check_hierarchy.py).  Reported: the flat figures over the q
+node-workers, plus ``vgc/inter_node_bytes`` (bytes each node sends to the
+others) and ``vgc/intra_node_bytes`` (bytes each rank sends inside its
+node).
+"""
+
+import time
+
+import numpy
+
+from chainer_vgc import backend
+from chainer_vgc import extensions
+from chainer_vgc import faults
+from chainer_vgc import node_layout
+from chainer_vgc import step
+from chainer_vgc.method_state import MethodState
+from chainer_vgc.method_state import initialized_params
+from chainer_vgc.params import model_params
+
+
+class ShardView(object):
+    """The parameters of ``model`` that one local rank owns, seen as a
+    model (``namedparams``); ``whole`` is the model."""
+
+    def __init__(self, model, names):
+        self.whole = model
+        self.names = frozenset(names)
+
+    def namedparams(self, include_uninit=True):
+        for name, p in self.whole.namedparams(include_uninit):
+            if name in self.names:
+                yield name, p
+
+
+class NodeMethodState(MethodState):
+    """A :class:`~chainer_vgc.method_state.MethodState` whose compressor
+    holds the residuals of this rank's shard only; the dense group and the
+    need for statistics are those of the whole model."""
+
+    def __init__(self, *args, **kwargs):
+        super(NodeMethodState, self).__init__(*args, **kwargs)
+        self.whole = None  # (names, dense) of the whole model
+        self.view = None
+        self.owners = None  # each initialized parameter's local rank
+
+    def dense_group(self, model):
+        whole = getattr(model, 'whole', None)
+        if whole is None:
+            return super(NodeMethodState, self).dense_group(model)
+        return super(NodeMethodState, self).dense_group(whole) & \
+            model.names
+
+    def needs_sqsum_after(self, steps):
+        if self.whole is None:
+            return super(NodeMethodState, self).needs_sqsum_after(steps)
+        names, dense = self.whole
+        return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
+                and steps >= self.warmup and len(dense) < len(names))
+
+    def setup_node(self, model, collectives):
+        """Check the whole model on every rank (one allgather, when it
+        changed), give its parameters to the local ranks, and set up this
+        rank's shard on the ranks of its local index."""
+        names, params = initialized_params(model)
+        dense = self.dense_group(model)
+        if self.whole != (names, dense):
+            self.check_ranks(names, params, dense, collectives)
+            layout = collectives.layout
+            self.owners = node_layout.owners(
+                [p.size * p.dtype.itemsize for p in params],
+                layout.ranks_per_node)
+            self.view = ShardView(model, [
+                n for n, j in zip(names, self.owners)
+                if j == layout.local_rank])
+            self.whole = (names, dense)
+        self.setup(self.view, collectives.inter)
+
+
+def run_node_exchange(collectives, state, model, zero_fill, sqsums,
+                      loss_scale, uncovered, totals):
+    """The hierarchical exchange (see the module's steps); same arguments
+    and result as :func:`chainer_vgc.step.run_exchange`, ``collectives``
+    being a hierarchical communicator (or its duplicate)."""
+    layout = collectives.layout
+    state.note_uncovered(uncovered, collectives)
+    state.setup_node(model, collectives)
+    result = step.ExchangeResult(totals)
+    names, params = initialized_params(model)
+    warm = totals['steps'] < state.warmup
+    dense = state.whole[1]
+    compressed = [not warm and n not in dense for n in names]
+    if sqsums is not None:  # aligned with model_params(model)
+        by_name = dict(zip(model_params(model)[0], sqsums))
+        sqsums = [by_name[n] for n in names]
+    need_s = [c and sqsums is not None for c in compressed]
+    t0 = time.perf_counter()
+    shard_s, intra = reduce_to_owners(layout, params, state.owners, sqsums,
+                                      need_s, zero_fill)
+    t1 = time.perf_counter()
+    view_names = model_params(state.view)[0]
+    by_name = dict(zip(names, shard_s))
+    view_s = [by_name.get(n) for n in view_names]
+
+    def agree_on(obj):
+        """Every rank's fault code, the worst of each node given to that
+        node's rank of this shard: all shards decide alike."""
+        everyone = collectives.allgather_obj(obj)
+        worst = [0] * layout.nodes
+        for r, (code, _) in enumerate(everyone):
+            node = layout.node_of[r]
+            worst[node] = max(worst[node], code)
+        return [(worst[layout.node_of[r]], everyone[r][1])
+                for r in layout.peers]
+
+    mine = [n for n, c in zip(names, compressed) if c and
+            n in state.view.names]
+    if any(compressed) and not mine:
+        try:  # no compressed parameter here: agree all the same
+            faults.settle([c for c, _ in agree_on((faults.OK, ()))], None)
+        except faults.SkippedStep as e:
+            step.skip_step([p for _, p in state.view.namedparams()], e,
+                       result, state, model)
+            done = None
+        else:
+            done = step.exchange_groups(collectives.inter, state,
+                                        state.view, zero_fill, view_s,
+                                        loss_scale, result, agree_on)
+    else:
+        done = step.exchange_groups(collectives.inter, state, state.view,
+                                    zero_fill, view_s, loss_scale, result,
+                                    agree_on)
+    t2 = time.perf_counter()
+    if done is None:  # skipped on every rank
+        step.nan_grads(params)
+        return result
+    intra += gather_means(layout, params, state.owners, zero_fill)
+    t3 = time.perf_counter()
+    result.figures = report_node_step(collectives, done, intra, totals,
+                                      model, state.label)
+    result.timing = dict(result.timing, node_reduce=t1 - t0,
+                         node_gather=t3 - t2)
+    return result
+
+
+# -- inside the node ----------------------------------------------------------
+def _padded(nbytes):
+    return (nbytes + 7) // 8 * 8
+
+
+def _plan(params, owner, need_s, k):
+    """Per local rank: [(index, offset of g, offset of s or None)] and the
+    bytes of its chunk (each array padded to 8 bytes, then one flag byte
+    per parameter)."""
+    plans, sizes = [], []
+    for j in range(k):
+        entries, off = [], 0
+        for i, p in enumerate(params):
+            if owner[i] != j:
+                continue
+            nb = _padded(p.size * p.dtype.itemsize)
+            s_off = off + nb if need_s[i] else None
+            entries.append((i, off, s_off))
+            off += nb * (2 if need_s[i] else 1)
+        plans.append(entries)
+        sizes.append(_padded(off + len(entries)))
+    return plans, sizes
+
+
+def _put(buf, off, array, dtype):
+    host = numpy.ascontiguousarray(backend.to_numpy(array), dtype=dtype)
+    buf[off:off + host.nbytes] = host.reshape(-1).view(numpy.uint8)
+
+
+def _get(buf, off, p):
+    nb = p.size * p.dtype.itemsize
+    return buf[off:off + nb].view(p.dtype)
+
+
+def reduce_to_owners(layout, params, owner, sqsums, need_s, zero_fill):
+    """The node's g (into each owned ``param.grad``) and s (returned, per
+    parameter; None where not owned or not needed): one ``Alltoallv``
+    inside the node, then :func:`node_mean`.  A gradient missing on a rank
+    counts as zeros; one missing on every rank of the node stays None
+    unless ``zero_fill``.  Returns (s, bytes this rank sent)."""
+    from mpi4py import MPI
+    k, me = layout.ranks_per_node, layout.local_rank
+    plans, sizes = _plan(params, owner, need_s, k)
+    send = numpy.zeros(sum(sizes), dtype=numpy.uint8)
+    base = 0
+    for j in range(k):
+        flags = base + sizes[j] - _padded(len(plans[j]))
+        for m, (i, g_off, s_off) in enumerate(plans[j]):
+            p = params[i]
+            if p.grad is not None:
+                _put(send, base + g_off, p.grad, p.dtype)
+                send[flags + m] = 1
+                if s_off is not None and sqsums[i] is not None:
+                    _put(send, base + s_off, sqsums[i], p.dtype)
+        base += sizes[j]
+    recv = numpy.empty((k, sizes[me]), dtype=numpy.uint8)
+    if k > 1:
+        displs = numpy.cumsum([0] + sizes[:-1])
+        layout.intra_comm.Alltoallv(
+            [send, (sizes, displs), MPI.BYTE],
+            [recv, ([sizes[me]] * k, [sizes[me] * j for j in range(k)]),
+             MPI.BYTE])
+    else:
+        recv[0] = send
+    out = [None] * len(params)
+    flags = sizes[me] - _padded(len(plans[me]))
+    for m, (i, g_off, s_off) in enumerate(plans[me]):
+        p = params[i]
+        if not recv[:, flags + m].any() and not zero_fill:
+            p.grad = None
+            continue
+        g = node_mean([_get(recv[j], g_off, p) for j in range(k)], k)
+        with backend.device_scope(p.array):
+            p.grad = p.xp.asarray(g.reshape(p.shape))
+        if s_off is not None:
+            s = node_mean([_get(recv[j], s_off, p) for j in range(k)],
+                          k * k)
+            with backend.device_scope(p.array):
+                out[i] = p.xp.asarray(s.reshape(p.shape))
+    return out, sum(sizes) - sizes[me]
+
+
+def node_mean(parts, divisor):
+    """(parts[0] + parts[1] + ... ) / divisor, summed in this order in the
+    parts' dtype: the one definition of a node's g (divisor k) and s
+    (divisor k**2); the tests' flat runs use it too."""
+    total = numpy.array(parts[0], copy=True)
+    for part in parts[1:]:
+        total += part
+    total /= total.dtype.type(divisor)
+    return total
+
+
+def gather_means(layout, params, owner, zero_fill):
+    """Every shard's mean to every rank of the node (one ``Allgatherv``);
+    returns the bytes this rank sent."""
+    from mpi4py import MPI
+    k, me = layout.ranks_per_node, layout.local_rank
+    if k == 1:
+        return 0
+    plans, sizes = _plan(params, owner, [False] * len(params), k)
+    mine = numpy.zeros(sizes[me], dtype=numpy.uint8)
+    flags = sizes[me] - _padded(len(plans[me]))
+    for m, (i, off, _) in enumerate(plans[me]):
+        p = params[i]
+        if p.grad is not None:
+            _put(mine, off, p.grad, p.dtype)
+            mine[flags + m] = 1
+    recv = numpy.empty(sum(sizes), dtype=numpy.uint8)
+    displs = numpy.cumsum([0] + sizes[:-1])
+    layout.intra_comm.Allgatherv(mine, [recv, (sizes, displs), MPI.BYTE])
+    for j in range(k):
+        if j == me:
+            continue
+        part = recv[displs[j]:displs[j] + sizes[j]]
+        flags = sizes[j] - _padded(len(plans[j]))
+        for m, (i, off, _) in enumerate(plans[j]):
+            p = params[i]
+            if not part[flags + m]:
+                p.grad = None if not zero_fill else p.xp.zeros_like(p.array)
+                continue
+            with backend.device_scope(p.array):
+                p.grad = p.xp.asarray(_get(part, off, p).reshape(p.shape))
+    return (k - 1) * sizes[me]
+
+
+# -- the figures --------------------------------------------------------------
+def report_node_step(collectives, done, intra_bytes, totals, model, label):
+    """The step's figures over the whole model (one small allgather inside
+    the node): the flat figures of q workers, the node being the worker,
+    with ``vgc/bytes`` the bytes each rank sends between nodes."""
+    layout = collectives.layout
+    q, k = layout.nodes, layout.ranks_per_node
+    sent = float(sum(done.elements or ()))
+    wire = 4.0 * sum(int(b.size) for b in done.blocks)
+    mine = (sent, wire, float(done.n_dense), float(done.dense_wire),
+            float(done.n_params), float(done.n_compressed),
+            float(done.param_bytes), float(intra_bytes))
+    sums = [sum(col) for col in zip(*layout.intra_comm.allgather(mine))]
+    sent, wire, n_dense, dense_wire, n_params, n_comp, pbytes, intra = sums
+    per_node = (sent + n_dense * q) / q
+    inter = (q - 1) * wire / q + dense_wire  # each node sends
+    p = q * k
+    figures = {
+        'vgc/compression': n_params / per_node if per_node else
+        float('inf'),
+        'vgc/density': per_node / n_params if n_params else 0.0,
+        'vgc/bytes': inter / k,
+        'vgc/inter_node_bytes': inter,
+        'vgc/intra_node_bytes': intra / k,
+        'vgc/skipped': 0.0,
+        '_elements': sent + n_dense * q,
+        '_bytes': inter / k,
+        '_dense_bytes': 2.0 * (p - 1) * pbytes / p,
+        '_message_bits': 8.0 * wire,
+        '_message_elements': sent,
+    }
+    if sent:
+        figures['vgc/bits_per_element'] = 8.0 * wire / sent
+    if n_comp < n_params:
+        figures['vgc/dense_fraction'] = (n_params - n_comp) / n_params
+        if n_comp:
+            figures['vgc/compression_compressed'] = (
+                n_comp * q / sent if sent else float('inf'))
+    for key, value in figures.items():
+        if key.startswith('_'):
+            totals[key[1:]] = totals.get(key[1:], 0.0) + value
+    totals['steps'] += 1
+    totals['param_elements'] += n_params
+    extensions.report(figures, model, label)
+    return figures
