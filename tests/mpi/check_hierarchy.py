@@ -166,10 +166,94 @@ def check_node_statistics_are_those_of_the_node_batch():
         numpy.testing.assert_allclose(s, whole_s[n], rtol=1e-5, atol=1e-9)
 
 
+def check_snapshot_resumes_on_its_layout_only():
+    """A snapshot holds this rank's shard: resuming on the same layout
+    continues bit for bit; a flat run or another layout is refused,
+    naming both."""
+    kw = dict(min_size=20)
+
+    def steps(comm, model, ts):
+        for t in ts:
+            exchange(comm, model, rank_inputs(world.rank, t), t, False)
+            sgd(model)
+    comm = chainer_vgc.create_communicator('vgc', hierarchy='node',
+                                           ranks_per_node=K, **kw)
+    model = make()
+    steps(comm, model, range(4))
+    saved = chainer.serializers.DictionarySerializer()
+    comm.serialize_state(model, saved)
+    # (Chainer's DictionarySerializer keeps the residual arrays, not copies)
+    saved = {k: numpy.array(v, copy=True) for k, v in saved.target.items()}
+    arrays = {n: p.array.copy() for n, p in model.namedparams()}
+    steps(comm, model, range(6, 9))
+
+    def load(comm2, model2):
+        comm2.serialize_state(model2, chainer.serializers.NpzDeserializer(
+            saved))
+    again = make()
+    for n, p in again.namedparams():
+        p.array[...] = arrays[n]
+    comm2 = chainer_vgc.create_communicator('vgc', hierarchy='node',
+                                            ranks_per_node=K, **kw)
+    load(comm2, again)
+    steps(comm2, again, range(6, 9))
+    for (n, a), (_, b) in zip(sorted(model.namedparams()),
+                              sorted(again.namedparams())):
+        assert numpy.array_equal(a.array, b.array), n
+    here = '{} nodes x {} ranks, local rank {}'.format(Q, K, LOCAL)
+    others = [chainer_vgc.create_communicator('vgc', **kw)]
+    if K > 1:
+        others.append(chainer_vgc.create_communicator(
+            'vgc', hierarchy='node', ranks_per_node=1, **kw))
+    for other in others:
+        try:
+            load(other, make())
+        except ValueError as e:
+            assert here in str(e) and 'same layout' in str(e), str(e)
+        else:
+            raise AssertionError('a snapshot of {} loaded on {}'.format(
+                here, type(other).__name__))
+
+
+def check_trains_with_statistics_and_double_buffering():
+    """The optimizer wrappers drive it as the flat communicator (per-sample
+    statistics from the backward; double buffering): the ranks stay
+    equal, the loss falls, and the figures name inter- and intra-node
+    bytes."""
+    for double in (False, True):
+        comm = chainer_vgc.create_communicator(
+            'vgc', hierarchy='node', ranks_per_node=K, alpha=1.0)
+        model = L.Classifier(make())
+        opt = chainer_vgc.create_multi_node_optimizer(
+            chainer.optimizers.Adam(0.01), comm,
+            double_buffering=double).setup(model)
+        rng = numpy.random.default_rng(world.rank)
+        losses, obs = [], {}
+        reporter = chainer.reporter.Reporter()
+        reporter.add_observer('main', model)
+        for t in range(30):
+            x = rng.normal(size=(8, 20)).astype(numpy.float32)
+            y = (x[:, 0] > 0).astype(numpy.int32) + (x[:, 1] > 1)
+            with reporter.scope(obs):
+                opt.update(model, x, y)
+            losses.append(float(model.loss.array))
+        if double:
+            opt.wait()
+        assert numpy.mean(losses[-5:]) < numpy.mean(losses[:5]), losses
+        sums = world.allgather([p.array.tobytes() for _, p in
+                                sorted(model.namedparams())])
+        assert all(x == sums[0] for x in sums)
+        assert obs['vgc/inter_node_bytes'] > 0 or Q == 1, obs
+        assert (obs['vgc/intra_node_bytes'] > 0) == (K > 1), obs
+
+
 def main():
     import runner
     runner.run([check_node_statistics_are_those_of_the_node_batch,
-                check_equals_flat_run_of_node_workers], 'hierarchy')
+                check_equals_flat_run_of_node_workers,
+                check_snapshot_resumes_on_its_layout_only,
+                check_trains_with_statistics_and_double_buffering],
+               'hierarchy')
 
 
 if __name__ == '__main__':
