@@ -81,6 +81,11 @@ class VGCCommunicator(Collectives):
         cuda_aware_mpi: declare that MPI accepts device pointers; by
             default (False) every collective on GPU arrays goes through
             host memory (the compressed exchange always does).
+        dense_fallback: None (off), or a step predicted faster dense (Sec.
+            5, from this step's counts) is sent dense, as a warm-up step:
+            True (the link measured at the first exchange), a bandwidth
+            (``'1Gbit'``), or :class:`~chainer_vgc.fallback.DenseFallback`
+            arguments (a dict) or object; see :mod:`chainer_vgc.fallback`.
         **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
             ``bucket``, ``seed``, ``quantize``, ...), with a method name.
 
@@ -128,7 +133,7 @@ class VGCCommunicator(Collectives):
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
                  resume_other_method=False, cuda_aware_mpi=False,
                  exclude=None, min_size=0, warmup=0, alpha_ramp=None,
-                 dense_dtype=None, **hyperparams):
+                 dense_dtype=None, dense_fallback=None, **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm, allgatherv,
                                               chunk_words, cuda_aware_mpi)
         # checked here, on construction
@@ -136,7 +141,8 @@ class VGCCommunicator(Collectives):
             method, rank=self.rank, exclude=exclude, min_size=min_size,
             warmup=warmup, alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
             uncovered=uncovered, max_memory=max_memory,
-            resume_other_method=resume_other_method, **hyperparams)
+            resume_other_method=resume_other_method,
+            dense_fallback=dense_fallback, **hyperparams)
         self._unbound = self._current  # the first model's
         self._states = weakref.WeakKeyDictionary()
         self._met = 0  # models met so far (a state's index)

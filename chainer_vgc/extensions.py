@@ -93,19 +93,22 @@ def new_totals():
     """Run totals: steps, elements (all ranks), bytes and dense_bytes (per
     rank), skipped exchanges, param_elements (parameters x steps),
     message_bits and message_elements (all ranks' messages, and the
-    elements they carried)."""
+    elements they carried), dense_steps (sent dense by the fallback)."""
     return {'steps': 0.0, 'elements': 0.0, 'bytes': 0.0, 'dense_bytes': 0.0,
             'skipped': 0.0, 'param_elements': 0.0, 'message_bits': 0.0,
+            'dense_steps': 0.0,
             'message_elements': 0.0}
 
 
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
-                observer=None, label=None, **dense):
+                observer=None, label=None, extra=None, **dense):
     """Add one exchange to ``totals``, report its figures with
     ``chainer.reporter`` (:func:`report`: ``observer``, ``label``) and
     return them (``elements``: per message, when already counted;
-    ``param_bytes`` and ``dense``: see :func:`step_figures`)."""
+    ``param_bytes`` and ``dense``: see :func:`step_figures`; ``extra``:
+    more figures, '_' keys adding to the totals too)."""
     figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
+    figures.update(extra or {})
     for key, value in figures.items():
         if key.startswith('_'):  # (totals of older snapshots lack some)
             totals[key[1:]] = totals.get(key[1:], 0.0) + value

@@ -29,6 +29,17 @@ class SkippedStep(Exception):
         self.ranks = ranks
 
 
+class DenseStep(Exception):
+    """Every rank's counts predict the compressed exchange slower than
+    a dense allreduce (:mod:`chainer_vgc.fallback`): raised at the first
+    agreement, before any state moves; the step is sent dense.
+    ``choice``: the prediction."""
+
+    def __init__(self, choice):
+        super(DenseStep, self).__init__('sent dense: {}'.format(choice))
+        self.choice = choice
+
+
 class InputFault(FloatingPointError):
     """A NaN/Inf gradient or sum of squares (not an overflow)."""
 

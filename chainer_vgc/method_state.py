@@ -24,10 +24,12 @@ import numpy
 
 from chainer_vgc import backend
 from chainer_vgc import extensions
+from chainer_vgc import fallback
 from chainer_vgc import groups
 from chainer_vgc import native
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
+from chainer_vgc.rules import CompressionRule
 
 #: ``uncovered``: what to do with parameters the statistics do not cover
 UNCOVERED = ('error', 'bruteforce', 'dense')
@@ -52,11 +54,21 @@ class MethodState(object):
     def __init__(self, method='vgc', rank=0, exclude=None, min_size=0,
                  warmup=0, alpha_ramp=None, dense_dtype=None,
                  uncovered='error', max_memory=None,
-                 resume_other_method=False, **hyperparams):
+                 resume_other_method=False, dense_fallback=None,
+                 **hyperparams):
         if uncovered not in UNCOVERED:
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
                              "'dense', got {!r}".format(uncovered))
         self.base_rule = groups.make_rule(method, hyperparams)
+        #: None, or the :class:`~chainer_vgc.fallback.DenseFallback`
+        self.fallback = fallback.make(dense_fallback)
+        self.dense_fallback = dense_fallback
+        if self.fallback is not None and \
+                type(self.base_rule).count is CompressionRule.count:
+            raise ValueError(
+                'dense_fallback needs a rule that counts what it would send '
+                '(CompressionRule.count: vgc, hybrid, strom); {!r} does not'
+                .format(self.base_rule.name))
         self.method = self.base_rule.name
         self.hyperparams = dict(hyperparams)
         self.method_arg = method
@@ -102,7 +114,8 @@ class MethodState(object):
                     warmup=self.warmup, alpha_ramp=self.alpha_ramp,
                     dense_dtype=self.dense_dtype, uncovered=self.uncovered,
                     max_memory=self.max_memory,
-                    resume_other_method=self.resume_other_method)
+                    resume_other_method=self.resume_other_method,
+                    dense_fallback=self.dense_fallback)
 
     # -- what this step does --------------------------------------------------
     @property
@@ -229,7 +242,8 @@ class MethodState(object):
                      [(n, tuple(p.shape), str(p.dtype))
                       for n, p in zip(names, params)],
                      (sorted(dense), self.warmup, self.alpha_ramp,
-                      str(self.dense_dtype), self.uncovered))
+                      str(self.dense_dtype), self.uncovered,
+                      self.fallback and self.fallback.describe()))
         everyone = collectives.allgather_obj(signature)
         diffs = [r for r, sig in enumerate(everyone) if sig != everyone[0]]
         if diffs:

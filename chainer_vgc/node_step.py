@@ -135,17 +135,18 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
         node's rank of this shard: all shards decide alike."""
         everyone = collectives.allgather_obj(obj)
         worst = [0] * layout.nodes
-        for r, (code, _) in enumerate(everyone):
+        for r, entry in enumerate(everyone):
             node = layout.node_of[r]
-            worst[node] = max(worst[node], code)
-        return [(worst[layout.node_of[r]], everyone[r][1])
+            worst[node] = max(worst[node], entry[0])
+        return [(worst[layout.node_of[r]],) + tuple(everyone[r][1:])
                 for r in layout.peers]
 
     mine = [n for n, c in zip(names, compressed) if c and
             n in state.view.names]
     if any(compressed) and not mine:
         try:  # no compressed parameter here: agree all the same
-            faults.settle([c for c, _ in agree_on((faults.OK, ()))], None)
+            faults.settle([c[0] for c in agree_on((faults.OK, (), None))],
+                          None)
         except faults.SkippedStep as e:
             step.skip_step([p for _, p in state.view.namedparams()], e,
                        result, state, model)
@@ -165,7 +166,7 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
     intra += gather_means(layout, params, state.owners, zero_fill)
     t3 = time.perf_counter()
     result.figures = report_node_step(collectives, done, intra, totals,
-                                      model, state.label)
+                                      model, state.label, result.choice)
     result.timing = dict(result.timing, node_reduce=t1 - t0,
                          node_gather=t3 - t2)
     return result
@@ -298,19 +299,24 @@ def gather_means(layout, params, owner, zero_fill):
 
 
 # -- the figures --------------------------------------------------------------
-def report_node_step(collectives, done, intra_bytes, totals, model, label):
+def report_node_step(collectives, done, intra_bytes, totals, model, label,
+                     choice=None):
     """The step's figures over the whole model (one small allgather inside
     the node): the flat figures of q workers, the node being the worker,
-    with ``vgc/bytes`` the bytes each rank sends between nodes."""
+    with ``vgc/bytes`` the bytes each rank sends between nodes.  With a
+    dense fallback (``choice``: this shard's), ``vgc/dense_steps`` is the
+    fraction of the node's shards sent dense."""
     layout = collectives.layout
     q, k = layout.nodes, layout.ranks_per_node
     sent = float(sum(done.elements or ()))
     wire = 4.0 * sum(int(b.size) for b in done.blocks)
     mine = (sent, wire, float(done.n_dense), float(done.dense_wire),
             float(done.n_params), float(done.n_compressed),
-            float(done.param_bytes), float(intra_bytes))
+            float(done.param_bytes), float(intra_bytes),
+            float(choice is not None and choice.dense))
     sums = [sum(col) for col in zip(*layout.intra_comm.allgather(mine))]
-    sent, wire, n_dense, dense_wire, n_params, n_comp, pbytes, intra = sums
+    sent, wire, n_dense, dense_wire, n_params, n_comp, pbytes, intra, \
+        dense_shards = sums
     per_node = (sent + n_dense * q) / q
     inter = (q - 1) * wire / q + dense_wire  # each node sends
     p = q * k
@@ -335,6 +341,9 @@ def report_node_step(collectives, done, intra_bytes, totals, model, label):
         if n_comp:
             figures['vgc/compression_compressed'] = (
                 n_comp * q / sent if sent else float('inf'))
+    if choice is not None:
+        figures['vgc/dense_steps'] = figures['_dense_steps'] = \
+            dense_shards / k
     for key, value in figures.items():
         if key.startswith('_'):
             totals[key[1:]] = totals.get(key[1:], 0.0) + value

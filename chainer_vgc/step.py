@@ -34,6 +34,8 @@ import numpy
 from chainer_vgc import backend
 from chainer_vgc import exchange
 from chainer_vgc import extensions
+from chainer_vgc import fallback
+from chainer_vgc import faults
 from chainer_vgc.faults import SkippedStep
 
 
@@ -49,6 +51,9 @@ class ExchangeResult(object):
         self.figures = {}
         self.skipped = False
         self.timing = {}
+        #: the dense fallback's :class:`~chainer_vgc.fallback.Choice`
+        #: (None without one)
+        self.choice = None
 
 
 class ExchangeHandle(object):
@@ -235,8 +240,10 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
             done.param_bytes, size=collectives.size,
             dense_elements=done.n_dense * collectives.size,
             dense_wire=done.dense_wire, n_compressed=done.n_compressed,
-            observer=model, label=state.label)
+            observer=model, label=state.label,
+            extra=fallback.figures(result.choice))
     return result
+
 
 
 class Groups(object):
@@ -276,7 +283,11 @@ def exchange_groups(collectives, state, model, zero_fill, sqsums, loss_scale,
         if out is None:  # skipped on every rank (reported)
             nan_grads([p for _, p in dense])
             return None
-        blocks, elements = out
+        if isinstance(out, faults.DenseStep):  # as a warm-up step
+            dense, compressed = sorted(compressed + dense,
+                                       key=lambda ip: ip[0]), []
+        else:
+            blocks, elements = out
     n_dense, dense_wire = collectives.dense_mean(
         [p for _, p in dense], zero_fill, state.dense_dtype)
     return Groups(compressed, dense, blocks, elements, n_dense, dense_wire)
@@ -312,6 +323,11 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     has_grad = tuple(g is not None for g in grads)
     present = []
     waited = [0.0]
+    rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
+    chooser, count, calls = state.fallback, None, []
+    if chooser is not None:
+        chooser.ensure_link(collectives.mpi_comm)
+        count = chooser.count(comp, rule_grads, rule_sqsums)
 
     def agree(code):
         """Every rank's fault code (one small allgather), with which
@@ -321,12 +337,21 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         Its seconds (mostly waiting for the slowest rank to arrive) are
         the ``agree`` phase, not ``compress``."""
         t = time.perf_counter()
-        both = agree_on((int(code), has_grad))
-        present[:] = [any(bits) for bits in zip(*(b for _, b in both))]
+        both = agree_on((int(code), has_grad, count))
+        present[:] = [any(bits) for bits in zip(*(b for _, b, _ in both))]
         waited[0] += time.perf_counter() - t
-        return [c for c, _ in both]
+        codes = [c for c, _, _ in both]
+        calls.append(code)
+        if chooser is not None and len(calls) == 1 and not any(codes):
+            choice = chooser.choose(
+                [n for _, _, n in both],
+                8.0 * sum(p.size * p.dtype.itemsize for p in params),
+                fallback.bits_per_element(result.totals))
+            if choice.dense:  # (before any state moves)
+                raise faults.DenseStep(choice)
+            result.choice = choice
+        return codes
 
-    rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
     t0 = time.perf_counter()
     try:
         message = comp.compress(rule_grads, rule_sqsums, copy=False,
@@ -334,6 +359,9 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     except SkippedStep as e:
         skip_step(params, e, result, state, model)
         return None
+    except faults.DenseStep as e:
+        result.choice = e.choice
+        return e
     t1 = time.perf_counter()
     # the message is in host memory on every path (codec.pack): MPI never
     # sees a device pointer; the blocks stay on the host, where the

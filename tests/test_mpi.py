@@ -193,3 +193,14 @@ def test_hierarchical_exchange_equals_flat_run_of_node_workers(p, k):
     nodes' g and s; the node's g and s equal those of one batch of kB."""
     run_ok(p, 'check_hierarchy.py', k, expect='hierarchy OK at p={}'
            .format(p), timeout=180)
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_dense_fallback(p):
+    """Steps predicted slower compressed (Sec. 5, this step's counts,
+    emulated workers) are sent dense as warm-up steps: bit for bit the
+    run of 'vgc' on the other steps and 'none' on these; a tiny c
+    against 1024 workers is a warm-up of every step; hierarchical
+    shards and the measured link agree on every rank."""
+    run_ok(p, 'check_fallback.py', expect='fallback OK at p={}'.format(p),
+           timeout=180)

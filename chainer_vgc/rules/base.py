@@ -75,6 +75,12 @@ class CompressionRule(object):
         False)."""
         raise NotImplementedError
 
+    def count(self, grad, sqsum, state):
+        """How many elements :meth:`compress` would send now, without
+        changing ``state`` (None: this rule cannot tell; a dense fallback,
+        :mod:`chainer_vgc.fallback`, then needs one that can)."""
+        return None
+
     def __repr__(self):
         args = ', '.join('{}={!r}'.format(k, v)
                          for k, v in sorted(self.hyperparams().items()))
@@ -120,6 +126,17 @@ def check_int(name, value, low, high):
         raise ValueError('{} must be an integer in {}..{}, got {!r}'.format(
             name, low, high, value))
     return int(value)
+
+
+def accumulated(grad, sqsum, state):
+    """(r + grad, v + sqsum) as new arrays in the state's dtype, the state
+    unchanged (v: None without a sum of squares or a v)."""
+    r = state['r']
+    r = r + grad.reshape(-1).astype(r.dtype, copy=False)
+    v = state.get('v')
+    if v is not None and sqsum is not None:
+        v = v + sqsum.reshape(-1).astype(v.dtype, copy=False)
+    return r, v
 
 
 def residual_state(size, dtype, xp, names):

@@ -74,6 +74,14 @@ class Hybrid(base.CompressionRule):
         v *= zeta
         return sign
 
+    def count(self, grad, sqsum, state):
+        """Elements past both thresholds now, the state unchanged."""
+        r, v = base.accumulated(grad, sqsum, state)
+        tau = codec.wire_scale(self.tau, r.dtype)
+        xp = backend.get_array_module(r)
+        return int(((xp.abs(r) > tau) &
+                    (r * r > r.dtype.type(self.alpha) * v)).sum())
+
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, sqsum, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,

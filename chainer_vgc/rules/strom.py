@@ -47,6 +47,12 @@ class Strom(base.CompressionRule):
         r[index] = numpy.where(positive, r[index] - tau, r[index] + tau)
         return sign
 
+    def count(self, grad, sqsum, state):
+        """Elements past tau now, the state unchanged."""
+        r, _ = base.accumulated(grad, None, state)
+        xp = backend.get_array_module(r)
+        return int((xp.abs(r) > codec.wire_scale(self.tau, r.dtype)).sum())
+
     def compress(self, tensor_id, grad, sqsum, state):
         sign = self.step(grad, state)
         return codec.pow2_sign_group(tensor_id, sign, self.tau,

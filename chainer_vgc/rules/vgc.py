@@ -89,6 +89,12 @@ class VGC(base.CompressionRule):
         v *= zeta  # selected elements are reset (or kept) by compress()
         return sel
 
+    def count(self, grad, sqsum, state):
+        """Elements that pass eq. (4) now (those quantization drops
+        included), the state unchanged."""
+        r, v = base.accumulated(grad, sqsum, state)
+        return int((r * r > r.dtype.type(self.alpha) * v).sum())
+
     def compress(self, tensor_id, grad, sqsum, state):
         r, v = state['r'], state['v']
         xp = backend.get_array_module(r)
