@@ -328,6 +328,27 @@ class Runbook(object):
                   lines[-1][len('RESULT '):] if lines else
                   'exit status {}'.format(code))
 
+    # 8
+    def hierarchy(self):
+        """The hierarchical communicator with its models and gradients on
+        the device: 4 ranks sharing the GPU as 2 nodes of 2, bit for bit
+        the flat run of 2 node-workers, and a snapshot resumed."""
+        mpiexec = os.path.join(self.venv, 'bin', 'mpiexec')
+        cmd = [mpiexec, '-n', '4', self.py,
+               os.path.join(REPO, 'tests', 'mpi', 'check_hierarchy.py'),
+               '2', 'check_equals_flat_run_of_node_workers',
+               'check_snapshot_resumes_on_its_layout_only']
+        env = dict(self.env())
+        if not self.args.dry:
+            env['VGC_CHECK_DEVICE'] = '@cupy:0'
+        code, text = self.call(cmd, 600, env)
+        ok = code == 0 and 'hierarchy OK at p=4' in text
+        self.step('hierarchy', ok, '2 nodes x 2 ranks on {}: {}'.format(
+            'the CPU' if self.args.dry else 'the GPU',
+            'equal to the flat run of 2 node-workers, 5 settings x 9 '
+            'steps; snapshot resumed' if ok else
+            'exit status {}'.format(code)))
+
     def run(self):
         self.say('GPU runbook{}: bundle {}, Python {}'.format(
             ' (DRY: no GPU, the fake CuPy)' if self.args.dry else '',
@@ -340,7 +361,8 @@ class Runbook(object):
             plan = [('gpu_check', self.gpu_check), ('train', self.train),
                     ('vgg_step', lambda: self.own_step('vgg_step', 900)),
                     ('steps', lambda: self.own_step('steps', 900)),
-                    ('statistics', lambda: self.own_step('statistics', 600))]
+                    ('statistics', lambda: self.own_step('statistics', 600)),
+                    ('hierarchy', self.hierarchy)]
             for name, step in plan:
                 if self.args.only is None or name in self.args.only:
                     step()
@@ -713,7 +735,7 @@ def main(argv=None):
                    'later are cut, and the summary still prints')
     r.add_argument('--only', nargs='+', default=None, metavar='STEP',
                    choices=('gpu_check', 'train', 'vgg_step', 'steps',
-                            'statistics'),
+                            'statistics', 'hierarchy'),
                    help='run these steps only (after venv and imports), '
                    'to rerun what failed')
     for name in ('vgg-step', 'steps', 'statistics'):

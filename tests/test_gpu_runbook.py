@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNBOOK = os.path.join(ROOT, 'benchmarks', 'gpu_runbook.py')
 STEPS = ['venv', 'imports', 'gpu_check', 'train/none', 'train/vgc',
-         'train/hybrid', 'vgg_step', 'steps', 'statistics']
+         'train/hybrid', 'vgg_step', 'steps', 'statistics', 'hierarchy']
 
 
 @pytest.mark.install
@@ -73,6 +73,8 @@ def test_bundle_then_dry_run_passes_every_step(tmp_path):
                      text)
     assert re.search(r'PASS statistics: 228 statistics of 3 models from the '
                      r'same inputs, device vs CPU and hook: all equal', text)
+    assert 'PASS hierarchy: 2 nodes x 2 ranks on the CPU: equal to the ' \
+        'flat run of 2 node-workers' in text
 
 
 def test_steps_catch_a_flipped_bit():

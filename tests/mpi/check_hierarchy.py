@@ -2,8 +2,11 @@
 hierarchical communicator (nodes of k emulated ranks) against its oracle,
 the flat communicator run by q = p/k workers whose gradients and sums of
 squares are their nodes' (g = sum g_i / k, s = sum s_i / k**2: one worker
-of batch kB).  Prints 'hierarchy OK at p=P'."""
+of batch kB).  Prints 'hierarchy OK at p=P'.  With VGC_CHECK_DEVICE (a
+Chainer device, '@cupy:0': the GPU runbook) the models and gradients of
+the exchange checks live there."""
 
+import os
 import sys
 
 import chainer
@@ -21,6 +24,7 @@ K = int(sys.argv.pop(1))  # (the rest: check names, for runner.run)
 Q = world.size // K
 NODE, LOCAL = world.rank // K, world.rank % K
 STEPS = 9
+DEVICE = os.environ.get('VGC_CHECK_DEVICE')
 NAN_STEP = 5  # a NaN on the last rank: every rank skips it
 
 
@@ -39,7 +43,15 @@ class Net(chainer.Chain):
 
 def make():
     numpy.random.seed(0)
-    return Net()
+    net = Net()
+    if DEVICE:
+        net.to_device(DEVICE)
+        assert net.l1.W.xp is not numpy, DEVICE  # (really there)
+    return net
+
+
+def host(a):
+    return chainer.backend.CpuDevice().send(a)
 
 
 def rank_inputs(rank, step):
@@ -70,8 +82,9 @@ def exchange(comm, model, inputs, step, background):
     g, s = inputs
     names, params = model_params(model)
     for n, p in zip(names, params):
-        p.grad = g[n].copy()
-    handle = comm.exchange_async(model, sqsums=[s[n] for n in names],
+        p.grad = p.xp.array(g[n])
+    sqsums = [p.xp.asarray(s[n]) for n, p in zip(names, params)]
+    handle = comm.exchange_async(model, sqsums=sqsums,
                                  loss_scale=8.0 if step % 3 == 1 else None,
                                  background=background)
     result = handle.wait()
@@ -83,7 +96,7 @@ def exchange(comm, model, inputs, step, background):
 
 def sgd(model):
     for _, p in model.namedparams():
-        if numpy.isfinite(p.grad).all():
+        if bool(p.xp.isfinite(p.grad).all()):
             p.array -= 0.1 * p.grad
 
 
@@ -116,7 +129,7 @@ def check_equals_flat_run_of_node_workers():
                 assert rf.skipped == rh.skipped
                 for (n, a), (_, b) in zip(sorted(model.namedparams()),
                                           sorted(flat_model.namedparams())):
-                    assert numpy.array_equal(a.grad, b.grad,
+                    assert numpy.array_equal(host(a.grad), host(b.grad),
                                              equal_nan=True), (method, t, n)
                 if not rh.skipped and method != 'none':
                     fh, ff = rh.figures, rf.figures
@@ -127,7 +140,7 @@ def check_equals_flat_run_of_node_workers():
             sgd(model)
             if flat_model is not None:
                 sgd(flat_model)
-            sums = world.allgather([p.array.tobytes() for _, p in
+            sums = world.allgather([host(p.array).tobytes() for _, p in
                                     sorted(model.namedparams())])
             assert all(x == sums[0] for x in sums), (method, t)
         # (a skipped step is not counted)
@@ -183,8 +196,9 @@ def check_snapshot_resumes_on_its_layout_only():
     saved = chainer.serializers.DictionarySerializer()
     comm.serialize_state(model, saved)
     # (Chainer's DictionarySerializer keeps the residual arrays, not copies)
-    saved = {k: numpy.array(v, copy=True) for k, v in saved.target.items()}
-    arrays = {n: p.array.copy() for n, p in model.namedparams()}
+    saved = {k: numpy.array(host(v), copy=True)
+             for k, v in saved.target.items()}
+    arrays = {n: host(p.array).copy() for n, p in model.namedparams()}
     steps(comm, model, range(6, 9))
 
     def load(comm2, model2):
@@ -192,14 +206,14 @@ def check_snapshot_resumes_on_its_layout_only():
             saved))
     again = make()
     for n, p in again.namedparams():
-        p.array[...] = arrays[n]
+        p.array[...] = p.xp.asarray(arrays[n])
     comm2 = chainer_vgc.create_communicator('vgc', hierarchy='node',
                                             ranks_per_node=K, **kw)
     load(comm2, again)
     steps(comm2, again, range(6, 9))
     for (n, a), (_, b) in zip(sorted(model.namedparams()),
                               sorted(again.namedparams())):
-        assert numpy.array_equal(a.array, b.array), n
+        assert numpy.array_equal(host(a.array), host(b.array)), n
     here = '{} nodes x {} ranks, local rank {}'.format(Q, K, LOCAL)
     others = [chainer_vgc.create_communicator('vgc', **kw)]
     if K > 1:
