@@ -16,7 +16,8 @@ So, on every rank:
    quantized as the flat exchange would, Sec. 4.2);
 2. inside the node, one dense reduce-scatter (``Alltoallv``, then the sum
    in local-rank order): each local rank holds its node's g and s of the
-   parameters it owns (:func:`reduce_to_owners`);
+   parameters it owns (:func:`chainer_vgc.node_transfer.
+   reduce_to_owners`);
 3. each local rank runs the flat exchange (:func:`chainer_vgc.step.
    exchange_groups`) on its shard, with its shard's residuals, among the
    ranks of the same local index on the q = p/k nodes: allgatherv of the
@@ -24,7 +25,7 @@ So, on every rank:
    faults over every rank (one small allgather, as the flat exchange),
    so a non-finite gradient anywhere skips the step everywhere;
 4. inside the node, an allgather of the shards' means
-   (:func:`gather_means`).
+   (:func:`chainer_vgc.node_transfer.gather_means`).
 
 The result is VGC with q workers of batch kB, bit for bit
 (tests/mpi/check_hierarchy.py).  Reported: the flat figures over the q
@@ -35,12 +36,10 @@ node).
 
 import time
 
-import numpy
-
-from chainer_vgc import backend
 from chainer_vgc import extensions
 from chainer_vgc import faults
 from chainer_vgc import node_layout
+from chainer_vgc import node_transfer
 from chainer_vgc import step
 from chainer_vgc.method_state import MethodState
 from chainer_vgc.method_state import initialized_params
@@ -71,6 +70,7 @@ class NodeMethodState(MethodState):
         self.whole = None  # (names, dense) of the whole model
         self.view = None
         self.owners = None  # each initialized parameter's local rank
+        self.node_work = node_transfer.NodeWork()
 
     def dense_group(self, model):
         whole = getattr(model, 'whole', None)
@@ -123,8 +123,9 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
         sqsums = [by_name[n] for n in names]
     need_s = [c and sqsums is not None for c in compressed]
     t0 = time.perf_counter()
-    shard_s, intra = reduce_to_owners(layout, params, state.owners, sqsums,
-                                      need_s, zero_fill)
+    shard_s, flags, intra = node_transfer.reduce_to_owners(
+        layout, params, state.owners, sqsums, need_s, zero_fill,
+        state.node_work)
     t1 = time.perf_counter()
     view_names = model_params(state.view)[0]
     by_name = dict(zip(names, shard_s))
@@ -163,139 +164,14 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
     if done is None:  # skipped on every rank
         step.nan_grads(params)
         return result
-    intra += gather_means(layout, params, state.owners, zero_fill)
+    intra += node_transfer.gather_means(layout, params, state.owners, flags,
+                                        zero_fill)
     t3 = time.perf_counter()
     result.figures = report_node_step(collectives, done, intra, totals,
                                       model, state.label, result.choice)
     result.timing = dict(result.timing, node_reduce=t1 - t0,
                          node_gather=t3 - t2)
     return result
-
-
-# -- inside the node ----------------------------------------------------------
-def _padded(nbytes):
-    return (nbytes + 7) // 8 * 8
-
-
-def _plan(params, owner, need_s, k):
-    """Per local rank: [(index, offset of g, offset of s or None)] and the
-    bytes of its chunk (each array padded to 8 bytes, then one flag byte
-    per parameter)."""
-    plans, sizes = [], []
-    for j in range(k):
-        entries, off = [], 0
-        for i, p in enumerate(params):
-            if owner[i] != j:
-                continue
-            nb = _padded(p.size * p.dtype.itemsize)
-            s_off = off + nb if need_s[i] else None
-            entries.append((i, off, s_off))
-            off += nb * (2 if need_s[i] else 1)
-        plans.append(entries)
-        sizes.append(_padded(off + len(entries)))
-    return plans, sizes
-
-
-def _put(buf, off, array, dtype):
-    host = numpy.ascontiguousarray(backend.to_numpy(array), dtype=dtype)
-    buf[off:off + host.nbytes] = host.reshape(-1).view(numpy.uint8)
-
-
-def _get(buf, off, p):
-    nb = p.size * p.dtype.itemsize
-    return buf[off:off + nb].view(p.dtype)
-
-
-def reduce_to_owners(layout, params, owner, sqsums, need_s, zero_fill):
-    """The node's g (into each owned ``param.grad``) and s (returned, per
-    parameter; None where not owned or not needed): one ``Alltoallv``
-    inside the node, then :func:`node_mean`.  A gradient missing on a rank
-    counts as zeros; one missing on every rank of the node stays None
-    unless ``zero_fill``.  Returns (s, bytes this rank sent)."""
-    from mpi4py import MPI
-    k, me = layout.ranks_per_node, layout.local_rank
-    plans, sizes = _plan(params, owner, need_s, k)
-    send = numpy.zeros(sum(sizes), dtype=numpy.uint8)
-    base = 0
-    for j in range(k):
-        flags = base + sizes[j] - _padded(len(plans[j]))
-        for m, (i, g_off, s_off) in enumerate(plans[j]):
-            p = params[i]
-            if p.grad is not None:
-                _put(send, base + g_off, p.grad, p.dtype)
-                send[flags + m] = 1
-                if s_off is not None and sqsums[i] is not None:
-                    _put(send, base + s_off, sqsums[i], p.dtype)
-        base += sizes[j]
-    recv = numpy.empty((k, sizes[me]), dtype=numpy.uint8)
-    if k > 1:
-        displs = numpy.cumsum([0] + sizes[:-1])
-        layout.intra_comm.Alltoallv(
-            [send, (sizes, displs), MPI.BYTE],
-            [recv, ([sizes[me]] * k, [sizes[me] * j for j in range(k)]),
-             MPI.BYTE])
-    else:
-        recv[0] = send
-    out = [None] * len(params)
-    flags = sizes[me] - _padded(len(plans[me]))
-    for m, (i, g_off, s_off) in enumerate(plans[me]):
-        p = params[i]
-        if not recv[:, flags + m].any() and not zero_fill:
-            p.grad = None
-            continue
-        g = node_mean([_get(recv[j], g_off, p) for j in range(k)], k)
-        with backend.device_scope(p.array):
-            p.grad = p.xp.asarray(g.reshape(p.shape))
-        if s_off is not None:
-            s = node_mean([_get(recv[j], s_off, p) for j in range(k)],
-                          k * k)
-            with backend.device_scope(p.array):
-                out[i] = p.xp.asarray(s.reshape(p.shape))
-    return out, sum(sizes) - sizes[me]
-
-
-def node_mean(parts, divisor):
-    """(parts[0] + parts[1] + ... ) / divisor, summed in this order in the
-    parts' dtype: the one definition of a node's g (divisor k) and s
-    (divisor k**2); the tests' flat runs use it too."""
-    total = numpy.array(parts[0], copy=True)
-    for part in parts[1:]:
-        total += part
-    total /= total.dtype.type(divisor)
-    return total
-
-
-def gather_means(layout, params, owner, zero_fill):
-    """Every shard's mean to every rank of the node (one ``Allgatherv``);
-    returns the bytes this rank sent."""
-    from mpi4py import MPI
-    k, me = layout.ranks_per_node, layout.local_rank
-    if k == 1:
-        return 0
-    plans, sizes = _plan(params, owner, [False] * len(params), k)
-    mine = numpy.zeros(sizes[me], dtype=numpy.uint8)
-    flags = sizes[me] - _padded(len(plans[me]))
-    for m, (i, off, _) in enumerate(plans[me]):
-        p = params[i]
-        if p.grad is not None:
-            _put(mine, off, p.grad, p.dtype)
-            mine[flags + m] = 1
-    recv = numpy.empty(sum(sizes), dtype=numpy.uint8)
-    displs = numpy.cumsum([0] + sizes[:-1])
-    layout.intra_comm.Allgatherv(mine, [recv, (sizes, displs), MPI.BYTE])
-    for j in range(k):
-        if j == me:
-            continue
-        part = recv[displs[j]:displs[j] + sizes[j]]
-        flags = sizes[j] - _padded(len(plans[j]))
-        for m, (i, off, _) in enumerate(plans[j]):
-            p = params[i]
-            if not part[flags + m]:
-                p.grad = None if not zero_fill else p.xp.zeros_like(p.array)
-                continue
-            with backend.device_scope(p.array):
-                p.grad = p.xp.asarray(_get(part, off, p).reshape(p.shape))
-    return (k - 1) * sizes[me]
 
 
 # -- the figures --------------------------------------------------------------
