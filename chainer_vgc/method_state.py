@@ -206,10 +206,12 @@ class MethodState(object):
         self.skipped, self.last_timing = skipped, timing
 
     # -- set-up and consistency ----------------------------------------------
-    def setup(self, model, collectives):
+    def setup(self, model, collectives, ranks_here=None):
         """Build the compressor for ``model`` and check that every rank has
         the same model (names, shapes, dtypes), method, transport, dense
         group and warm-up (one allgather of ``collectives``).
+        ``ranks_here``: the ranks sharing this rank's cores (default:
+        ``collectives.intra_size``), which divide the native threads.
 
         Raises ValueError on every rank otherwise.  Called by every
         exchange (a no-op while nothing changed) and before loading state.
@@ -230,7 +232,8 @@ class MethodState(object):
                     "dense_dtype='float16' would round the float64 "
                     'parameters {} of the dense group to float16; use '
                     'dense_dtype=None for this model'.format(wide))
-        self._build(names, params, dense, collectives.intra_size)
+        self._build(names, params, dense,
+                    ranks_here or collectives.intra_size)
 
     def check_ranks(self, names, params, dense, collectives):
         """Every rank of ``collectives`` has the same model (``names``,

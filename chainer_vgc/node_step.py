@@ -102,7 +102,10 @@ class NodeMethodState(MethodState):
                 n for n, j in zip(names, self.owners)
                 if j == layout.local_rank])
             self.whole = (names, dense)
-        self.setup(self.view, collectives.inter)
+        # (the ranks of this node share its cores: those of the shard's
+        # collectives are on other nodes)
+        self.setup(self.view, collectives.inter,
+                   collectives.layout.ranks_per_node)
 
 
 def run_node_exchange(collectives, state, model, zero_fill, sqsums,
