@@ -121,6 +121,10 @@ class VGCCommunicator(Collectives):
                             'the per-sample statistics')
     warming_up = _of_state('warming_up', 'whether the next exchange is a '
                            'warm-up (dense) one')
+    compressed_elements = _of_state('compressed_elements', 'elements of '
+                                    'the whole compressed group')
+    workers = _of_state('workers', 'the workers the exchange averages over '
+                        '(None: the ranks)')
 
     #: the method state's class, and the exchange's function (see
     #: :func:`chainer_vgc.step.exchange_async`'s ``run``): the

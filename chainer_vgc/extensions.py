@@ -209,9 +209,13 @@ class CompressionReport(extension.Extension):
             return self.communicator
         return self.communicator.state(self.model)
 
+    def _workers(self, st):
+        # (hierarchy='node': the nodes are the workers)
+        return getattr(st, 'workers', None) or self.communicator.size
+
     def summary(self):
         st = self._state()
-        return run_summary(st.totals, st.compressor, self.communicator.size)
+        return run_summary(st.totals, st.compressor, self._workers(st))
 
     def __call__(self, trainer):
         out = self.summary()
@@ -222,7 +226,7 @@ class CompressionReport(extension.Extension):
         self._last = now
         steps, elements, params = (a - b for a, b in zip(now, before))
         if steps:
-            per_rank = elements / self.communicator.size
+            per_rank = elements / self._workers(st)
             out['vgc/interval_compression'] = (
                 params / per_rank if per_rank else float('inf'))
         label = getattr(st, 'label', None)

@@ -305,6 +305,18 @@ class MethodState(object):
                     state[...] = p.xp.asarray(arr).reshape(
                         state.shape).astype(state.dtype)
 
+    @property
+    def compressed_elements(self):
+        """Elements of the compressed group (0 before the first set-up)."""
+        return self.compressor.n_params if self.compressor is not None \
+            else 0
+
+    @property
+    def workers(self):
+        """How many workers the exchange averages over (None: the
+        communicator's ranks; a node's shard: the nodes)."""
+        return None
+
     def residuals(self):
         """{parameter name: {state key: array}} of the residuals held (or,
         loaded from a snapshot and not installed yet, those)."""

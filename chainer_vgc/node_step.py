@@ -71,6 +71,7 @@ class NodeMethodState(MethodState):
         self.view = None
         self.owners = None  # each initialized parameter's local rank
         self.node_work = node_transfer.NodeWork()
+        self._whole_compressed, self._nodes = 0, None
 
     def dense_group(self, model):
         whole = getattr(model, 'whole', None)
@@ -85,6 +86,15 @@ class NodeMethodState(MethodState):
         names, dense = self.whole
         return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
                 and steps >= self.warmup and len(dense) < len(names))
+
+    @property
+    def compressed_elements(self):
+        """Elements of the whole model's compressed group (every shard's)."""
+        return self._whole_compressed
+
+    @property
+    def workers(self):
+        return self._nodes
 
     def setup_node(self, model, collectives):
         """Check the whole model on every rank (one allgather, when it
@@ -102,6 +112,9 @@ class NodeMethodState(MethodState):
                 n for n, j in zip(names, self.owners)
                 if j == layout.local_rank])
             self.whole = (names, dense)
+            self._whole_compressed = sum(p.size for n, p in zip(names, params)
+                                         if n not in dense)
+            self._nodes = layout.nodes
         # (the ranks of this node share its cores: those of the shard's
         # collectives are on other nodes)
         self.setup(self.view, collectives.inter,

@@ -224,6 +224,18 @@ def add_group_args(p):
                    'from ALPHA0 to --alpha over STEPS exchanges')
     g.add_argument('--dense-dtype', choices=('float16',), default=None,
                    help='send the dense group in float16 (one allreduce)')
+    g.add_argument('--hierarchy', choices=('node',), default=None,
+                   help="node: each node's ranks act as one worker of "
+                   'their joint batch (dense inside the node, compressed '
+                   'between nodes)')
+    g.add_argument('--ranks-per-node', type=count, default=None,
+                   metavar='K', help='with --hierarchy node: groups of K '
+                   "consecutive ranks are the nodes (default: MPI's "
+                   'shared-memory split)')
+    g.add_argument('--dense-fallback', default=None, metavar='BANDWIDTH',
+                   help="send a step dense when Sec. 5 predicts it faster "
+                   "on links of BANDWIDTH ('1Gbit'; 'measure': measured "
+                   'at the first exchange)')
 
 
 def epoch_steps(epochs, train, size, batchsize, seed=0):
@@ -251,7 +263,22 @@ def group_kwargs(args, train, size):
     return dict(exclude=list(args.exclude) or None,
                 min_size=args.exclude_small, uncovered=args.uncovered,
                 warmup=warmup, alpha_ramp=args.alpha_ramp,
-                dense_dtype=args.dense_dtype)
+                dense_dtype=args.dense_dtype, **_layout_kwargs(args))
+
+
+def _layout_kwargs(args):
+    """--hierarchy, --ranks-per-node and --dense-fallback, where given
+    (a flat run without them passes none, as before)."""
+    kw = {}
+    if getattr(args, 'hierarchy', None):
+        kw['hierarchy'] = args.hierarchy
+        kw['ranks_per_node'] = args.ranks_per_node
+    elif getattr(args, 'ranks_per_node', None):
+        raise ValueError('--ranks-per-node needs --hierarchy node')
+    fallback = getattr(args, 'dense_fallback', None)
+    if fallback:
+        kw['dense_fallback'] = True if fallback == 'measure' else fallback
+    return kw
 
 
 # -- the run ------------------------------------------------------------------
@@ -492,15 +519,16 @@ def compressed_group_summary(comm, n_params):
     initialized before training)."""
     tot = comm.totals
     steps = int(tot['steps'])
-    n_c = comm.compressor.n_params if comm.compressor is not None else 0
+    n_c = comm.compressed_elements
+    workers = comm.workers or comm.size  # (hierarchy='node': the nodes)
     if not steps or not n_c or (n_c == n_params and not comm.warmup):
         return {}
     warm = min(comm.warmup, steps)
     exchanges = steps - warm
     # every rank sends its whole gradient in a warm-up exchange, and the
     # dense group's in the others
-    dense = comm.size * (warm * n_params + exchanges * (n_params - n_c))
-    per_rank = (tot['elements'] - dense) / comm.size
+    dense = workers * (warm * n_params + exchanges * (n_params - n_c))
+    per_rank = (tot['elements'] - dense) / workers
     if not exchanges:
         compression = None
     else:
@@ -520,7 +548,8 @@ def final_report(evaluator, trainer, comm, args):
     if wait is not None:  # double buffering: the last exchange, counted
         wait()
     result = evaluator(trainer)
-    summary = run_summary(comm.totals, comm.compressor, comm.size)
+    summary = run_summary(comm.totals, comm.compressor,
+                          comm.workers or comm.size)
     model = optimizer.target
     n_params = sum(p.size for p in model.params() if p.array is not None)
     report = {

@@ -259,6 +259,10 @@ def check_trains_with_statistics_and_double_buffering():
         assert all(x == sums[0] for x in sums)
         assert obs['vgc/inter_node_bytes'] > 0 or Q == 1, obs
         assert (obs['vgc/intra_node_bytes'] > 0) == (K > 1), obs
+        # the run's figures count the nodes as the workers
+        assert comm.workers == Q
+        assert comm.compressed_elements == sum(
+            p.size for _, p in model.namedparams())
 
 
 def main():
