@@ -53,7 +53,7 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
     """Rank 2 raises mid-run; the job ends non-zero within seconds and no
     rank runs on.  Which rank failed, and why, is read from the files the
     ranks write: MPICH may drop a rank's last stderr when the job is
-    aborted (seen once in about 30 CI runs under load)."""
+    aborted (seen once, in a clean-clone CI run under load)."""
     proc, elapsed = run(4, 'check_abort.py', 2, tmp_path, timeout=60)
     out = proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.returncode != 0, out

@@ -1,6 +1,6 @@
-"""Run under mpiexec: rank 1 raises at its 4th step while the others are in
-the exchange.  With chainer_vgc's communicator (ChainerMN's global except
-hook) the whole job must end, non-zero, within seconds.
+"""Run under mpiexec: one rank (argv[1]) raises at its 4th step while the
+others are in the exchange.  With chainer_vgc's communicator (ChainerMN's
+global except hook) the whole job must end, non-zero, within seconds.
 
 argv: the failing rank, then a folder where each rank records what
 happened to it (MPICH forwards a rank's stderr on a best-effort basis once
