@@ -8,28 +8,38 @@ or Strom run on CuPy arrays without a launch or a scalar read per tensor?
 The residuals r and v of every tensor live in arenas (one array for the
 whole model; each tensor's state is a view), and a step is:
 
-1. the gradients and the per-sample sums of squares gathered into arenas
-   (``cupy.concatenate``, one launch each; none for the sums of
-   :class:`~chainer_vgc.statistics.PerSampleSquares`, which its reductions
-   write into one arena already) and the fault flags cleared;
+1. the fault flags and each tensor's largest selected ``|r|`` cleared
+   (``vgc_model_clear``, one launch: a step that failed half way leaves
+   nothing for the next), and the gradients and the per-sample sums of
+   squares gathered into arenas by ``vgc_model_gather``, one launch per
+   input dtype through a table of their device addresses (uploaded only
+   when an address moved); none for the sums of
+   :class:`~chainer_vgc.statistics.PerSampleSquares`, which its
+   reductions write into one arena already (``cupy.concatenate`` took
+   one copy per tensor for tensors over 2 MiB: 70 launches a step for 35
+   tensors of 2.9 MB);
 2. the rule's select pass over the whole arena (``vgc_model_*`` in
    :data:`chainer_vgc.kernels.SPECS`): the next state into the other pair
    of arenas, the input and overflow checks as per-tensor flags, and for
    vgc each tensor's largest selected ``|r|`` (for e_k, Sec. 4.2);
 3. vgc only: which selected elements e_k can represent;
-4. one scan (``cupy.cumsum``) of the elements sent;
+4. one scan (``cupy.cumsum``) of the elements sent: CuPy's scan takes
+   about 2 log_512(N) + 1 launches for N elements (3 with CUB), so this
+   count grows with the model's size, not with its number of tensors;
 5. the layout, one thread: each tensor's FMT_POW2 group header and place;
 6. the write pass: each element's word (Sec. 4.2) at its place, and the
    reset of the selected elements' r and v;
 7. one download of the flags, the totals and the message together.
 
-Nothing is read back before 7: 8 launches for vgc, 7 for hybrid, 6 for
-Strom (with the paper's words).  'none' (no compression) is 4: the flags
-cleared, the gradients gathered, the layout and a pass writing them as
+Nothing is read back before 7: 7 launches of our own for vgc, 6 for
+hybrid, 5 for Strom (with the paper's words), besides the scan, whatever
+the number of tensors (``tests/test_launch_counts.py`` counts them as
+CuPy issues them).  'none' (no compression) is 4: the clear, the
+gradients gathered, the layout and a pass writing them as
 dense FMT_RAW groups.  When the flags report a fault (a gradient or sum
 of squares that is not finite, a state that overflows), the arenas are
-not swapped: every residual stays as it was, as on the CPU.  Messages and states equal the
-per-tensor path and the CPU backends bit for bit
+not swapped: every residual stays as it was, as on the CPU.  Messages
+and states equal the per-tensor path and the CPU backends bit for bit
 (``tests/test_device_step.py``); the kernels come from the same
 ``kernels/vgc_numerics.cuh``.
 
@@ -37,9 +47,10 @@ With ``index_coding`` 'gap' or 'auto', steps 6-7 become: each sent
 element's word compacted at its rank, the gap code lengths, a scan of
 them, the layout (FMT_GAP, or for 'auto' the paper's words where FMT_GAP
 is not shorter) and one pass assembling every word of the message, a
-thread a word (11 launches for vgc).  Applies to tensors of at most 2**28
-elements and models whose parameters share one state dtype;
-QSGD and unquantized vgc take the rules' per-tensor CuPy kernels.
+thread a word (9 launches of our own for vgc, besides two scans).
+Applies to tensors of at most 2**28 elements and models whose parameters
+share one state dtype; QSGD and unquantized vgc take the rules'
+per-tensor CuPy kernels.
 """
 
 import numpy
@@ -149,7 +160,10 @@ class DeviceStep(object):
         self.base = xp.empty(max(self.n, 1), numpy.int64)
         self.ek = xp.empty(max(self.n, 1), numpy.int64)
         self.active_key, self.active = None, None
+        #: a one-element array of each input dtype (the gather's `like`)
         self.zeros = {}
+        #: the gather's address tables, host and device, per slot
+        self.tables = {}
         #: [flags (a word a tensor), total words, groups, message]
         self.head = self.n + 2
         # the longest message: dense FMT_RAW groups for 'none', else each
@@ -204,29 +218,53 @@ class DeviceStep(object):
             self.active_key = key
         return self.active
 
-    def _arena(self, xp, arrays):
-        """The arrays end to end, gathered in one launch (a missing one:
-        zeros); in their dtype when they share it, else the state dtype.
-        Arrays that already lie end to end in one array (the sums of
+    def _arena(self, xp, arrays, slot):
+        """The arrays end to end (a missing one: zeros), in their dtype
+        when they share it, else the state dtype.  Arrays that already lie
+        end to end in one array (the sums of
         :class:`~chainer_vgc.statistics.PerSampleSquares`, written by its
-        reductions into one arena) are read in place: no launch."""
+        reductions into one arena) are read in place: no launch.  Else
+        ``vgc_model_gather`` reads them through a table of their device
+        addresses: one launch per input dtype, whatever the number of
+        tensors (``cupy.concatenate`` takes one copy per input when they
+        average over 2 MiB).  The table is uploaded only when an address
+        changed since this ``slot``'s (gradients, sums) last step."""
         span = _span(arrays, self.size)
         if span is not None:
             return span
-        dts = {a.dtype for a in arrays if a is not None}
-        dtype = dts.pop() if len(dts) == 1 else self.sdt
-        parts = []
-        for i, a in enumerate(arrays):
-            if a is None:
-                a = self.zeros.get((i, dtype))
-                if a is None:
-                    a = self.zeros[i, dtype] = xp.zeros(self.comp.sizes[i],
-                                                        dtype)
-            parts.append(a.reshape(-1))
+        dts = sorted({a.dtype for a in arrays if a is not None}, key=str)
+        dtype = dts[0] if len(dts) == 1 else self.sdt
         out = xp.empty(self.size, dtype)
-        if self.size:
-            xp.concatenate(parts, out=out)
+        if not self.size:
+            return out
+        # (a strided array, which Chainer rarely makes, is copied first)
+        arrays = [a if a is None or a.flags.c_contiguous
+                  else xp.ascontiguousarray(a) for a in arrays]
+        tables = self._tables(xp, arrays, dts, slot)
+        nt = numpy.int32(self.n)
+        for k, in_dtype in enumerate(dts or [dtype]):
+            like = self.zeros.get(in_dtype)
+            if like is None:
+                like = self.zeros[in_dtype] = xp.zeros(1, in_dtype)
+            kernels.get_kernel('vgc_model_gather')(
+                tables[k], like, self.offsets, nt, out)
         return out
+
+    def _tables(self, xp, arrays, dts, slot):
+        """The gather's address tables (uint64 [input dtypes, tensors]) on
+        the device: an array's address where it has the launch's dtype, 0
+        for a missing array (first launch), 1 (left as it is) otherwise;
+        uploaded when they differ from this slot's last ones."""
+        table = numpy.ones((max(len(dts), 1), self.n), numpy.uint64)
+        table[0] = 0
+        for t, a in enumerate(arrays):
+            if a is not None:
+                table[dts.index(a.dtype), t] = a.data.ptr
+        host, device = self.tables.get(slot, (None, None))
+        if host is None or not numpy.array_equal(host, table):
+            device = xp.asarray(table)
+            self.tables[slot] = (table, device)
+        return device
 
     # -- the step ------------------------------------------------------------
     def compress(self, grads, sqsums, agree):
@@ -261,8 +299,8 @@ class DeviceStep(object):
         msg = self.buffer[self.head:]
         offsets, nt = self.offsets, numpy.int32(n)
         active = self._active(xp, grads)
-        flags.fill(0)
-        g = self._arena(xp, grads)
+        kernels.get_kernel('vgc_model_clear')(nt, flags, self.maxbits)
+        g = self._arena(xp, grads, 'g')
         if kind == 'none':
             kernels.get_kernel('vgc_model_none_layout')(
                 offsets, nt, active, sdt == numpy.float64,
@@ -275,14 +313,16 @@ class DeviceStep(object):
         ok = xp.empty(self.size, numpy.int32)
         if kind == 'vgc':
             kernels.get_kernel('vgc_model_vgc_select')(
-                g, self._arena(xp, sqsums), old['r'], old['v'], offsets, nt,
+                g, self._arena(xp, sqsums, 's'), old['r'], old['v'],
+                offsets, nt,
                 active, sdt.type(rule.alpha), sdt.type(rule.zeta), new['r'],
                 new['v'], sign, flags, self.maxbits)
             kernels.get_kernel('vgc_model_keep')(
                 new['r'], sign, self.maxbits, offsets, nt, ok)
         elif kind == 'hybrid':
             kernels.get_kernel('vgc_model_hybrid_step')(
-                g, self._arena(xp, sqsums), old['r'], old['v'], offsets, nt,
+                g, self._arena(xp, sqsums, 's'), old['r'], old['v'],
+                offsets, nt,
                 active, sdt.type(rule.alpha), sdt.type(rule.zeta),
                 codec.wire_scale(rule.tau, sdt), new['r'], new['v'], sign,
                 ok, flags)

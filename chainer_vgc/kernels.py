@@ -83,6 +83,18 @@ SPECS = collections.OrderedDict([
     # tensor of a dtype group in one launch, laid end to end (offsets:
     # n_tensors + 1 element offsets; active: the tensors with a gradient
     # this step).  The select passes write the next state into r2, v2.
+    # The start of a step: a tensor's fault flags and largest selected |r|
+    # cleared (one thread a tensor)
+    ('vgc_model_clear', KernelSpec(
+        'int32 n_tensors', 'uint32 flags, raw uint64 maxbits',
+        'vgc_model_clear(i, flags, maxbits)')),
+    # the arrays of every tensor gathered end to end (the gradients, the
+    # sums of squares) through a table of their device addresses (0: zeros,
+    # 1: another dtype's launch), `like` an array of their dtype G
+    ('vgc_model_gather', KernelSpec(
+        'raw uint64 table, raw G like, raw int64 offsets, int32 n_tensors',
+        'T out',
+        'vgc_model_gather<T, G>(i, table, offsets, n_tensors, out)')),
     ('vgc_model_vgc_select', KernelSpec(
         'G g, H s, S r, S v, raw int64 offsets, int32 n_tensors, '
         'raw bool active, S alpha, S zeta',
@@ -105,7 +117,7 @@ SPECS = collections.OrderedDict([
         'vgc_model_strom_step<S>(i, vgc_to<S>(g), r, offsets, n_tensors, '
         'active, tau, r2, sign, ok, flags)')),
     # one thread (`done`: one element): headers, each group's base word
-    # and e_k; clears maxbits for the next step
+    # and e_k
     ('vgc_model_layout', KernelSpec(
         'raw int64 pos, raw int64 offsets, int32 n_tensors, bool from_max, '
         'uint32 scale, bool is_f64',

@@ -552,6 +552,33 @@ VGC_FN void vgc_model_vgc_select(long long i, F g, H s, F r, F v,
     }
 }
 
+/* Step 1, the gather: element i of the arena from tensor t = its segment,
+ * read through table[t], the device address of that tensor's array of G
+ * (C-contiguous): 0, a tensor without an array this step, gives zero; 1
+ * leaves out as it is (a tensor of another dtype, which its own launch
+ * gathers).  One launch per input dtype, whatever the number of tensors. */
+template <typename T, typename G, typename P, typename O>
+VGC_FN void vgc_model_gather(long long i, const P &table, const O &offsets,
+                             int n, T &out) {
+    const int t = vgc_segment(offsets, n, i);
+    const unsigned long long at = (unsigned long long)table[t];
+    if (at == 1ULL) return;
+    if (at == 0ULL) {
+        out = (T)0;
+        return;
+    }
+    out = vgc_to<T>(((const G *)at)[i - (long long)offsets[t]]);
+}
+
+/* The start of every step, one thread a tensor: its fault flags and its
+ * largest selected |r| (e_k's input) cleared, so that a step that failed
+ * after its select pass leaves nothing behind. */
+template <typename M>
+VGC_FN void vgc_model_clear(long long t, unsigned int &flag, M &maxbits) {
+    flag = 0u;
+    maxbits[t] = 0ULL;
+}
+
 /* e_k of tensor t: floor(log2) of its largest selected |r| (Sec. 4.2) */
 template <typename F, typename M>
 VGC_FN int vgc_model_e_k(const M &maxbits, int t) {
@@ -560,15 +587,14 @@ VGC_FN int vgc_model_e_k(const M &maxbits, int t) {
 }
 
 /* The layouts' e_k of tensor t (0 unless from_max: Strom and hybrid send
- * signs), and its largest |r| cleared for the next step */
+ * signs); vgc_model_clear clears the maxima at the next step's start */
 template <typename M>
-VGC_FN int vgc_model_take_e_k(M &maxbits, int t, bool from_max,
+VGC_FN int vgc_model_take_e_k(const M &maxbits, int t, bool from_max,
                               bool is_f64) {
     int e_k = 0;
     if (from_max)
         e_k = is_f64 ? vgc_model_e_k<double>(maxbits, t)
                      : vgc_model_e_k<float>(maxbits, t);
-    maxbits[t] = 0;
     return e_k;
 }
 
@@ -635,7 +661,7 @@ VGC_FN long long vgc_sent(const P &pos, const O &offsets, int t) {
  * FMT_POW2, count, e_k, scale) goes after the groups before it.  Writes
  * the message's first two words and the headers into msg, base[t] = the
  * word of its first body word (-1: no group), ek[t], and info = {total
- * words, groups}; clears maxbits for the next step. */
+ * words, groups}. */
 template <typename P, typename O, typename M, typename E, typename W>
 VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
                              M &maxbits, bool from_max, unsigned int scale,

@@ -20,10 +20,29 @@ host and device.
 kernel (a ufunc, a reduction, a fill, a cast, a copy, a gather or scatter
 through an advanced index, a function such as ``nonzero`` or ``cumsum``,
 and the ElementwiseKernels, which the ``device`` fixture records) counts
-one each; views, basic slicing and ``empty`` count nothing.  CuPy's own
-functions may take more than one kernel (``nonzero`` takes a scan and a
-scatter), so the count is a lower bound for them and exact for the
-ElementwiseKernels.  ``fake.count('launch')`` is their number.
+one each; views, basic slicing and ``empty`` count nothing.  Two of
+CuPy's functions are counted as CuPy issues them, read from its source
+(``cupy/_core/_routines_manipulation.pyx``, ``_routines_math.pyx``):
+
+- ``concatenate``: more than :data:`CONCAT_MIN_INPUTS` inputs, all of the
+  output's dtype, averaging under :data:`CONCAT_THRESHOLD` bytes, take one
+  kernel over a table of their pointers, which is uploaded (with two more
+  tables, offsets and strides, unless every input is C-contiguous and of
+  one shape); any other call takes one copy kernel per non-empty input
+  (``'concatenate.copy'``).
+- ``cumsum`` (function or method, flat): without CUB, ``scan`` takes one
+  kernel for up to :data:`SCAN_CHUNK` elements, else a block-sum kernel,
+  the scan of the block sums (recursively) and a scan kernel; with
+  ``fake.accelerators = ('cub',)`` (``CUPY_ACCELERATORS=cub``, the
+  default of recent CuPy, ``cupy/_core/_gpu/_accelerator.pyx``) a cast
+  copy and CUB's two scan kernels.  With ``out=``, one copy into it
+  first.
+
+The thresholds are attributes of the fake (``fake.concat_threshold``,
+``fake.scan_chunk``), so a test may scale them down with its tensors.
+Other CuPy functions may take more than one kernel (``nonzero`` takes a
+scan and a scatter), so the count is a lower bound for them and exact for
+the ElementwiseKernels.  ``fake.count('launch')`` is their number.
 
 Where CuPy would quietly do a transfer that the code under test should not
 rely on, the fake is stricter: a host ``numpy.ndarray`` (ndim > 0) given to a
@@ -58,6 +77,12 @@ FUNCTIONS = (
     'logical_or', 'count_nonzero', 'sum', 'any', 'all', 'einsum', 'matmul')
 #: functions whose array operands must all be device arrays
 _SEQUENCE_FUNCTIONS = ('concatenate', 'stack')
+#: CuPy's ``_concatenate``: one kernel for more than this many inputs ...
+CONCAT_MIN_INPUTS = 8
+#: ... when they average under this many bytes (``threshold_size``)
+CONCAT_THRESHOLD = 2 * 1024 * 1024
+#: CuPy's ``scan`` without CUB: elements a thread block scans
+SCAN_CHUNK = 512
 #: DeviceArray methods computed by NumPy on the wrapped data
 _METHODS = (
     'reshape', 'ravel', 'view', 'copy', 'transpose', 'swapaxes', 'squeeze',
@@ -237,7 +262,7 @@ class DeviceArray(NDArrayOperatorsMixin):
                 if name not in _VIEWS or not (
                         isinstance(result, DeviceArray)
                         and _root(result._a) is _root(self._a)):
-                    self._fake.launch(name)
+                    self._fake._launch_call(name, (self,) + args, kwargs)
                 return result
             return method
         raise AttributeError('DeviceArray has no attribute {!r}'.format(name))
@@ -356,7 +381,7 @@ class _Function(object):
                 raise TypeError('{} accepts only device arrays'.format(
                     self.__name__))
         if self.__name__ not in _ALLOCATING:
-            self._fake.launch(self.__name__)
+            self._fake._launch_call(self.__name__, args, kwargs)
         if self._allow_host and args and isinstance(args[0], numpy.ndarray):
             # *_like of a host prototype: only its shape and dtype are read
             return self._fake._call(self._func, args[1:], kwargs,
@@ -425,10 +450,16 @@ class FakeCupy(object):
         self.log = []
         #: names of the kernels launched (see the module docstring)
         self.launches = []
+        #: CuPy's rules for concatenate and cumsum (the module docstring)
+        self.concat_threshold = CONCAT_THRESHOLD
+        self.scan_chunk = SCAN_CHUNK
+        self.accelerators = ()
         self.n_devices = n_devices
         self.strict_devices = strict_devices
         self._current = 0
         self._pinned = weakref.WeakValueDictionary()
+        #: bytes of each ``x.empty_pinned`` / ``x.zeros_pinned`` allocation
+        self.pinned_allocations = []
         for name in _DTYPES:
             setattr(self, name, getattr(numpy, name))
         for name in FUNCTIONS + _SEQUENCE_FUNCTIONS:
@@ -455,6 +486,63 @@ class FakeCupy(object):
     def launch(self, name):
         """Record one kernel launch named ``name``."""
         self.launches.append(name)
+
+    def _launch_call(self, name, args, kwargs):
+        """Record the launches of CuPy's function ``name`` called with
+        ``args`` (see the module docstring)."""
+        if name == 'concatenate':
+            self._launch_concatenate(args, kwargs)
+        elif name == 'cumsum':
+            self._launch_cumsum(args, kwargs)
+        else:
+            self.launch(name)
+
+    def _launch_concatenate(self, args, kwargs):
+        arrays = list(args[0] if args else kwargs['arrays'])
+        axis = kwargs.get('axis', args[1] if len(args) > 1 else 0)
+        out = kwargs.get('out')
+        if out is not None:
+            dtype = out.dtype
+        else:
+            dtype = numpy.dtype(kwargs.get('dtype') or numpy.result_type(
+                *[a.dtype for a in arrays]))
+        nbytes = sum(a.size for a in arrays) * dtype.itemsize
+        if (len(arrays) > CONCAT_MIN_INPUTS
+                and all(a.dtype == dtype for a in arrays)
+                and nbytes < self.concat_threshold * len(arrays)):
+            self._record('upload', 8 * len(arrays), 'concatenate pointers')
+            if axis is None:
+                axis = 0
+            share = all(a.flags.c_contiguous and a.shape[axis] ==
+                        arrays[0].shape[axis] for a in arrays)
+            if not share:
+                self._record('upload', 8 * len(arrays),
+                             'concatenate offsets')
+                self._record('upload', 8 * len(arrays) * arrays[0].ndim,
+                             'concatenate strides')
+            self.launch('concatenate')
+            return
+        for a in arrays:
+            if a.size:
+                self.launch('concatenate.copy')
+
+    def _launch_cumsum(self, args, kwargs):
+        a = args[0]
+        if kwargs.get('out') is not None:
+            self.launch('cumsum.copy')  # result[...] = a
+        elif 'cub' in self.accelerators:
+            self.launch('cumsum.astype')
+        if 'cub' in self.accelerators:
+            self.launch('cumsum.cub_init')
+            self.launch('cumsum.cub_scan')
+            return
+        n = a.size
+        while n > self.scan_chunk:
+            self.launch('cumsum.block_sums')
+            self.launch('cumsum.scan')
+            n = -(-n // self.scan_chunk)
+        if n:
+            self.launch('cumsum.scan')
 
     def _of(self, kind):
         if kind not in KINDS:
@@ -556,6 +644,7 @@ class FakeCupy(object):
     def _empty_pinned(self, shape, dtype=numpy.float64, order='C'):
         host = numpy.empty(shape, dtype=dtype, order=order)
         self._pinned[id(host)] = host
+        self.pinned_allocations.append(host.nbytes)
         return host
 
     def _zeros_pinned(self, shape, dtype=numpy.float64, order='C'):

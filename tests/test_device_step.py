@@ -169,6 +169,44 @@ def test_a_fault_leaves_every_state_as_it_was(device, method, kw, where):
     _assert_states(dev, cpu, fake)
 
 
+@pytest.mark.parametrize('coding', ['fixed', 'auto'])
+def test_a_step_failing_after_the_select_pass_leaves_nothing_behind(
+        device, monkeypatch, coding):
+    """An error between the select pass and the layout (an out-of-memory
+    error on an intermediate array) leaves the state as it was, and the
+    per-tensor maxima of that step (e_k's input) are cleared with the
+    flags at the next step's start: its message and states equal the CPU
+    path that never saw the failed step (issue 36)."""
+    from chainer_vgc import kernels
+    fake = device
+    shapes, dtypes = MODELS['f32']
+    dev, cpu = _pair('vgc', dict(alpha=1.0, index_coding=coding), shapes,
+                     dtypes)
+    steps = _stream(shapes, dtypes, 3, 11)
+    # the failed step's gradients are 2**10 larger: its maxima, if left,
+    # raise the next step's e_k
+    big = ([None if g is None else g * 1024 for g in steps[1][0]],
+           [None if q is None else q * 2 ** 20 for q in steps[1][1]])
+    launch = kernels.get_kernel
+
+    def failing(name):
+        if name == 'vgc_model_keep':
+            def oom(*args):
+                raise MemoryError('out of memory (planted)')
+            return oom
+        return launch(name)
+    for k, (gs, ss) in enumerate([steps[0], big, steps[2]]):
+        if k == 1:
+            monkeypatch.setattr(kernels, 'get_kernel', failing)
+            with pytest.raises(MemoryError):
+                dev.compress(_on(fake, gs), _on(fake, ss))
+            monkeypatch.setattr(kernels, 'get_kernel', launch)
+            continue
+        got = dev.compress(_on(fake, gs), _on(fake, ss))
+        assert_bitwise(got, cpu.compress(gs, ss))
+        _assert_states(dev, cpu, fake)
+
+
 def test_agreement_skips_the_step_on_every_worker(device):
     """With ``agree`` (the communicator's), a fault raises SkippedStep and
     the codes go through it as on the CPU."""
@@ -333,8 +371,12 @@ def test_communicator_step_takes_the_whole_model_paths(device):
             if xp is fake:
                 assert fake.count('download') == 1
                 # the first step uploads the offsets and which tensors have
-                # a gradient; every step its messages
-                assert fake.count('upload') == (3 if k == 0 else 1)
+                # a gradient; every step its messages, and the gather's
+                # tables of addresses (gradients, sums) where they moved
+                tables = [n for kind, n, _ in fake.log if kind == 'upload'
+                          and n == 8 * len(shapes)]
+                assert fake.count('upload') == (3 if k == 0 else 1) + len(
+                    tables) and len(tables) <= 2
                 assert fake.count('scalar') == 0
                 if k:  # (the first step also sets the arenas up)
                     assert fake.count('launch') <= 11 + 2, ' '.join(

@@ -139,6 +139,12 @@ def model_instances():
             numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
     out.append(('vgc_model_gap_expand', (u32, u32,
                                          numpy.zeros(1, numpy.int32), u64)))
+    out.append(('vgc_model_clear', (n, u32, u64)))
+    for gdt in (F16, F32, F64):  # every input dtype into float32 ...
+        out.append(('vgc_model_gather', (u64, numpy.zeros(1, gdt), i64, n,
+                                         numpy.zeros(2, F32))))
+    out.append(('vgc_model_gather', (u64, numpy.zeros(1, F16), i64, n,
+                                     numpy.zeros(2, F16))))  # ... and f16
     return out
 
 
