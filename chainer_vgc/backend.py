@@ -77,6 +77,90 @@ def host_buffer(n, dtype, pinned=True):
     return numpy.empty(int(n), dtype=dtype)
 
 
+class HostStaging(object):
+    """One reusable host buffer for copies made every step whose size
+    changes from step to step (:func:`host_buffer` is for one-off buffers).
+
+    Why: CuPy's pinned memory pool hands a freed block out again only for
+    the same size (rounded to 512 bytes) and keeps every freed block, so a
+    new pinned buffer a step, of a size that changes each step, pins more
+    host memory (memory the OS cannot swap out) step after step.  This
+    class keeps one allocation (pinned where :func:`host_buffer` can pin,
+    ordinary memory otherwise) and hands out views of it.
+
+    Growth rule: a request of ``need`` bytes larger than the capacity ``c``
+    allocates ``max(need, 2 * c)`` bytes (the old buffer is dropped); a
+    request that fits reuses the buffer.  Bounds, R being the largest
+    request so far and r the first one:
+
+    * capacity <= 2 R: it grows only when need > c, so 2 c < 2 need <= 2 R,
+      and need <= R;
+    * allocations <= ceil(log2(R / r)) + 1: the k-th capacity is at least
+      2**(k-1) r (it at least doubles) and, for k >= 2, less than 2 R, so
+      2**(k-1) r < 2 R, k < 2 + log2(R / r), and k, an integer, is at
+      most ceil(log2(R / r)) + 1;
+    * bytes ever allocated (what a pool that keeps freed blocks may hold)
+      < 2 x the last capacity <= 4 R: the capacities at least double, so
+      the earlier ones add up to less than the last.
+
+    The buffer must not be rewritten while a copy that reads it may still
+    be queued: give :meth:`hold_until` an event recorded after that copy
+    (:func:`upload_fence`), and :meth:`view` waits for it before handing
+    the buffer out again.
+    """
+
+    def __init__(self, pinned=True):
+        self.pinned = pinned
+        #: bytes held (0: nothing allocated yet)
+        self.capacity = 0
+        #: allocations made so far
+        self.allocations = 0
+        self._raw = None
+        self._busy = None
+
+    def view(self, n, dtype):
+        """A 1-D host array of ``n`` elements of ``dtype``: a view of the
+        buffer (its contents are whatever was written before), after the
+        copy given to :meth:`hold_until` has completed."""
+        dtype = numpy.dtype(dtype)
+        need = int(n) * dtype.itemsize
+        if need == 0:
+            return numpy.empty(0, dtype)
+        if self._busy is not None:
+            self._busy.synchronize()
+            self._busy = None
+        if need > self.capacity:
+            grown = max(need, 2 * self.capacity)
+            self._raw, self.capacity = None, 0  # dropped first
+            self._raw = host_buffer(grown, numpy.uint8, self.pinned)
+            self.capacity = grown
+            self.allocations += 1
+        return self._raw[:need].view(dtype)
+
+    def hold_until(self, event):
+        """Hand the buffer out again only once ``event`` (an event recorded
+        after the copy that reads the last view, or None: nothing queued)
+        has completed."""
+        self._busy = event
+
+
+def upload_fence(a):
+    """For the CuPy array ``a`` just copied from a host buffer: an event
+    recorded on the current stream after that copy, to give
+    :meth:`HostStaging.hold_until`.  None for anything else, and where the
+    CuPy in use records no events (the tests' stand-in): its copies are
+    done when they return.
+
+    Why: CuPy (14, cupy/_core/core.pyx ``_array_default``) copies a NumPy
+    array that lives in pinned memory asynchronously: ``cupy.asarray``
+    queues the copy on the current stream and returns, and the buffer is
+    read when the stream gets there."""
+    if cupy is None or not isinstance(a, cupy.ndarray) or \
+            getattr(cupy.cuda, 'Event', None) is None:
+        return None
+    return stream_marker(a)
+
+
 def to_numpy(a):
     """Host copy of an array (no copy for NumPy input)."""
     if cupy is not None and isinstance(a, cupy.ndarray):

@@ -10,7 +10,10 @@ offset, count, kind, e_k, scale), the bodies as they were sent, and for
 the gap-coded groups (FMT_GAP) a record per block of
 :data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes (read from the group's
 restart table, docs/wire_format.md Sec. 4.5: where the block starts in
-the stream and the index before it) go up in one copy.  Then
+the stream and the index before it) go up in one copy, from a host
+buffer the compressor keeps from step to step
+(:class:`~chainer_vgc.backend.HostStaging`: pinned memory that grows a
+few times, then stays, whatever the messages' sizes).  Then
 ``vgc_model_gap_expand`` decodes the blocks, one thread each, into one
 uint64 an element (index | nibble << 60), and one
 ``vgc_model_decode_mean`` thread per element of the model finds what each
@@ -55,69 +58,105 @@ def applies(blocks, compressor, params, grads, dense):
     return not (dense and len(blocks) > TREE_MAX)
 
 
-def _gap_blocks(body, count, at, first):
-    """The block records (uint32, :data:`BLOCK_WORDS` each) of a FMT_GAP
-    body at word ``at`` of the upload, its elements going to ``first`` on
-    of the expanded array: one block per restart point and one before
-    them, read from the restart table (no code is decoded here)."""
-    restarts = codec.gap_restarts(count)
-    param, stream_words = int(body[0]), int(body[1])
-    table = numpy.ascontiguousarray(
-        body[2:2 + codec.GAP_RESTART_WORDS * restarts]).view(
-        numpy.uint64).reshape(-1, 2)
-    j0 = numpy.arange(restarts + 1, dtype=numpy.uint64) * numpy.uint64(
-        codec.GAP_RESTART_CODES)
-    stream = at + codec.GAP_PARAM_WORDS + codec.GAP_RESTART_WORDS * restarts
-    kw = (param & codec.GAP_K_MASK) | (
-        256 if param & codec.GAP_SIGN_ONLY else 0)
-    rec = numpy.empty((restarts + 1, BLOCK_WORDS // 2), numpy.uint64)
-    rec[:, 0] = stream
-    rec[:, 1] = stream_words
-    rec[0, 2:4] = 0, 2 ** 64 - 1  # bit 0, after index -1
-    rec[1:, 2:4] = table
-    codes = numpy.minimum(numpy.uint64(count) - j0,
-                          codec.GAP_RESTART_CODES)
-    rec[:, 4] = codes | numpy.uint64(kw << 32)
-    rec[:, 5] = stream + stream_words  # the value fields
-    rec[:, 6] = j0
-    rec[:, 7] = numpy.uint64(first) + j0
-    return rec.view(numpy.uint32).reshape(-1)
-
-
-def _bodies(blocks, sizes):
-    """(descriptors uint32 [ranks, tensors, DESC_WORDS], bodies, FMT_GAP
-    block records, elements of the FMT_GAP groups) of the validated
-    messages, or None when one carries FMT_QSGD."""
-    n = len(sizes)
-    bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(int)
-    desc = numpy.zeros((len(blocks), n, DESC_WORDS), numpy.uint32)
-    parts, records, pos, expanded = [], [], desc.size, 0
+def group_rows(blocks, sizes):
+    """The group table of validated host messages (int64 [groups, 8]:
+    message, tensor id, format, count, a, b, the body's first word in the
+    message, span), as the native validation returns it
+    (:func:`chainer_vgc.native.decode_mean` with ``table``); here from
+    :func:`~chainer_vgc.codec.message.walk`, a Python step per group, for
+    the NumPy backend."""
+    rows = []
     for b, block in enumerate(blocks):
         for g in walk(block, sizes):
-            body = g.body
-            if g.fmt == codec.FMT_QSGD:
-                return None
-            if g.fmt == codec.FMT_GAP:  # as sent: decoded on the device
-                for t in range(g.tensor_id, g.tensor_id + g.span + 1):
-                    at = int(bounds[t] - bounds[g.tensor_id])
-                    desc[b, t] = (expanded & 0xFFFFFFFF, expanded >> 32,
-                                  g.count, GAP, g.a, g.b, at & 0xFFFFFFFF,
-                                  at >> 32)
-                records.append(_gap_blocks(body, g.count, pos, expanded))
-                expanded += g.count
-            elif g.fmt == codec.FMT_RAW:
-                dense = bool(g.a & codec.RAW_DENSE)
-                f64 = bool(g.a & codec.RAW_FLOAT64)
-                kind = (DENSE64 if f64 else DENSE32) if dense else (
-                    RAW64 if f64 else RAW32)
-                desc[b, g.tensor_id, :4] = (pos & 0xFFFFFFFF, pos >> 32,
-                                            g.count, kind)
-            else:  # FMT_POW2
-                desc[b, g.tensor_id, :6] = (pos & 0xFFFFFFFF, pos >> 32,
-                                            body.size, POW2, g.a, g.b)
-            parts.append(body)
-            pos += body.size
-    return desc, parts, records, expanded
+            rows.append((b, g.tensor_id, g.fmt, g.count, g.a, g.b,
+                         (g.body.ctypes.data - block.ctypes.data) // 4,
+                         g.span))
+    return numpy.array(rows, numpy.int64).reshape(-1, 8)
+
+
+def _split(x):
+    """int64 -> its (low, high) uint32 words."""
+    x = numpy.asarray(x, numpy.int64)
+    return x & 0xFFFFFFFF, x >> 32
+
+
+def _descriptors(rows, sizes, p, starts):
+    """(descriptors uint32 [ranks, tensors, DESC_WORDS], the FMT_GAP rows,
+    each one's first element in the expanded array, elements expanded)
+    from the group table ``rows``, the messages starting at words
+    ``starts`` of the upload: NumPy over the whole table, no Python step
+    per group."""
+    n = len(sizes)
+    bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    desc = numpy.zeros((p, n, DESC_WORDS), numpy.uint32)
+    msg, tid, fmt, count, a, b, off, span = rows.T
+    lo, hi = _split(starts[msg] + off)  # the body's word in the upload
+    pow2 = fmt == codec.FMT_POW2
+    desc[msg[pow2], tid[pow2], :6] = numpy.stack(
+        [lo[pow2], hi[pow2], count[pow2], numpy.full(pow2.sum(), POW2),
+         a[pow2], b[pow2]], axis=1)
+    raw = fmt == codec.FMT_RAW
+    f64, dense = (a[raw] & codec.RAW_FLOAT64) != 0, \
+        (a[raw] & codec.RAW_DENSE) != 0
+    kind = numpy.where(dense, numpy.where(f64, DENSE64, DENSE32),
+                       numpy.where(f64, RAW64, RAW32))
+    desc[msg[raw], tid[raw], :4] = numpy.stack(
+        [lo[raw], hi[raw], count[raw], kind], axis=1)
+    gap = rows[fmt == codec.FMT_GAP]
+    first = numpy.concatenate([[0], numpy.cumsum(gap[:, 3])]).astype(
+        numpy.int64)
+    # a descriptor for each tensor of each FMT_GAP group's span
+    reps = gap[:, 7] + 1
+    j = numpy.repeat(numpy.arange(len(gap)), reps)
+    t = gap[j, 1] + numpy.arange(reps.sum()) - numpy.repeat(
+        numpy.cumsum(reps) - reps, reps)
+    e_lo, e_hi = _split(first[j])
+    at_lo, at_hi = _split(bounds[t] - bounds[gap[j, 1]])
+    desc[gap[j, 0], t] = numpy.stack(
+        [e_lo, e_hi, gap[j, 3], numpy.full(j.size, GAP), gap[j, 4],
+         gap[j, 5], at_lo, at_hi], axis=1)
+    return desc, gap, first[:-1], int(first[-1])
+
+
+def _gap_blocks(gap, first, words, starts):
+    """The block records (uint64 [blocks, BLOCK_WORDS // 2]) of the
+    FMT_GAP groups ``gap`` (rows of the group table): one block per
+    restart point and one before them, read from each group's restart
+    table (no code is decoded here), their elements going to ``first`` on
+    of the expanded array; ``words``: the upload, the messages from
+    ``starts`` on."""
+    count = gap[:, 3]
+    body = starts[gap[:, 0]] + gap[:, 6]  # the body's word in the upload
+    restarts = (count - 1) // codec.GAP_RESTART_CODES
+    param, stream_words = (words[body].astype(numpy.int64),
+                           words[body + 1].astype(numpy.int64))
+    stream = body + codec.GAP_PARAM_WORDS + \
+        codec.GAP_RESTART_WORDS * restarts
+    kw = (param & codec.GAP_K_MASK) | numpy.where(
+        param & codec.GAP_SIGN_ONLY, 256, 0)
+    nb = restarts + 1
+    j = numpy.repeat(numpy.arange(len(gap)), nb)
+    k = numpy.arange(nb.sum()) - numpy.repeat(numpy.cumsum(nb) - nb, nb)
+    j0 = k * codec.GAP_RESTART_CODES
+    rec = numpy.empty((j.size, BLOCK_WORDS // 2), numpy.uint64)
+    rec[:, 0] = stream[j]
+    rec[:, 1] = stream_words[j]
+    # the restart entry before block k >= 1 (two uint64, low word first);
+    # block 0: bit 0, after index -1
+    at = numpy.where(k > 0, body[j] + 2 + codec.GAP_RESTART_WORDS * (k - 1),
+                     body[j])  # (block 0 reads its body's first words)
+    w = words.astype(numpy.uint64)
+    for col in (2, 3):
+        word = at + 2 * (col - 2)
+        rec[:, col] = w[word] | (w[word + 1] << numpy.uint64(32))
+    rec[k == 0, 2] = 0
+    rec[k == 0, 3] = 2 ** 64 - 1
+    rec[:, 4] = numpy.minimum(count[j] - j0, codec.GAP_RESTART_CODES) | (
+        kw[j] << 32)
+    rec[:, 5] = stream[j] + stream_words[j]  # the value fields
+    rec[:, 6] = j0
+    rec[:, 7] = first[j] + j0
+    return rec
 
 
 def _dtype_groups(params, sizes):
@@ -134,34 +173,66 @@ def _dtype_groups(params, sizes):
     return out
 
 
-def mean(blocks, compressor, params, size, dense, rescale):
+def upload_staging(compressor):
+    """The compressor's host buffer for the upload, kept from step to step
+    (:class:`chainer_vgc.backend.HostStaging`: the upload's size changes
+    every step, and a new pinned buffer a step would pin more memory each
+    step)."""
+    staging = getattr(compressor, '_upload_staging', None)
+    if staging is None:
+        staging = compressor._upload_staging = backend.HostStaging()
+    return staging
+
+
+def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     """``param.grad`` = the mean of the (validated) ``blocks`` for every
-    parameter; False (nothing done) when a message carries FMT_QSGD."""
-    got = _bodies(blocks, compressor.sizes)
-    if got is None:
+    parameter; False (nothing done) when a message carries FMT_QSGD.
+    ``rows``: their group table, as the validation read it (default:
+    :func:`group_rows`)."""
+    sizes = compressor.sizes
+    if rows is None:
+        rows = group_rows(blocks, sizes)
+    if (rows[:, 2] == codec.FMT_QSGD).any():
         return False
-    desc, parts, records, expanded = got
+    p = len(blocks)
     xp = backend.get_array_module(params[0].array)
-    groups = _dtype_groups(params, compressor.sizes)
-    # [each dtype's offsets and tensor ids (int64)][descriptors][bodies]
-    # [FMT_GAP block records]: one upload
+    groups = _dtype_groups(params, sizes)
+    # [each dtype's offsets and tensor ids (int64)][descriptors][the
+    # messages as received][FMT_GAP block records]: one upload, from a
+    # host buffer kept from step to step
     head = sum(2 * tab.size for _, _, tab in groups)
-    staged = backend.host_buffer(
-        head + desc.size + sum(b.size for b in parts)
-        + sum(r.size for r in records), numpy.uint32)
+    lens = numpy.array([blk.size for blk in blocks], numpy.int64)
+    d_words = p * len(sizes) * DESC_WORDS
+    starts = d_words + numpy.concatenate([[0], numpy.cumsum(lens)[:-1]]) \
+        if p else numpy.zeros(0, numpy.int64)  # counted from the descriptors
+    desc, gap, first, expanded = _descriptors(rows, sizes, p, starts)
+    n_blocks = int(((gap[:, 3] - 1) // codec.GAP_RESTART_CODES + 1).sum())
+    rec_words = n_blocks * BLOCK_WORDS
+    total = head + d_words + int(lens.sum()) + rec_words
+    staging = upload_staging(compressor)
+    staged = staging.view(total, numpy.uint32)
     pos = 0
-    for body in [tab.view(numpy.uint32) for _, _, tab in groups] + [
-            desc.reshape(-1)] + parts + records:
-        staged[pos:pos + body.size] = body
-        pos += body.size
-    n_blocks = sum(r.size for r in records) // BLOCK_WORDS
+    for tab in [tab.view(numpy.uint32) for _, _, tab in groups]:
+        staged[pos:pos + tab.size] = tab
+        pos += tab.size
+    buf_host = staged[head:]  # the words the descriptors count from
+    buf_host[:d_words] = desc.reshape(-1)
+    for blk, at in zip(blocks, starts):  # a copy a message
+        buf_host[at:at + blk.size] = blk
+    if n_blocks:
+        buf_host[total - head - rec_words:] = _gap_blocks(
+            gap, first, buf_host, starts).view(numpy.uint32).reshape(-1)
     with backend.device_scope(params[0].array):
         uploaded = xp.asarray(staged)
+        # CuPy queues the copy from pinned memory on the current stream
+        # and returns: the buffer is handed out again (next step) only
+        # once this event, recorded after the copy, has completed
+        staging.hold_until(backend.upload_fence(uploaded))
         buf = uploaded[head:]  # body offsets count from here
         gaps = xp.empty(max(expanded, 1), numpy.uint64)
         if n_blocks:
             kernels.get_kernel('vgc_model_gap_expand')(
-                buf, uploaded[pos - BLOCK_WORDS * n_blocks:],
+                buf, uploaded[total - rec_words:],
                 xp.empty(n_blocks, numpy.int32), gaps)
         rescaled = rescale not in (None, 1)
         at = 0
@@ -172,8 +243,8 @@ def mean(blocks, compressor, params, size, dense, rescale):
             out = xp.empty(int(ends[-1]), dtype)
             kernels.get_kernel('vgc_model_decode_mean')(
                 buf, gaps, table[:len(tids) + 1], table[len(tids) + 1:],
-                numpy.int32(len(tids)), numpy.int32(len(compressor.sizes)),
-                numpy.int32(len(blocks)), bool(dense), rescaled,
+                numpy.int32(len(tids)), numpy.int32(len(sizes)),
+                numpy.int32(p), bool(dense), rescaled,
                 numpy.float64(1.0 / size),
                 numpy.float64(rescale if rescaled else 1.0),
                 numpy.float32(numpy.float16(1.0 / size)), out)

@@ -239,19 +239,22 @@ def _device_finish_mean(total, dtype, size, rescale):
 
 
 # -- checks before a decode that trusts its input --------------------------
-def validate_messages(blocks, compressor, dtypes):
+def validate_messages(blocks, compressor, dtypes, table=False):
     """Check every host message against the model, as :func:`codec.unpack`
     does (the native decoder's walk where it applies: same checks, no
-    output); returns the elements each carries.  A fault raises
+    output); returns the elements each carries, and with ``table`` also
+    the group table that walk read (None without the native backend; see
+    :func:`chainer_vgc.device_decode.group_rows`).  A fault raises
     :class:`~chainer_vgc.codec.WireFormatError` as the reference names
     it."""
     sizes = compressor.sizes
     sdts = [backend.state_dtype(d) for d in dtypes]
     if _native_decode_applies(blocks, compressor):
         result = native.decode_mean(blocks, sizes, sdts, [None] * len(sizes),
-                                    [0] * len(sizes), 1.0)
+                                    [0] * len(sizes), 1.0, table=table)
         if result is not None:
-            return [int(e) for e in result[1]]
+            elements = [int(e) for e in result[1]]
+            return (elements, result[2]) if table else elements
     counts = []
     for block in blocks:
         counts.append(sum(int(d.index.size)
@@ -261,7 +264,7 @@ def validate_messages(blocks, compressor, dtypes):
                            'message the reference decoder accepts; please '
                            'report this with CHAINER_VGC_BACKEND=numpy as '
                            'the workaround')
-    return counts
+    return (counts, None) if table else counts
 
 
 def _native_decode_applies(blocks, compressor):
@@ -276,17 +279,21 @@ def _on_device(params):
 
 
 # -- the GPU path: one upload, decode and sum on the device ----------------
-def upload_blocks(blocks, xp, like):
+def upload_blocks(blocks, xp, like, staging=None):
     """Every rank's message on ``like``'s device with one host-to-device
-    copy (through one pinned buffer); returns a device view per block."""
+    copy (through one pinned buffer: ``staging``'s, a
+    :class:`~chainer_vgc.backend.HostStaging` kept from step to step, or a
+    new one); returns a device view per block."""
     sizes = [int(b.size) for b in blocks]
-    staged = backend.host_buffer(sum(sizes), numpy.uint32)
+    staging = staging or backend.HostStaging()
+    staged = staging.view(sum(sizes), numpy.uint32)
     pos = 0
     for b, n in zip(blocks, sizes):
         staged[pos:pos + n] = b
         pos += n
     with backend.device_scope(like):
         device = xp.asarray(staged)
+        staging.hold_until(backend.upload_fence(device))
     views, pos = [], 0
     for n in sizes:
         views.append(device[pos:pos + n])
@@ -304,10 +311,10 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     several devices: the blocks are uploaded to the first one's device and
     read from there.)"""
     dtypes = [p.dtype for p in params]
-    elements = validate_messages(blocks, compressor, dtypes)
+    elements, rows = validate_messages(blocks, compressor, dtypes, True)
     if device_decode.applies(blocks, compressor, params, grads, dense) and \
             device_decode.mean(blocks, compressor, params, size, dense,
-                               rescale):
+                               rescale, rows):
         return elements  # the whole model in one launch
     # gap-coded indices are sequential codes: decoded here, on the host
     decoder, _ = compressor.gap_codec()
@@ -315,7 +322,8 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)
-    device = upload_blocks(blocks, xp, first)
+    device = upload_blocks(blocks, xp, first,
+                           device_decode.upload_staging(compressor))
 
     def adder(host, dev):
         def add(outs):

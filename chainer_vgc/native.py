@@ -126,7 +126,7 @@ def _signatures(lib):
         'vgc_native_qsgd': (i64, [vp, i32, i32, vp, vp, i64, i64, i32, vp,
                                   vp]),
         'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
-                                    i32, vp, vp, vp]),
+                                    i32, vp, vp, vp, vp, vp]),
         'vgc_native_rice_parameter': (i32, [i64, i64]),
         'vgc_native_gap_encode': (i64, [vp, vp, i64, i32, i32, vp]),
         'vgc_native_gap_decode': (i32, [vp, i64, i64, i64, vp, vp]),
@@ -326,8 +326,14 @@ def compress_none(ws, tensor_id, g, out):
     return _compress('none', ws, tensor_id, g, g.size, out)
 
 
+#: words of a row of the group table (``VGC_ROW_WORDS``,
+#: kernels/vgc_decode.h): tensor id, format, count, a, b, the body's first
+#: word in its message, span
+ROW_WORDS = 7
+
+
 def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
-                accumulate=False):
+                accumulate=False, table=False):
     """Validate the messages ``blocks``, then write into each ``outs[t]``
     (flat, C-contiguous, state dtype; None: skip) the sum of their elements
     in rank order, times ``scale`` where ``apply_scale[t]``.
@@ -337,7 +343,10 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
 
     Returns ``(touched, elements)``: elements written per tensor and
     elements carried per message; or ``None`` if a message is invalid
-    (then nothing was written; the caller names the fault).
+    (then nothing was written; the caller names the fault).  With
+    ``table``, ``(touched, elements, rows)``: ``rows`` (int64 [groups,
+    :data:`ROW_WORDS`] plus a first column, the message) lists every
+    message's groups in order, as the validating walk read them.
     """
     lib = load()
     p, n = len(blocks), len(sizes)
@@ -353,6 +362,8 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
     touched = numpy.zeros(max(n, 1), dtype=numpy.int64)
     elements = numpy.zeros(max(p, 1), dtype=numpy.int64)
     bad = numpy.zeros(1, dtype=numpy.int64)
+    rows = numpy.empty((p * n if table else 0, ROW_WORDS), numpy.int64)
+    n_rows = numpy.zeros(max(p, 1), dtype=numpy.int64)
     if accumulate and any(apply_scale):
         raise ValueError('decode_mean: accumulate=True adds without scaling '
                          '(apply_scale must be all False)')
@@ -369,7 +380,13 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
         sizes_a.ctypes.data, codes.ctypes.data,
         ctypes.cast(out_ptrs, ctypes.c_void_p), apply_a.ctypes.data,
         float(scale), int(bool(accumulate)), touched.ctypes.data,
-        elements.ctypes.data, bad.ctypes.data)
+        elements.ctypes.data, bad.ctypes.data,
+        rows.ctypes.data if table else None, n_rows.ctypes.data)
     if rc != 0:
         return None
-    return touched[:n], elements[:p]
+    if not table:
+        return touched[:n], elements[:p]
+    # each message's rows, from row b * n on, with b before them
+    mine = (numpy.arange(p * n) % max(n, 1)) < numpy.repeat(n_rows[:p], n)
+    msg = numpy.repeat(numpy.arange(p, dtype=numpy.int64), n)[mine]
+    return touched[:n], elements[:p], numpy.column_stack([msg, rows[mine]])

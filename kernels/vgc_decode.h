@@ -260,18 +260,27 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
     return j == (int64_t)count; /* always: every index < span_size */
 }
 
+/* Words of a row of the group table that vgc_walk writes when asked:
+ * tensor id, format, count, a, b, the body's first word in the message,
+ * span (FMT_GAP: tensors after the first; else 0) */
+#define VGC_ROW_WORDS 7
+
 /* Walks and validates one message (as codec._walk + codec.unpack); fills
  * groups[tid] for the tensors it carries and adds its element count.
  * FMT_GAP groups are only queued in jobs (their header and the cheap
  * checks done): the message is valid iff this returns true and
- * vgc_check_gap accepts each of them. */
+ * vgc_check_gap accepts each of them.  With rows (room for n_tensors
+ * rows), the group table too: VGC_ROW_WORDS words a group, *n_rows of
+ * them. */
 static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
                      const int64_t *sizes, const int *scodes,
                      vgc_group *groups, int64_t *elements,
-                     std::vector<vgc_gap_job> *jobs) {
+                     std::vector<vgc_gap_job> *jobs, int64_t *rows,
+                     int64_t *n_rows) {
     if (len < 2 || m[0] != VGC_MAGIC) return false;
     int64_t n_groups = m[1], pos = 2, last = -1;
     *elements = 0;
+    if (n_rows) *n_rows = 0;
     for (int64_t k = 0; k < n_groups; ++k) {
         if (pos + VGC_HEADER_WORDS > len) return false;
         const uint32_t *h = m + pos;
@@ -340,6 +349,16 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
             g.a = a;
             g.b = b;
             if (!vgc_check_group(g, size, scodes[tid])) return false;
+        }
+        if (rows) {
+            int64_t *row = rows + VGC_ROW_WORDS * (*n_rows)++;
+            row[0] = tid;
+            row[1] = fmt;
+            row[2] = count;
+            row[3] = a;
+            row[4] = b;
+            row[5] = pos;
+            row[6] = span;
         }
         *elements += count;
         pos += length;

@@ -242,13 +242,15 @@ int vgc_native_gap_decode(const uint32_t *body, int64_t len, int64_t count,
  * elements written,
  * elements[b] = elements message b carries.  Returns VGC_OK, or
  * VGC_BAD_MESSAGE with bad[0] = the first invalid message (nothing is
- * written then). */
+ * written then).  With rows (room for p * n_tensors rows of
+ * VGC_ROW_WORDS), each message's group table from row b * n_tensors on,
+ * n_rows[b] rows (vgc_walk). */
 int vgc_native_decode(int p, const uint32_t *const *blocks,
                       const int64_t *lens, int n_tensors,
                       const int64_t *sizes, const int *scodes,
                       void *const *outs, const int *apply_scale, double scale,
                       int accumulate, int64_t *touched, int64_t *elements,
-                      int64_t *bad) {
+                      int64_t *bad, int64_t *rows, int64_t *n_rows) {
     /* the decoded FMT_GAP groups (the groups point into them) */
     std::vector<std::unique_ptr<int64_t[]> > gap_scratch;
     std::vector<vgc_group> groups((size_t)p * n_tensors);
@@ -261,8 +263,11 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
     for (int b = 0; b < p; ++b) {
         vgc_group *row = groups.data() + (size_t)b * n_tensors;
         for (int t = 0; t < n_tensors; ++t) row[t].body = NULL;
-        valid[b] = vgc_walk(blocks[b], lens[b], n_tensors, sizes, scodes, row,
-                            elements + b, &msg_jobs[b]);
+        valid[b] = vgc_walk(
+            blocks[b], lens[b], n_tensors, sizes, scodes, row, elements + b,
+            &msg_jobs[b],
+            rows ? rows + (size_t)b * n_tensors * VGC_ROW_WORDS : NULL,
+            rows ? n_rows + b : NULL);
     }
     /* the FMT_GAP groups of the messages valid so far: decoded and checked
      * in parallel, largest first, each into its own scratch (indices, then

@@ -65,7 +65,7 @@ def upload_words(blocks, comp):
     """The words the decode uploads.  The whole-model decode
     (chainer_vgc.device_decode, every method but QSGD): each dtype's tensor
     offsets and ids (int64), a descriptor of 8 words per (rank, tensor),
-    the group bodies as sent and a 16-word record per block of 1024
+    the messages as received and a 16-word record per block of 1024
     FMT_GAP codes.  QSGD, tensor by tensor: the messages, their gap-coded
     groups expanded on the host (codec.expand_gap)."""
     groups = [g for b in blocks for g in walk(b, comp.sizes)]
@@ -75,7 +75,7 @@ def upload_words(blocks, comp):
     for d in DTYPES:
         per_dtype[numpy.dtype(d)] = per_dtype.get(numpy.dtype(d), 0) + 1
     tables = sum(2 * (2 * m + 1) for m in per_dtype.values())
-    return (tables + 8 * len(blocks) * n + sum(g.body.size for g in groups)
+    return (tables + 8 * len(blocks) * n + sum(b.size for b in blocks)
             + 16 * sum(codec.gap_restarts(g.count) + 1 for g in groups
                        if g.fmt == codec.FMT_GAP))
 
