@@ -182,7 +182,8 @@ class GradientCompressor(object):
         if device is not None or self.uses_native(grads):
             message = self._merge_spans(
                 device.compress(grads, sqsums, agree) if device else
-                self._compress_native(grads, sqsums, agree))
+                self._compress_native(grads, sqsums, agree),
+                device is None or device.mergeable)
             return message.copy() if copy and message.base is not None \
                 else message
         sqsums = self.validate(grads, sqsums, True, agree)
@@ -218,13 +219,12 @@ class GradientCompressor(object):
         self.last_sent = sum(grp.count for grp in groups)
         return message
 
-    def _merge_spans(self, message):
+    def _merge_spans(self, message, mergeable=True):
         """:func:`chainer_vgc.codec.merge_spans` where the rule gap-codes
-        its indices (``index_coding`` other than ``'fixed'``), with the
-        native backend's gap codec when it is the CPU backend; sets
-        :attr:`last_bytes`."""
+        and groups might merge (``mergeable``: the GPU layout counts them),
+        with the CPU backend's gap codec; sets :attr:`last_bytes`."""
         rule = self.rule
-        if rule.index_coding not in (None, 'fixed'):
+        if mergeable and rule.index_coding not in (None, 'fixed'):
             message = codec.merge_spans(message, self.sizes,
                                         *self.gap_codec())
         self.last_bytes = int(message.nbytes)

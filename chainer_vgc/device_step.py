@@ -68,6 +68,8 @@ from chainer_vgc.rules import VGC
 #: MIN_SLACK words more (a longer message takes a second copy)
 SLACK = 1.25
 MIN_SLACK = 1 << 16
+#: the layout's summary after the flags (``vgc_model_info`` in the .cuh)
+INFO_WORDS = 5
 
 
 def _span(arrays, size):
@@ -164,8 +166,10 @@ class DeviceStep(object):
         self.zeros = {}
         #: the gather's address tables, host and device, per slot
         self.tables = {}
-        #: [flags (a word a tensor), total words, groups, message]
-        self.head = self.n + 2
+        #: [flags (a word a tensor), info (INFO_WORDS), message]
+        self.head = self.n + INFO_WORDS
+        #: whether the last message may hold groups that merge_spans joins
+        self.mergeable = False
         # the longest message: dense FMT_RAW groups for 'none', else each
         # tensor's longest group in its coding ('gap': a FMT_GAP group of a
         # tiny tensor is longer than its elements)
@@ -237,7 +241,6 @@ class DeviceStep(object):
         out = xp.empty(self.size, dtype)
         if not self.size:
             return out
-        # (a strided array, which Chainer rarely makes, is copied first)
         arrays = [a if a is None or a.flags.c_contiguous
                   else xp.ascontiguousarray(a) for a in arrays]
         tables = self._tables(xp, arrays, dts, slot)
@@ -277,17 +280,12 @@ class DeviceStep(object):
         with self.device:
             self._install()
             self._passes(backend.cupy, grads, sqsums)
-            message, flags = self._download()
-        flagged = [(i, int(f)) for i, f in enumerate(flags) if f]
+            message, flags, info = self._download()
+        flagged = [(int(i), int(flags[i])) for i in numpy.flatnonzero(flags)]
         comp.settle(comp.fault_of(flagged) if flagged else None, agree)
         self._commit(self.active_key)
-        if self.kind == 'none':
-            comp.last_sent = sum(n for n, a in zip(comp.sizes,
-                                                   self.active_key) if a)
-            return message
-        comp.last_sent = codec.message_count(message) \
-            if comp.rule.index_coding != 'fixed' else \
-            int(message.size) - 2 - codec.HEADER_WORDS * int(message[1])
+        comp.last_sent = int(info[2]) | (int(info[3]) << 32)
+        self.mergeable = bool(info[4])
         return message
 
     def _passes(self, xp, grads, sqsums):
@@ -305,7 +303,7 @@ class DeviceStep(object):
             kernels.get_kernel('vgc_model_none_layout')(
                 offsets, nt, active, sdt == numpy.float64,
                 xp.empty(1, numpy.int32), self.base, msg,
-                self.buffer[n:n + 2])
+                self.buffer[n:n + INFO_WORDS])
             kernels.get_kernel('vgc_model_none_write')(
                 g, offsets, nt, self.base, msg, flags)
             return
@@ -338,7 +336,7 @@ class DeviceStep(object):
         kernels.get_kernel('vgc_model_layout')(
             pos, offsets, nt, kind == 'vgc', numpy.uint32(scale),
             sdt == numpy.float64, xp.empty(1, numpy.int32), self.maxbits,
-            self.base, self.ek, msg, self.buffer[n:n + 2])
+            self.base, self.ek, msg, self.buffer[n:n + INFO_WORDS])
         if kind == 'vgc':
             kernels.get_kernel('vgc_model_vgc_write')(
                 ok, sign, pos, offsets, nt, self.base, self.ek, active,
@@ -377,7 +375,7 @@ class DeviceStep(object):
             pos, ends, offsets, nt, kind == 'vgc',
             self.sdt == numpy.float64, rule.index_coding == 'gap', sign_only,
             xp.empty(1, numpy.int32), self.maxbits, rec,
-            self.buffer[n:n + 2])
+            self.buffer[n:n + INFO_WORDS])
         kernels.get_kernel('vgc_model_gap_assemble')(
             rec, nt, cw, pos, offsets, ends, length, numpy.uint32(scale),
             sign_only, msg)
@@ -386,7 +384,7 @@ class DeviceStep(object):
         """Step 7: the flags, totals and message in one copy (a second
         one only when the message outgrew the last step's by more than
         :data:`SLACK` and :data:`MIN_SLACK`; the first step copies the
-        longest message possible); returns (message, flags), host
+        longest message possible); returns (message, flags, info), host
         views."""
         n, head, host = self.n, self.head, self.staged
         first = head + self.cap
@@ -397,5 +395,6 @@ class DeviceStep(object):
         self.cap = min(self.max_words, max(int(total * SLACK),
                                            total + MIN_SLACK)
                        + 2 + codec.HEADER_WORDS * n)
-        return host[head:head + total], host[:n]
+        return (host[head:head + total], host[:n],
+                host[n:n + INFO_WORDS])
 

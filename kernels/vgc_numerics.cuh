@@ -644,6 +644,21 @@ VGC_FN void vgc_model_strom_step(long long i, F g, F r, const O &offsets,
     ok = sign != 0;
 }
 
+/* The layouts' summary for the host, downloaded with the message:
+ * info = {total words, groups, elements sent (low, high word), adjacent
+ * groups that codec.merge_spans might merge (0: the host skips it)};
+ * chainer_vgc.device_step.INFO_WORDS words */
+#define VGC_MERGE_MAX_COUNT 1024
+template <typename W>
+VGC_FN void vgc_model_info(W &info, long long words, long long groups,
+                           long long sent, long long mergeable) {
+    info[0] = (unsigned int)words;
+    info[1] = (unsigned int)groups;
+    info[2] = (unsigned int)(sent & 0xFFFFFFFFLL);
+    info[3] = (unsigned int)(sent >> 32);
+    info[4] = (unsigned int)mergeable;
+}
+
 /* first rank of tensor t, and its count (pos: inclusive scan) */
 template <typename P, typename O>
 VGC_FN long long vgc_rank0(const P &pos, const O &offsets, int t) {
@@ -666,10 +681,11 @@ template <typename P, typename O, typename M, typename E, typename W>
 VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
                              M &maxbits, bool from_max, unsigned int scale,
                              E &base, E &ek, W &msg, W &info, bool is_f64) {
-    long long w = 2, groups = 0;
+    long long w = 2, groups = 0, sent = 0;
     for (int t = 0; t < n; ++t) {
         const long long count = vgc_sent(pos, offsets, t);
         const int e_k = vgc_model_take_e_k(maxbits, t, from_max, is_f64);
+        sent += count;
         ek[t] = e_k;
         if (!count) {
             base[t] = -1;
@@ -686,8 +702,7 @@ VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
     }
     msg[0] = VGC_MAGIC;
     msg[1] = (unsigned int)groups;
-    info[0] = (unsigned int)w;
-    info[1] = (unsigned int)groups;
+    vgc_model_info(info, w, groups, sent, 0); /* (no merging: 'fixed') */
 }
 
 /* The slot of element i in its group's body (pos: inclusive scan of ok) */
@@ -747,7 +762,7 @@ VGC_FN void vgc_model_sign_write(long long i, signed char sign, const P &pos,
 template <typename O, typename B, typename E, typename W>
 VGC_FN void vgc_model_none_layout(const O &offsets, int n, const B &active,
                                   bool is_f64, E &base, W &msg, W &info) {
-    long long w = 2, groups = 0;
+    long long w = 2, groups = 0, sent = 0;
     const int per = is_f64 ? 2 : 1;
     for (int t = 0; t < n; ++t) {
         const long long size = (long long)offsets[t + 1] - offsets[t];
@@ -762,12 +777,12 @@ VGC_FN void vgc_model_none_layout(const O &offsets, int n, const B &active,
         msg[w + 4] = 0u;
         base[t] = w + VGC_HEADER_WORDS;
         w += VGC_HEADER_WORDS + per * size;
+        sent += size;
         ++groups;
     }
     msg[0] = VGC_MAGIC;
     msg[1] = (unsigned int)groups;
-    info[0] = (unsigned int)w;
-    info[1] = (unsigned int)groups;
+    vgc_model_info(info, w, groups, sent, 0);
 }
 
 /* the state dtype of a gradient dtype: float64 for float64, else float32
@@ -1086,7 +1101,9 @@ VGC_FN void vgc_model_gap_layout(const P &pos, const E &ends,
                                  const O &offsets, int n, M &maxbits,
                                  bool from_max, bool is_f64, bool always_gap,
                                  bool sign_only, R &rec, W &info) {
-    long long w = 2, groups = 0;
+    long long w = 2, groups = 0, sent = 0, mergeable = 0;
+    long long last_count = 0; /* the previous group's count and e_k */
+    int last_e_k = 0;
     const long long per = sign_only ? 1 : 4;
     for (int t = 0; t < n; ++t) {
         const long long count = vgc_sent(pos, offsets, t);
@@ -1108,12 +1125,19 @@ VGC_FN void vgc_model_gap_layout(const P &pos, const E &ends,
         rec[6 * t + 4] = count;
         rec[6 * t + 5] = e_k;
         w += VGC_HEADER_WORDS + (gap ? body : count);
+        /* two groups in a row of at most MERGE_MAX_COUNT elements with
+         * one value table (e_k; the scale is the step's) */
+        if (groups && count <= VGC_MERGE_MAX_COUNT &&
+            last_count <= VGC_MERGE_MAX_COUNT && e_k == last_e_k)
+            ++mergeable;
+        last_count = count;
+        last_e_k = e_k;
+        sent += count;
         ++groups;
     }
     rec[6 * n] = w;
     rec[6 * n + 1] = groups;
-    info[0] = (unsigned int)w;
-    info[1] = (unsigned int)groups;
+    vgc_model_info(info, w, groups, sent, mergeable);
 }
 
 /* bit p (0 <= p < its length) of the code of `gap` with parameter k */

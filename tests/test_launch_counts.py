@@ -212,6 +212,95 @@ def test_sums_in_one_arena_are_read_in_place(device, method, kw):
         assert n == launches - (layout == 'arena'), (layout, n, launches)
 
 
+@pytest.mark.parametrize('method,kw', [METHODS[2], METHODS[4]],
+                         ids=[IDS[2], IDS[4]])
+def test_the_host_reads_the_summary_not_the_message(device, monkeypatch,
+                                                    method, kw):
+    """After the download the host reads the layout's summary (elements
+    sent, groups that might merge), not the message: no walk of its
+    groups at 4, 40 or 400 tensors of groups too large to merge (the
+    count and the bytes as the message says); with small groups that
+    merge_spans might join, it walks the message once to merge them."""
+    from chainer_vgc import codec
+    from chainer_vgc.codec import message as message_module
+    walks = []
+    real = message_module.walk
+
+    def counted(*args, **kwargs):
+        walks.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(message_module, 'walk', counted)
+    seen = {}
+    for n, size in [(4, 30000), (40, 30000), (400, 3000), (40, 50)]:
+        sizes, steps = _model(n, size=size)
+        comp = GradientCompressor(method, [str(i) for i in range(n)],
+                                  [(k,) for k in sizes],
+                                  [numpy.float32] * n, **kw)
+        for gs, ss in steps:
+            del walks[:]
+            message = comp.compress([device.asarray(g) for g in gs],
+                                    [device.asarray(q) for q in ss])
+            monkeypatch.setattr(message_module, 'walk', real)
+            # the oracle: two groups in a row of at most MERGE_MAX_COUNT
+            # elements with one value table, in the message as sent
+            heads = [(g.count, g.a, g.b) for g in real(message, None)]
+            small = [c <= codec.MERGE_MAX_COUNT for c, _, _ in heads]
+            pairs = any(small[j] and small[j + 1] and heads[j][1:] ==
+                        heads[j + 1][1:] for j in range(len(heads) - 1))
+            if not walks:  # (the message as downloaded)
+                assert not pairs, (n, size)
+            if size > codec.MERGE_MAX_COUNT * 8:  # large groups: no walk
+                assert not walks, (n, size, heads)
+            seen[bool(walks)] = True
+            assert comp.last_sent == codec.message_count(message)
+            assert comp.last_bytes == message.nbytes
+            monkeypatch.setattr(message_module, 'walk', counted)
+    assert seen == {False: True, True: True}  # both cases were met
+
+
+@pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
+def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
+                                              kw):
+    """The decode + mean of 4 ranks' messages at 4, 40 and 400 tensors:
+    the native validation's walk hands its group table over, and the
+    descriptors and FMT_GAP block records are built from it with NumPy
+    over the whole table, so no Python code runs per group (``walk``, the
+    reference's group table, the gap expansion are never called) and the
+    messages go up as received, a copy per message."""
+    from chainer_vgc import codec
+    from chainer_vgc import device_decode
+    from chainer_vgc.codec import message as message_module
+    calls = []
+
+    def forbidden(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+    for n in TENSORS:
+        sizes, steps = _model(n)
+        comp = GradientCompressor(method, [str(i) for i in range(n)],
+                                  [(k,) for k in sizes],
+                                  [numpy.float32] * n, **kw)
+        for gs, ss in steps:
+            message = comp.compress([device.asarray(g) for g in gs],
+                                    [device.asarray(q) for q in ss]).copy()
+        grads = [device.zeros(k, numpy.float32) for k in sizes]
+        params = [types.SimpleNamespace(
+            array=g, grad=g, dtype=g.dtype, shape=g.shape, size=g.size,
+            xp=device) for g in grads]
+        with monkeypatch.context() as m:
+            for mod, name in [(message_module, 'walk'),
+                              (device_decode, 'walk'),
+                              (device_decode, 'group_rows'),
+                              (codec, 'expand_gap'), (codec, 'unpack')]:
+                m.setattr(mod, name, forbidden(name, getattr(mod, name)))
+            exchange.mean_gradients([message] * RANKS, comp, params, grads,
+                                    RANKS, True, False)
+        assert calls == [], (n, calls)
+        # (the means: test_device_step's decode tests, bit for bit)
+
+
 def test_the_fake_counts_launches_not_views(device):
     """The counter itself: kernels count, views and allocation do not."""
     fake = device
@@ -232,22 +321,27 @@ def test_the_fake_counts_launches_not_views(device):
 
 
 def main():
-    """Print the counts (the ``device`` fixture's set-up, by hand)."""
+    """Print the counts (the ``device`` fixture's set-up, by hand): models
+    of 4, 40 and 400 tensors of SCALED_SIZE elements, CuPy's concatenate
+    threshold scaled as in the tests."""
     import _pytest.monkeypatch
     import conftest
     import kernel_harness
     mp = _pytest.monkeypatch.MonkeyPatch()
     fake = conftest.device.__wrapped__(kernel_harness.HostKernels(), mp)
-    print('| method | tensors | compress launches | downloads | scalar '
-          'reads | decode launches | uploads | downloads |')
-    print('|---|---:|---:|---:|---:|---:|---:|---:|')
+    fake.concat_threshold = SCALED_THRESHOLD
+    print('| method | tensors | compress launches (ours + CuPy scans) | '
+          'uploads | downloads | scalar reads | decode launches | uploads '
+          '| downloads |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|')
     for (method, kw), name in zip(METHODS, IDS):
         for n in TENSORS:
-            c = step_counts(fake, method, kw, n)
-            print('| {} | {} | {} | {} | {} | {} | {} | {} |'.format(
-                name, n, c['compress']['launch'], c['compress']['download'],
-                c['compress']['scalar'], c['decode']['launch'],
-                c['decode']['upload'], c['decode']['download']))
+            c = step_counts(fake, method, kw, n, SCALED_SIZE)
+            comp, dec = c['compress'], c['decode']
+            print('| {} | {} | {} + {} | {} | {} | {} | {} | {} | {} |'.format(
+                name, n, comp['launch'] - comp['scan'], comp['scan'],
+                comp['upload'], comp['download'], comp['scalar'],
+                dec['launch'], dec['upload'], dec['download']))
     mp.undo()
 
 

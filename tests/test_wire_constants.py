@@ -43,7 +43,8 @@ def test_kernel_source_matches_codec():
                      'VGC_GAP_PARAM_WORDS': codec.GAP_PARAM_WORDS,
                      'VGC_GAP_RESTART_CODES': codec.GAP_RESTART_CODES,
                      'VGC_GAP_RESTART_WORDS': codec.GAP_RESTART_WORDS,
-                     'VGC_GAP_RESTARTS': codec.GAP_RESTARTS}
+                     'VGC_GAP_RESTARTS': codec.GAP_RESTARTS,
+                     'VGC_MERGE_MAX_COUNT': codec.MERGE_MAX_COUNT}
 
 
 def test_host_source_matches_codec():

@@ -10,8 +10,8 @@ import re
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, FMT_QSGD, FMT_RAW, GAP_ESCAPE, GAP_PARAM_WORDS,
     GAP_RESTARTS, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS,
-    LOG2_ZERO, MAGIC, MAX_D, MAX_INDEX, QSGD_OFFSET_BITS, QSGD_RECORD_WORDS,
-    RAW_DENSE, RAW_FLOAT64)
+    LOG2_ZERO, MAGIC, MAX_D, MAX_INDEX, MERGE_MAX_COUNT, QSGD_OFFSET_BITS,
+    QSGD_RECORD_WORDS, RAW_DENSE, RAW_FLOAT64)
 
 #: the constants of :mod:`.constants` under the names the C++/CUDA sources
 #: ``#define`` them (``kernels/vgc_host_common.h``,
@@ -38,6 +38,7 @@ C_CONSTANTS = collections.OrderedDict([
     ('VGC_GAP_SPAN_SHIFT', GAP_SPAN_SHIFT),
     ('VGC_GAP_RESTART_CODES', GAP_RESTART_CODES),
     ('VGC_GAP_RESTART_WORDS', GAP_RESTART_WORDS),
+    ('VGC_MERGE_MAX_COUNT', MERGE_MAX_COUNT),
 ])
 #: the ones ``kernels/vgc_numerics.cuh`` (the CuPy kernels' source) defines
 KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
@@ -46,7 +47,7 @@ KERNEL_CONSTANTS = ('VGC_LOG2_ZERO', 'VGC_INDEX_BITS', 'VGC_INDEX_MASK',
                     'VGC_RAW_DENSE', 'VGC_RAW_FLOAT64', 'VGC_FMT_GAP',
                     'VGC_GAP_SIGN_ONLY', 'VGC_GAP_PARAM_WORDS',
                     'VGC_GAP_RESTART_CODES', 'VGC_GAP_RESTART_WORDS',
-                    'VGC_GAP_RESTARTS')
+                    'VGC_GAP_RESTARTS', 'VGC_MERGE_MAX_COUNT')
 
 _DEFINE = re.compile(r'^[ \t]*#[ \t]*define[ \t]+(VGC_\w+)[ \t]+(.*)$',
                      re.MULTILINE)
