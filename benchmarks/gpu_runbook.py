@@ -22,19 +22,24 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
        warning; every module of the package imported from the venv; on a
        GPU, Chainer's CUDA backend available and NVRTC found
        (``chainer_vgc.cuda_support.status()``).
-    3. ``gpu_check``: the kernel conformance check (``gpu_check.py check``).
-    4. ``train/none``, ``train/vgc``, ``train/hybrid``: ``mpiexec -n 2
+    3. ``profile``: ``benchmarks/gpu_profile.py`` (issue 36): compress,
+       decode+mean and the VGG step under training conditions, CUDA-event
+       and host time of every kernel and host phase, and the pinned pool
+       over 200 decode steps; it measures for ``PROFILE_BUDGET`` seconds
+       and writes ``gpu_profile.log`` next to ``--log``.
+    4. ``gpu_check``: the kernel conformance check (``gpu_check.py check``).
+    5. ``train/none``, ``train/vgc``, ``train/hybrid``: ``mpiexec -n 2
        python examples/train_mnist.py --gpu 0`` (two ranks sharing one GPU),
        printing test accuracy and compression.
-    5. ``vgg_step``: the time of one training step of the App. D VGG
+    6. ``vgg_step``: the time of one training step of the App. D VGG
        (28x28x1 input, full width, batch 64, synthetic data, one rank) with
        ``none`` and with ``vgc``, and their ratio.
-    6. ``steps``: three training steps of an MLP on the GPU; at each step
+    7. ``steps``: three training steps of an MLP on the GPU; at each step
        the GPU's messages (vgc with fixed and auto index coding, hybrid,
        strom) are compared word for word with the CPU path's (native
        backend) compressing the same gradients and statistics from the same
        state.
-    7. ``statistics``: the per-sample statistics of every weight use of
+    8. ``statistics``: the per-sample statistics of every weight use of
        three models (convolutions with strides, padding, dilation and
        groups, a deconvolution, batch normalization, Linear with several
        rows per example, the App. D VGG, a discriminator applied to two
@@ -44,6 +49,8 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
        device's sums from the recorded inputs (rtol 1e-5).  (Dry: the CPU
        side takes the blocked product where the other takes the Gram
        one.)
+    9. ``hierarchy``: the hierarchical communicator on 4 ranks sharing the
+       GPU as 2 nodes of 2, against the flat run of 2 node-workers.
 
     Each step prints PASS or FAIL; the summary lists them, and the exit
     status is 1 if one failed.  ``--log FILE`` keeps everything printed.
@@ -54,7 +61,8 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
 
 ``run gpu_carry --dry``
     The same steps without a GPU (CI runs it: ``tests/test_gpu_runbook.py``):
-    ``gpu_check --fake-cupy --small``; training on the CPU; the VGG step at
+    ``gpu_profile.py --dry``; ``gpu_check --fake-cupy --small``; training
+    on the CPU; the VGG step at
     width 1/8, batch 8; the three steps' "GPU" side through the fake CuPy
     (``tests/fake_cupy.py``) with the kernels compiled for the host.
 
@@ -88,6 +96,12 @@ PLATFORMS = ('manylinux_2_28_x86_64', 'manylinux_2_27_x86_64',
 #: the methods of the training runs and of the message comparison
 TRAIN_METHODS = [('none', []), ('vgc', ['--alpha', '2']),
                  ('hybrid', ['--tau', '0.01', '--alpha', '2'])]
+#: seconds the profile measures for on a GPU (its --budget), and the most
+#: its process may take (set-up, kernels compiled, inputs made, the last
+#: step past the budget): the whole runbook took 139 s on an H200 before
+#: it, inside the 540 s of --deadline
+PROFILE_BUDGET = 150
+PROFILE_TIMEOUT = 270
 STEP_CASES = [('vgc_fixed', 'vgc', dict(alpha=1.0, index_coding='fixed')),
               ('vgc_auto', 'vgc', dict(alpha=1.0, index_coding='auto')),
               ('hybrid', 'hybrid', dict(alpha=1.0, tau=0.01)),
@@ -280,6 +294,25 @@ class Runbook(object):
         return env
 
     # 3
+    def profile(self):
+        """``benchmarks/gpu_profile.py`` (dry: through the fake CuPy, tiny
+        sizes): the exchange under training conditions, kernel by kernel;
+        its own log next to ``--log`` (``gpu_profile.log``).  It stops
+        measuring at its ``--budget`` (:data:`PROFILE_BUDGET` on a GPU)
+        and is killed at :data:`PROFILE_TIMEOUT`."""
+        cmd = [self.py, os.path.join(HERE, 'gpu_profile.py')]
+        cmd += ['--dry'] if self.args.dry else [
+            '--budget', str(PROFILE_BUDGET)]
+        if self.args.log:
+            cmd += ['--log', os.path.join(os.path.dirname(
+                os.path.abspath(self.args.log)), 'gpu_profile.log')]
+        code, text = self.call(cmd, PROFILE_TIMEOUT, self.env())
+        lines = [ln for ln in text.splitlines() if ln.startswith('RESULT ')]
+        self.step('profile', code == 0,
+                  lines[-1][len('RESULT '):] if lines else
+                  'exit status {}'.format(code))
+
+    # 4
     def gpu_check(self):
         cmd = [self.py, GPU_CHECK, 'check',
                os.path.join(self.bundle, 'gpu_ref')]
@@ -290,7 +323,7 @@ class Runbook(object):
         self.step('gpu_check', code == 0,
                   m.group(0) if m else 'exit status {}'.format(code))
 
-    # 4
+    # 5
     def train(self):
         mpiexec = os.path.join(self.venv, 'bin', 'mpiexec')
         for method, extra in TRAIN_METHODS:
@@ -317,7 +350,7 @@ class Runbook(object):
                 code = code or 1
             self.step('train/' + method, code == 0, detail)
 
-    # 5, 6
+    # 6, 7, 8
     def own_step(self, name, timeout):
         cmd = [self.py, os.path.abspath(__file__), name.replace('_', '-')]
         if self.args.dry:
@@ -328,7 +361,7 @@ class Runbook(object):
                   lines[-1][len('RESULT '):] if lines else
                   'exit status {}'.format(code))
 
-    # 8
+    # 9
     def hierarchy(self):
         """The hierarchical communicator with its models and gradients on
         the device: 4 ranks sharing the GPU as 2 nodes of 2, bit for bit
@@ -358,7 +391,8 @@ class Runbook(object):
                      'is {}.{}'.format(*sys.version_info[:2]))
         if self.make_venv():
             self.imports()
-            plan = [('gpu_check', self.gpu_check), ('train', self.train),
+            plan = [('profile', self.profile),
+                    ('gpu_check', self.gpu_check), ('train', self.train),
                     ('vgg_step', lambda: self.own_step('vgg_step', 900)),
                     ('steps', lambda: self.own_step('steps', 900)),
                     ('statistics', lambda: self.own_step('statistics', 600)),
@@ -437,34 +471,59 @@ def _fake_cupy():
     return fake
 
 
+#: the App. D VGG step's (width, batch, timed updates): on the GPU, and dry
+VGG_SETTINGS = {'gpu': (1.0, 64, 20), 'dry': (0.125, 8, 3)}
+
+
+def vgg_update(method, device, width, batch):
+    """One rank's App. D VGG training step with ``method``, ready to run:
+    the network (``examples/example_common.make_network``) on ``device``, a
+    communicator and MomentumSGD behind chainer-vgc's multi-node optimizer,
+    and one synthetic batch (28x28x1, seed 0) on the device.  Returns
+    ``(update, optimizer)``: each ``update()`` is ``optimizer.update(model,
+    x, t)``, i.e. the forward pass, the backward pass (with the per-sample
+    statistics where ``method`` needs them), the exchange and the update
+    (the first call only broadcasts the parameters, as ChainerMN's).
+    Nothing is synchronized: the caller times it.  (``vgg-step`` here and
+    ``benchmarks/gpu_profile.py`` time the same step.)"""
+    import numpy
+    import chainer
+    import chainer_vgc
+    examples = os.path.join(REPO, 'examples')
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import example_common
+    rng = numpy.random.RandomState(0)
+    x = rng.standard_normal((batch, 1, 28, 28)).astype(numpy.float32)
+    t = rng.randint(0, 10, batch).astype(numpy.int32)
+    ns = argparse.Namespace(model='vgg', width=width, no_dropout=False,
+                            unit=100)
+    model = example_common.make_network(ns, 0)
+    model.to_device(device)
+    comm = chainer_vgc.create_communicator(method)
+    opt = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(0.01), comm)
+    opt.setup(model)
+    xd, td = device.send(x), device.send(t)
+
+    def update():
+        opt.update(model, xd, td)
+    return update, opt
+
+
 def vgg_step(args):
     """Median time of one update of the App. D VGG with ``none`` and with
     ``vgc`` (one rank), and their ratio."""
     import numpy
-    import chainer
-    import chainer_vgc
-    sys.path.insert(0, os.path.join(REPO, 'examples'))
-    import example_common
     device = _device(args.dry)
-    width, batch, steps = (0.125, 8, 3) if args.dry else (1.0, 64, 20)
-    rng = numpy.random.RandomState(0)
-    x = rng.standard_normal((batch, 1, 28, 28)).astype(numpy.float32)
-    t = rng.randint(0, 10, batch).astype(numpy.int32)
+    width, batch, steps = VGG_SETTINGS['dry' if args.dry else 'gpu']
     times = {}
     for method in ('none', 'vgc'):
-        ns = argparse.Namespace(model='vgg', width=width, no_dropout=False,
-                                unit=100)
-        model = example_common.make_network(ns, 0)
-        model.to_device(device)
-        comm = chainer_vgc.create_communicator(method)
-        opt = chainer_vgc.create_multi_node_optimizer(
-            chainer.optimizers.MomentumSGD(0.01), comm)
-        opt.setup(model)
-        xd, td = device.send(x), device.send(t)
+        update, _ = vgg_update(method, device, width, batch)
         spent = []
         for k in range(steps + 2):
             start = time.perf_counter()
-            opt.update(model, xd, td)
+            update()
             device.device.synchronize() if not args.dry else None
             spent.append(time.perf_counter() - start)
         times[method] = float(numpy.median(spent[2:]))
@@ -734,8 +793,8 @@ def main(argv=None):
                    "device tool's 600 s per command); steps that would end "
                    'later are cut, and the summary still prints')
     r.add_argument('--only', nargs='+', default=None, metavar='STEP',
-                   choices=('gpu_check', 'train', 'vgg_step', 'steps',
-                            'statistics', 'hierarchy'),
+                   choices=('profile', 'gpu_check', 'train', 'vgg_step',
+                            'steps', 'statistics', 'hierarchy'),
                    help='run these steps only (after venv and imports), '
                    'to rerun what failed')
     for name in ('vgg-step', 'steps', 'statistics'):

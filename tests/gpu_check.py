@@ -23,7 +23,9 @@ Two modes:
     state, decoded sum and mean and every kernel output bit for bit with
     the reference (NaN-safe bit patterns), prints one PASS/FAIL line per
     check with the first mismatch, then times compress+encode and
-    decode+mean of 25M float32 parameters against a device-to-device copy.
+    decode+mean of 25M float32 parameters against a device-to-device copy
+    (with ``backend='numpy'``, ``copy=True`` and every message kept: not
+    training's conditions, which ``benchmarks/gpu_profile.py`` measures).
     Writes ``gpu_check.json`` to ``$OUT`` (else DIR).  Exit status 1 if any
     check failed.
 
@@ -1535,7 +1537,16 @@ TIMED = [('vgc:fixed', 'vgc', dict(alpha=2.0, index_coding='fixed')),
 
 def run_timings(ctx):
     """compress+encode and decode+mean vs a device-to-device copy, the
-    stream of benchmarks/bench_compress.py (medians)."""
+    stream of benchmarks/bench_compress.py (medians).
+
+    Conditions: the compressor's CPU backend is ``'numpy'`` (host
+    validation and the FMT_GAP codec on the host in NumPy), ``compress``
+    with ``copy=True`` (each message copied into a new host array) and
+    every timed message kept, the sums of squares separate device arrays.
+    That is not what training runs (native backend, ``copy=False``, sums
+    in one arena, messages dropped): ``benchmarks/gpu_profile.py`` (the
+    runbook's ``profile`` step) measures those conditions, kernel by
+    kernel."""
     core, xp, args = ctx.core, ctx.xp, ctx.args
     n = args.params or (1_000_000 if args.small else 25_000_000)
     repeat, warmup = args.repeat, args.warmup
@@ -1557,6 +1568,11 @@ def run_timings(ctx):
               n, len(shapes), 4 * n / 1e6, time.perf_counter() - t0,
               warmup, repeat, ' (fake CuPy: meaningless)' if ctx.fake
               else ''))
+    print("conditions: backend='numpy' (host validation and gap codec in "
+          'NumPy), compress(copy=True), every message kept, sums of squares '
+          'in separate arrays: NOT training\'s conditions (native backend, '
+          'copy=False, sums in one arena, messages dropped), for which see '
+          'benchmarks/gpu_profile.py (the runbook\'s profile step)')
     src = xp.concatenate([g.reshape(-1) for g in d_draws[0]])
     dst = xp.empty_like(src)
 

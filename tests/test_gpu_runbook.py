@@ -20,8 +20,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNBOOK = os.path.join(ROOT, 'benchmarks', 'gpu_runbook.py')
-STEPS = ['venv', 'imports', 'gpu_check', 'train/none', 'train/vgc',
-         'train/hybrid', 'vgg_step', 'steps', 'statistics', 'hierarchy']
+STEPS = ['venv', 'imports', 'profile', 'gpu_check', 'train/none',
+         'train/vgc', 'train/hybrid', 'vgg_step', 'steps', 'statistics',
+         'hierarchy']
 
 
 @pytest.mark.install
@@ -60,8 +61,14 @@ def test_bundle_then_dry_run_passes_every_step(tmp_path):
     found = re.findall(r'^  (PASS|FAIL)\s+(\S+)', summary, re.M)
     assert found == [('PASS', s) for s in STEPS], summary
     assert '{} passed, 0 failed'.format(len(STEPS)) in summary
-    # the steps did their work: the conformance checks ran, the three
-    # trainings reported accuracy and compression, the messages matched
+    # the steps did their work: the profile measured every section (its
+    # table is tests/test_gpu_profile.py's), the conformance checks ran,
+    # the three trainings reported accuracy and compression, the messages
+    # matched
+    assert re.search(r'PASS profile: \(DRY\) compress \(device\) vgc:fixed '
+                     r'[\d.]+ ms, .*; decode\+mean auto \(wall\) p=4 .*; VGG '
+                     r'vgc/none [\d.]+; pinned: ', text), text[:6000]
+    assert (tmp_path / 'gpu_profile.log').is_file()
     assert re.search(r'PASS gpu_check: (\d{3}) passed, 0 fail', text)
     for method in ('none', 'vgc', 'hybrid'):
         assert re.search(r'PASS train/{}: test accuracy 0\.\d+, compression '
