@@ -308,7 +308,7 @@ class DeviceStep(object):
                 g, offsets, nt, self.base, msg, flags)
             return
         sign = xp.empty(self.size, numpy.int8)
-        ok = xp.empty(self.size, numpy.int32)
+        ok = xp.empty(self.size, numpy.int64)  # scanned in place: pos
         if kind == 'vgc':
             kernels.get_kernel('vgc_model_vgc_select')(
                 g, self._arena(xp, sqsums, 's'), old['r'], old['v'],
@@ -328,10 +328,10 @@ class DeviceStep(object):
             kernels.get_kernel('vgc_model_strom_step')(
                 g, old['r'], offsets, nt, active,
                 codec.wire_scale(rule.tau, sdt), new['r'], sign, ok, flags)
-        pos = xp.cumsum(ok, dtype=numpy.int64)
+        pos = kernels.scan(xp, ok)
         scale = f32_bits(1.0 if kind == 'vgc' else rule.tau)
         if rule.index_coding != 'fixed':
-            self._gap_passes(xp, sign, ok, pos, active, old, new, scale)
+            self._gap_passes(xp, sign, pos, active, old, new, scale)
             return
         kernels.get_kernel('vgc_model_layout')(
             pos, offsets, nt, kind == 'vgc', numpy.uint32(scale),
@@ -339,14 +339,14 @@ class DeviceStep(object):
             self.base, self.ek, msg, self.buffer[n:n + INFO_WORDS])
         if kind == 'vgc':
             kernels.get_kernel('vgc_model_vgc_write')(
-                ok, sign, pos, offsets, nt, self.base, self.ek, active,
+                sign, pos, offsets, nt, self.base, self.ek, active,
                 bool(rule.keep_unrepresentable), new['r'], new['v'], msg,
                 flags)
         else:
             kernels.get_kernel('vgc_model_sign_write')(
                 sign, pos, offsets, nt, self.base, msg)
 
-    def _gap_passes(self, xp, sign, ok, pos, active, old, new, scale):
+    def _gap_passes(self, xp, sign, pos, active, old, new, scale):
         """Steps 6-7 with gap-coded indices: the words compacted by
         rank, the code lengths, one scan of them, the layout (FMT_GAP or
         the paper's words per tensor) and every message word assembled
@@ -358,7 +358,7 @@ class DeviceStep(object):
         ct = xp.empty(self.size, numpy.int32)
         if kind == 'vgc':
             kernels.get_kernel('vgc_model_vgc_compact')(
-                ok, sign, pos, offsets, nt, self.maxbits, active,
+                sign, pos, offsets, nt, self.maxbits, active,
                 bool(rule.keep_unrepresentable), new['r'], new['v'], cw, ct,
                 flags)
         else:
@@ -368,7 +368,7 @@ class DeviceStep(object):
         if self.size:
             kernels.get_kernel('vgc_model_gap_lengths')(
                 cw, ct, pos, offsets, nt, length)
-        ends = xp.cumsum(length)
+        ends = kernels.scan(xp, length)
         rec = xp.empty(6 * n + 2, numpy.int64)
         sign_only = kind != 'vgc'
         kernels.get_kernel('vgc_model_gap_layout')(
@@ -377,7 +377,7 @@ class DeviceStep(object):
             xp.empty(1, numpy.int32), self.maxbits, rec,
             self.buffer[n:n + INFO_WORDS])
         kernels.get_kernel('vgc_model_gap_assemble')(
-            rec, nt, cw, pos, offsets, ends, length, numpy.uint32(scale),
+            rec, nt, cw, pos, offsets, ends, numpy.uint32(scale),
             sign_only, msg)
 
     def _download(self):

@@ -82,7 +82,10 @@ SPECS = collections.OrderedDict([
     # The whole-model step (issue 25; chainer_vgc.device_step): every
     # tensor of a dtype group in one launch, laid end to end (offsets:
     # n_tensors + 1 element offsets; active: the tensors with a gradient
-    # this step).  The select passes write the next state into r2, v2.
+    # this step).  The select passes write the next state into r2, v2, and
+    # ok (int64) which elements are sent: scanned in place it becomes pos,
+    # the inclusive scan the later passes read (an element's ok is
+    # pos[i] - pos[i - 1]; a code's length ends[j] - ends[j - 1]).
     # The start of a step: a tensor's fault flags and largest selected |r|
     # cleared (one thread a tensor)
     ('vgc_model_clear', KernelSpec(
@@ -103,17 +106,17 @@ SPECS = collections.OrderedDict([
         'n_tensors, active, alpha, zeta, r2, v2, sel, flags, maxbits)')),
     ('vgc_model_keep', KernelSpec(
         'S r2, int8 sel, raw uint64 maxbits, raw int64 offsets, '
-        'int32 n_tensors', 'int32 ok',
+        'int32 n_tensors', 'int64 ok',
         'ok = vgc_model_keep<S>(i, r2, sel, maxbits, offsets, n_tensors)')),
     ('vgc_model_hybrid_step', KernelSpec(
         'G g, H s, S r, S v, raw int64 offsets, int32 n_tensors, '
         'raw bool active, S alpha, S zeta, S tau',
-        'S r2, S v2, int8 sign, int32 ok, raw uint32 flags',
+        'S r2, S v2, int8 sign, int64 ok, raw uint32 flags',
         'vgc_model_hybrid_step<S>(i, vgc_to<S>(g), s, r, v, offsets, '
         'n_tensors, active, alpha, zeta, tau, r2, v2, sign, ok, flags)')),
     ('vgc_model_strom_step', KernelSpec(
         'G g, S r, raw int64 offsets, int32 n_tensors, raw bool active, '
-        'S tau', 'S r2, int8 sign, int32 ok, raw uint32 flags',
+        'S tau', 'S r2, int8 sign, int64 ok, raw uint32 flags',
         'vgc_model_strom_step<S>(i, vgc_to<S>(g), r, offsets, n_tensors, '
         'active, tau, r2, sign, ok, flags)')),
     # one thread (`done`: one element): headers, each group's base word
@@ -126,10 +129,10 @@ SPECS = collections.OrderedDict([
         'vgc_model_layout(pos, offsets, n_tensors, maxbits, from_max, '
         'scale, base, ek, msg, info, is_f64); done = 1')),
     ('vgc_model_vgc_write', KernelSpec(
-        'int32 ok, int8 sel, raw int64 pos, raw int64 offsets, '
+        'int8 sel, raw int64 pos, raw int64 offsets, '
         'int32 n_tensors, raw int64 base, raw int64 ek, raw bool active, '
         'bool keep', 'S r2, S v2, raw uint32 msg, raw uint32 flags',
-        'vgc_model_vgc_write<S>(i, ok, sel, pos, offsets, n_tensors, base, '
+        'vgc_model_vgc_write<S>(i, sel, pos, offsets, n_tensors, base, '
         'ek, active, keep, r2, v2, msg, flags)')),
     # 'none': dense FMT_RAW groups of the gradients (in the state dtype)
     ('vgc_model_none_layout', KernelSpec(
@@ -159,10 +162,10 @@ SPECS = collections.OrderedDict([
     # FMT_GAP on the device ('gap', 'auto'): ranks compacted, code
     # lengths, a one-thread layout, every message word assembled
     ('vgc_model_vgc_compact', KernelSpec(
-        'int32 ok, int8 sel, raw int64 pos, raw int64 offsets, '
+        'int8 sel, raw int64 pos, raw int64 offsets, '
         'int32 n_tensors, raw uint64 maxbits, raw bool active, bool keep',
         'S r2, S v2, raw uint32 cw, raw int32 ct, raw uint32 flags',
-        'vgc_model_vgc_compact<S>(i, ok, sel, pos, offsets, n_tensors, '
+        'vgc_model_vgc_compact<S>(i, sel, pos, offsets, n_tensors, '
         'maxbits, active, keep, r2, v2, cw, ct, flags)')),
     ('vgc_model_sign_compact', KernelSpec(
         'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors',
@@ -180,10 +183,10 @@ SPECS = collections.OrderedDict([
         'from_max, is_f64, always_gap, sign_only, rec, info); done = 1')),
     ('vgc_model_gap_assemble', KernelSpec(
         'raw int64 rec, int32 n_tensors, raw uint32 cw, raw int64 pos, '
-        'raw int64 offsets, raw int64 ends, raw int64 len, uint32 scale, '
-        'bool sign_only', 'uint32 word',
+        'raw int64 offsets, raw int64 ends, uint32 scale, bool sign_only',
+        'uint32 word',
         'vgc_model_gap_assemble(i, rec, n_tensors, cw, pos, offsets, ends, '
-        'len, scale, sign_only, word)')),
+        'scale, sign_only, word)')),
     ('vgc_model_sign_write', KernelSpec(
         'int8 sign, raw int64 pos, raw int64 offsets, int32 n_tensors, '
         'raw int64 base', 'raw uint32 msg',
@@ -254,6 +257,19 @@ def get_kernel(name):
     return cupy.ElementwiseKernel(
         spec.in_params, spec.out_params, spec.operation, name,
         preamble=source(), options=NVRTC_OPTIONS)
+
+
+def scan(xp, a):
+    """The inclusive scan of the int64 array ``a`` (on the device), in
+    place; returns ``a``.  CUB's single-pass scan where CuPy has it
+    (``cupy.cuda.cub.cub_scan``: two launches and no cast pass, for fewer
+    than 2**31 elements), else ``cupy.cumsum`` into ``a`` (a copy, then
+    about 2 log_512(N) + 1 launches without CUB)."""
+    cub = getattr(getattr(xp, 'cuda', None), 'cub', None)
+    if cub is not None and 0 < a.size < 2 ** 31 and \
+            cub.cub_scan(a, cub.CUPY_CUB_CUMSUM) is not None:
+        return a
+    return xp.cumsum(a, out=a) if a.size else a
 
 
 # ---- device arithmetic by the subnormal rule ---------------------------------

@@ -610,12 +610,14 @@ VGC_FN int vgc_model_keep(long long i, F r2, signed char sel,
 }
 
 /* Hybrid (Fig. "Hybrid") and Strom over the arena: the state's whole step;
- * sign +1/-1/0 and ok = sign != 0 (the scan's input). */
+ * sign +1/-1/0 and ok = sign != 0 (the scan's input, int64: scanned in
+ * place, it becomes pos). */
 template <typename F, typename H, typename O, typename B, typename A>
 VGC_FN void vgc_model_hybrid_step(long long i, F g, H s, F r, F v,
                                   const O &offsets, int n, const B &active,
                                   F alpha, F zeta, F tau, F &r2, F &v2,
-                                  signed char &sign, int &ok, A &flags) {
+                                  signed char &sign, long long &ok,
+                                  A &flags) {
     const int t = vgc_segment(offsets, n, i);
     sign = 0;
     r2 = r;
@@ -632,7 +634,8 @@ VGC_FN void vgc_model_hybrid_step(long long i, F g, H s, F r, F v,
 template <typename F, typename O, typename B, typename A>
 VGC_FN void vgc_model_strom_step(long long i, F g, F r, const O &offsets,
                                  int n, const B &active, F tau, F &r2,
-                                 signed char &sign, int &ok, A &flags) {
+                                 signed char &sign, long long &ok,
+                                  A &flags) {
     const int t = vgc_segment(offsets, n, i);
     sign = 0;
     r2 = r;
@@ -705,6 +708,12 @@ VGC_FN void vgc_model_layout(const P &pos, const O &offsets, int n,
     vgc_model_info(info, w, groups, sent, 0); /* (no merging: 'fixed') */
 }
 
+/* ok of element i, from pos (the inclusive scan of ok, done in place) */
+template <typename P>
+VGC_FN int vgc_model_ok(const P &pos, long long i) {
+    return (int)((long long)pos[i] - (i ? (long long)pos[i - 1] : 0LL));
+}
+
 /* The slot of element i in its group's body (pos: inclusive scan of ok) */
 template <typename P, typename O>
 VGC_FN long long vgc_model_slot(const P &pos, const O &offsets, int t,
@@ -730,11 +739,12 @@ VGC_FN void vgc_model_vgc_reset(int t, int ok, signed char sel,
  * overflow flags of the state that stays. */
 template <typename F, typename P, typename O, typename E, typename B,
           typename W, typename A>
-VGC_FN void vgc_model_vgc_write(long long i, int ok, signed char sel,
+VGC_FN void vgc_model_vgc_write(long long i, signed char sel,
                                 const P &pos, const O &offsets, int n,
                                 const E &base, const E &ek, const B &active,
                                 bool keep, F &r2, F &v2, W &msg, A &flags) {
     const int t = vgc_segment(offsets, n, i);
+    const int ok = vgc_model_ok(pos, i);
     if (sel && ok) {
         unsigned int word;
         vgc_pow2_encode<F>(r2, (int)ek[t], i - (long long)offsets[t], word);
@@ -1047,12 +1057,13 @@ VGC_FN int vgc_rice(long long count, long long size) {
  * vgc_model_vgc_reset, as in vgc_model_vgc_write */
 template <typename F, typename P, typename O, typename M, typename B,
           typename W, typename T, typename A>
-VGC_FN void vgc_model_vgc_compact(long long i, int ok, signed char sel,
+VGC_FN void vgc_model_vgc_compact(long long i, signed char sel,
                                   const P &pos, const O &offsets, int n,
                                   const M &maxbits, const B &active,
                                   bool keep, F &r2, F &v2, W &cw, T &ct,
                                   A &flags) {
     const int t = vgc_segment(offsets, n, i);
+    const int ok = vgc_model_ok(pos, i);
     if (sel && ok) {
         unsigned int word;
         vgc_pow2_encode<F>(r2, vgc_model_e_k<F>(maxbits, t),
@@ -1158,13 +1169,11 @@ VGC_FN unsigned int vgc_code_bit(unsigned long long gap, int k, long long p) {
 
 /* Message word w (< the total): a header word, a paper's word, or a word
  * of a FMT_GAP body */
-template <typename R, typename W, typename P, typename O, typename E,
-          typename L>
+template <typename R, typename W, typename P, typename O, typename E>
 VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
                                        const W &cw, const P &pos,
                                        const O &offsets, const E &ends,
-                                       const L &len, unsigned int scale,
-                                       bool sign_only) {
+                                       unsigned int scale, bool sign_only) {
     /* the group holding w: the last t with rec[6 t] <= w (an empty tensor
      * shares its first word with the next) */
     int lo = 0, hi = n - 1;
@@ -1219,7 +1228,7 @@ VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
         unsigned int word = 0;
         for (; j < r0 + count; ++j) {
             const long long end = (long long)ends[j];
-            const long long start = end - (long long)len[j];
+            const long long start = j ? (long long)ends[j - 1] : 0LL;
             if (start >= a + 32) break;
             const long long ix = (long long)(cw[j] & VGC_INDEX_MASK);
             const long long prev =
@@ -1243,19 +1252,18 @@ VGC_FN unsigned int vgc_model_gap_word(long long w, const R &rec, int n,
     return word;
 }
 
-template <typename R, typename W, typename P, typename O, typename E,
-          typename L>
+template <typename R, typename W, typename P, typename O, typename E>
 VGC_FN void vgc_model_gap_assemble(long long w, const R &rec, int n,
                                    const W &cw, const P &pos,
                                    const O &offsets, const E &ends,
-                                   const L &len, unsigned int scale,
-                                   bool sign_only, unsigned int &word) {
+                                   unsigned int scale, bool sign_only,
+                                   unsigned int &word) {
     if (w < 2) {
         word = w ? (unsigned int)rec[6 * n + 1] : VGC_MAGIC;
         return;
     }
     if (w >= (long long)rec[6 * n]) return;
-    word = vgc_model_gap_word(w, rec, n, cw, pos, offsets, ends, len, scale,
+    word = vgc_model_gap_word(w, rec, n, cw, pos, offsets, ends, scale,
                               sign_only);
 }
 

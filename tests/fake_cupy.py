@@ -38,6 +38,11 @@ CuPy's functions are counted as CuPy issues them, read from its source
   copy and CUB's two scan kernels.  With ``out=``, one copy into it
   first.
 
+``fake.cuda.cub.cub_scan(a, CUPY_CUB_CUMSUM)`` scans ``a`` in place with
+CUB's two kernels (``'cub.init'``, ``'cub.scan'``), as CuPy's
+``cupy/cuda/cub.pyx`` does for a supported dtype (else it returns None
+and does nothing); ``fake.cuda.cub = None`` stands for a CuPy without it.
+
 The thresholds are attributes of the fake (``fake.concat_threshold``,
 ``fake.scan_chunk``), so a test may scale them down with its tensors.
 Other CuPy functions may take more than one kernel (``nonzero`` takes a
@@ -83,6 +88,12 @@ CONCAT_MIN_INPUTS = 8
 CONCAT_THRESHOLD = 2 * 1024 * 1024
 #: CuPy's ``scan`` without CUB: elements a thread block scans
 SCAN_CHUNK = 512
+#: ``cupy.cuda.cub``'s op code of an inclusive sum, and the dtypes its scan
+#: takes (CUB_support_dtype, float16 aside)
+CUPY_CUB_CUMSUM = 5
+_CUB_DTYPES = tuple(numpy.dtype(d) for d in (
+    numpy.int8, numpy.uint8, numpy.int16, numpy.uint16, numpy.int32,
+    numpy.uint32, numpy.int64, numpy.uint64, numpy.float32, numpy.float64))
 #: DeviceArray methods computed by NumPy on the wrapped data
 _METHODS = (
     'reshape', 'ravel', 'view', 'copy', 'transpose', 'swapaxes', 'squeeze',
@@ -467,6 +478,8 @@ class FakeCupy(object):
                                           allow_host=name.endswith('_like')))
         self.cuda = _Namespace()
         self.cuda.Device = type('Device', (FakeDevice,), {'_fake': self})
+        self.cuda.cub = _Namespace(
+            CUPY_CUB_CUMSUM=CUPY_CUB_CUMSUM, cub_scan=self._cub_scan)
         self.cuda.runtime = _Namespace()
         self.cuda.runtime.getDevice = lambda: self._current
         self.cuda.runtime.getDeviceCount = lambda: self.n_devices
@@ -639,6 +652,18 @@ class FakeCupy(object):
             return numpy.asarray(a)
         numpy.copyto(out, a)
         return out
+
+    # -- cupy.cuda.cub -------------------------------------------------------
+    def _cub_scan(self, a, op):
+        if not isinstance(a, DeviceArray):
+            raise TypeError('cub_scan needs a device array')
+        if op != CUPY_CUB_CUMSUM or a.dtype not in _CUB_DTYPES:
+            return None
+        if a.size:
+            self.launch('cub.init')
+            self.launch('cub.scan')
+            numpy.cumsum(a._a.reshape(-1), out=a._a.reshape(-1))
+        return a
 
     # -- cupyx ---------------------------------------------------------------
     def _empty_pinned(self, shape, dtype=numpy.float64, order='C'):

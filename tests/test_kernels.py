@@ -89,8 +89,8 @@ def model_instances():
     out = []
     i64, u32 = numpy.zeros(3, numpy.int64), numpy.zeros(3, numpy.uint32)
     u64, on = numpy.zeros(3, numpy.uint64), numpy.ones(2, bool)
-    i8, i32, n = (numpy.zeros(2, numpy.int8), numpy.zeros(2, numpy.int32),
-                  numpy.int32(2))
+    i8, n = numpy.zeros(2, numpy.int8), numpy.int32(2)
+    ok = numpy.zeros(2, numpy.int64)  # (non-raw: the elements' size)
     for gdt, hdt in ((F16, F16), (F32, F32), (F64, F64), (F32, F64)):
         sdt = state_dtype(gdt).type
         g, s, r = (numpy.zeros(2, gdt), numpy.zeros(2, hdt),
@@ -99,17 +99,17 @@ def model_instances():
             ('vgc_model_vgc_select', (g, s, r, r, i64, n, on, sdt(1),
                                       sdt(1), r, r, i8, u32, u64)),
             ('vgc_model_hybrid_step', (g, s, r, r, i64, n, on, sdt(1),
-                                       sdt(1), sdt(1), r, r, i8, i32, u32)),
-            ('vgc_model_strom_step', (g, r, i64, n, on, sdt(1), r, i8, i32,
+                                       sdt(1), sdt(1), r, r, i8, ok, u32)),
+            ('vgc_model_strom_step', (g, r, i64, n, on, sdt(1), r, i8, ok,
                                       u32)),
         ]
     for sdt in (F32, F64):
         r = numpy.zeros(2, sdt)
         out += [
-            ('vgc_model_keep', (r, i8, u64, i64, n, i32)),
-            ('vgc_model_vgc_write', (i32, i8, i64, i64, n, i64, i64, on,
+            ('vgc_model_keep', (r, i8, u64, i64, n, ok)),
+            ('vgc_model_vgc_write', (i8, i64, i64, n, i64, i64, on,
                                      False, r, r, u32, u32)),
-            ('vgc_model_vgc_compact', (i32, i8, i64, i64, n, u64, on, False,
+            ('vgc_model_vgc_compact', (i8, i64, i64, n, u64, on, False,
                                        r, r, u32,
                                        numpy.zeros(3, numpy.int32), u32)),
         ]
@@ -125,7 +125,7 @@ def model_instances():
         ('vgc_model_gap_layout', (i64, i64, i64, n, True, False, False,
                                   False, numpy.zeros(1, numpy.int32), u64,
                                   i64, u32)),
-        ('vgc_model_gap_assemble', (i64, n, u32, i64, i64, i64, i64,
+        ('vgc_model_gap_assemble', (i64, n, u32, i64, i64, i64,
                                     numpy.uint32(0), False, u32)),
         ('vgc_model_none_layout', (i64, n, on, False,
                                    numpy.zeros(1, numpy.int32), i64, u32,
