@@ -230,19 +230,27 @@ class _FakeModel(object):
         return list(self._params.items())
 
 
+def _named_params(xp, seed):
+    """{name: parameter} of SHAPES and DTYPES on ``xp`` (numpy or the
+    fake), zero arrays and normal gradients."""
+    rng = numpy.random.default_rng(seed)
+    out = {}
+    for name, s, d in zip('abcde', SHAPES, DTYPES):
+        g = rng.normal(0, 1, s).astype(d)
+        out['/' + name] = types.SimpleNamespace(
+            array=xp.zeros(s, d), grad=g if xp is numpy else xp.asarray(g),
+            data=None, dtype=numpy.dtype(d), shape=s,
+            size=int(numpy.prod(s)), xp=xp)
+    return out
+
+
 def test_communicator_step_on_device_arrays(device):
     """VGCCommunicator.multi_node_mean_grad on a one-rank world with device
     gradients: one download, one upload, no value read back by the decode,
     and the mean equals the CPU path's."""
     from mpi4py import MPI
     fake = device
-    rng = numpy.random.default_rng(7)
-    host = {}
-    for name, s, d in zip('abcde', SHAPES, DTYPES):
-        g = rng.normal(0, 1, s).astype(d)
-        host['/' + name] = types.SimpleNamespace(
-            array=numpy.zeros(s, d), grad=g, data=None, dtype=numpy.dtype(d),
-            shape=s, size=int(numpy.prod(s)), xp=numpy)
+    host = _named_params(numpy, 7)
     dev = {k: types.SimpleNamespace(
         array=fake.asarray(p.array), grad=fake.asarray(p.grad), data=None,
         dtype=p.dtype, shape=p.shape, size=p.size, xp=fake)
@@ -278,14 +286,7 @@ def test_one_rank_dense_mean_keeps_device_gradients_in_place(device,
     import chainer
     from mpi4py import MPI
     fake = device
-    rng = numpy.random.default_rng(3)
-    params = {}
-    for name, s, d in zip('abcde', SHAPES, DTYPES):
-        g = rng.normal(0, 1, s).astype(d)
-        params['/' + name] = types.SimpleNamespace(
-            array=fake.zeros(s, d), grad=fake.asarray(g), data=None,
-            dtype=numpy.dtype(d), shape=s, size=int(numpy.prod(s)),
-            xp=fake)
+    params = _named_params(fake, 3)
     before = {k: fake.asnumpy(p.grad) for k, p in params.items()}
     comm = communicator.VGCCommunicator(MPI.COMM_SELF, method='none')
     for debug in (False, True):
