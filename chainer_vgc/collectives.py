@@ -90,11 +90,13 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         """Every rank's ``obj``, in rank order (one small allgather)."""
         return self.mpi_comm.allgather(obj)
 
-    def allgatherv_words(self, message):
-        """Every rank's uint32 message, in rank order: (blocks, counts)."""
+    def allgatherv_words(self, message, into=None):
+        """Every rank's uint32 message, in rank order: (blocks, counts);
+        received into ``into(words)``'s buffer where given
+        (:mod:`chainer_vgc.transport`)."""
         return transport.allgatherv(self.mpi_comm, message,
                                     method=self.allgatherv_method,
-                                    chunk_words=self.chunk_words)
+                                    chunk_words=self.chunk_words, into=into)
 
     def dense_mean(self, params, zero_fill, dense_dtype=None):
         """The dense group's gradients become their mean over the ranks:

@@ -173,22 +173,56 @@ def _dtype_groups(params, sizes):
     return out
 
 
-def upload_staging(compressor):
+def upload_staging(compressor, name='_upload_staging'):
     """The compressor's host buffer for the upload, kept from step to step
     (:class:`chainer_vgc.backend.HostStaging`: the upload's size changes
     every step, and a new pinned buffer a step would pin more memory each
-    step)."""
-    staging = getattr(compressor, '_upload_staging', None)
+    step); ``name``: another one (the tensor-by-tensor fallback's, which
+    copies from the first)."""
+    staging = getattr(compressor, name, None)
     if staging is None:
-        staging = compressor._upload_staging = backend.HostStaging()
+        staging = backend.HostStaging()
+        setattr(compressor, name, staging)
     return staging
+
+
+def _prefix(params, sizes, ranks):
+    """Words of the upload before the messages: each dtype's offsets and
+    tensor ids (int64), then a descriptor per (rank, tensor)."""
+    groups = _dtype_groups(params, sizes)
+    head = sum(2 * tab.size for _, _, tab in groups)
+    return groups, head, ranks * len(sizes) * DESC_WORDS
+
+
+def receive_into(compressor, params, ranks):
+    """For :func:`chainer_vgc.transport.allgatherv`'s ``into``: MPI
+    receives the ``ranks`` messages straight into the upload's buffer,
+    after the room the offsets and descriptors take and with room after
+    them for the FMT_GAP block records (at most one a word over 32, since
+    a code takes a bit, plus one a group), so :func:`mean` copies no
+    message."""
+    _, head, d_words = _prefix(params, compressor.sizes, ranks)
+    staging = upload_staging(compressor)
+    at = head + d_words
+
+    def into(words):
+        records = words // 2 + BLOCK_WORDS * (ranks * len(compressor.sizes)
+                                              + 1)
+        return staging.view(at + words + records, numpy.uint32)[
+            at:at + words]
+    return into
+
+
+def _address(a):
+    return a.__array_interface__['data'][0]
 
 
 def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     """``param.grad`` = the mean of the (validated) ``blocks`` for every
     parameter; False (nothing done) when a message carries FMT_QSGD.
     ``rows``: their group table, as the validation read it (default:
-    :func:`group_rows`)."""
+    :func:`group_rows`).  Messages that MPI received into the upload's
+    buffer (:func:`receive_into`) are uploaded where they are."""
     sizes = compressor.sizes
     if rows is None:
         rows = group_rows(blocks, sizes)
@@ -196,29 +230,37 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
         return False
     p = len(blocks)
     xp = backend.get_array_module(params[0].array)
-    groups = _dtype_groups(params, sizes)
     # [each dtype's offsets and tensor ids (int64)][descriptors][the
     # messages as received][FMT_GAP block records]: one upload, from a
     # host buffer kept from step to step
-    head = sum(2 * tab.size for _, _, tab in groups)
+    groups, head, d_words = _prefix(params, sizes, p)
     lens = numpy.array([blk.size for blk in blocks], numpy.int64)
-    d_words = p * len(sizes) * DESC_WORDS
-    starts = d_words + numpy.concatenate([[0], numpy.cumsum(lens)[:-1]]) \
-        if p else numpy.zeros(0, numpy.int64)  # counted from the descriptors
-    desc, gap, first, expanded = _descriptors(rows, sizes, p, starts)
-    n_blocks = int(((gap[:, 3] - 1) // codec.GAP_RESTART_CODES + 1).sum())
+    gap_counts = rows[rows[:, 2] == codec.FMT_GAP, 3]
+    n_blocks = int(((gap_counts - 1) // codec.GAP_RESTART_CODES + 1).sum())
     rec_words = n_blocks * BLOCK_WORDS
     total = head + d_words + int(lens.sum()) + rec_words
     staging = upload_staging(compressor)
     staged = staging.view(total, numpy.uint32)
+    buf_host = staged[head:]  # the words the descriptors count from
+    # where each message starts in it: where MPI put it, else one after
+    # the other behind the descriptors (copied there)
+    starts = (numpy.array([_address(blk) for blk in blocks], numpy.int64)
+              - _address(buf_host)) // 4
+    in_place = bool(p) and (starts >= d_words).all() and (
+        starts + lens <= d_words + lens.sum()).all()
+    if not in_place:
+        if any(numpy.may_share_memory(blk, staged) for blk in blocks):
+            blocks = [blk.copy() for blk in blocks]  # (never overwrite one)
+        starts = d_words + numpy.concatenate([[0], numpy.cumsum(lens)[:-1]]) \
+            if p else numpy.zeros(0, numpy.int64)
+        for blk, at in zip(blocks, starts):  # a copy a message
+            buf_host[at:at + blk.size] = blk
+    desc, gap, first, expanded = _descriptors(rows, sizes, p, starts)
     pos = 0
     for tab in [tab.view(numpy.uint32) for _, _, tab in groups]:
         staged[pos:pos + tab.size] = tab
         pos += tab.size
-    buf_host = staged[head:]  # the words the descriptors count from
     buf_host[:d_words] = desc.reshape(-1)
-    for blk, at in zip(blocks, starts):  # a copy a message
-        buf_host[at:at + blk.size] = blk
     if n_blocks:
         buf_host[total - head - rec_words:] = _gap_blocks(
             gap, first, buf_host, starts).view(numpy.uint32).reshape(-1)

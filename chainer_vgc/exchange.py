@@ -267,6 +267,18 @@ def validate_messages(blocks, compressor, dtypes, table=False):
     return (counts, None) if table else counts
 
 
+def receive_into(compressor, params, grads, size):
+    """Where MPI should receive this step's ``size`` messages
+    (:func:`chainer_vgc.transport.allgatherv`'s ``into``): for parameters
+    on a GPU that the whole-model decode takes, the buffer it uploads from
+    (:func:`chainer_vgc.device_decode.receive_into`); else None, a new host
+    array."""
+    if not _on_device(params) or not device_decode.applies(
+            [None] * size, compressor, params, grads, False):
+        return None
+    return device_decode.receive_into(compressor, params, size)
+
+
 def _native_decode_applies(blocks, compressor):
     return (compressor.backend == 'native'
             and all(isinstance(b, numpy.ndarray) for b in blocks)
@@ -322,8 +334,8 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     arrays = [p.array for p in params if p.array is not None]
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)
-    device = upload_blocks(blocks, xp, first,
-                           device_decode.upload_staging(compressor))
+    device = upload_blocks(blocks, xp, first, device_decode.upload_staging(
+        compressor, '_fallback_staging'))  # (the blocks may be in the other)
 
     def adder(host, dev):
         def add(outs):

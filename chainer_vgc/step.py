@@ -365,8 +365,10 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     t1 = time.perf_counter()
     # the message is in host memory on every path (codec.pack): MPI never
     # sees a device pointer; the blocks stay on the host, where the
-    # headers, checks and reports read them
-    blocks, _ = collectives.allgatherv_words(message)
+    # headers, checks and reports read them (on a GPU, in the buffer the
+    # decode uploads from, until the next step)
+    blocks, _ = collectives.allgatherv_words(
+        message, exchange.receive_into(comp, params, grads, collectives.size))
     t2 = time.perf_counter()
     # the mean, times the loss scale for Chainer to divide again
     elements = exchange.mean_gradients(blocks, comp, params, grads,

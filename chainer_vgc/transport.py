@@ -22,7 +22,10 @@ same result:
 ``'mpi'`` -- MPI's own ``Allgatherv``.
 
 Buffers are host (NumPy) arrays; a GPU message is copied to the host first
-by the caller.
+by the caller.  ``into(words)``, where given, returns the host array (1-D
+uint32, C-contiguous, of that many words) the blocks are received into:
+for a model on a GPU, the pinned buffer its decode uploads from, so that
+nothing is copied between MPI and the upload.
 """
 
 import numpy
@@ -89,19 +92,32 @@ def _check_chunk_words(chunk_words):
 
 
 def ring_allgatherv(comm, sendbuf, chunk_words=DEFAULT_CHUNK_WORDS,
-                    counts=None):
+                    counts=None, into=None):
     """Pipelined ring allgatherv of uint32 blocks.
 
     Returns ``(blocks, counts)``: ``blocks[i]`` is rank i's block.  The
-    blocks are views into one buffer laid out in ring order (own block, then
-    r-1, r-2, ...), which is exactly the stream this rank sends on, so
-    nothing is copied after the exchange.
+    blocks are views into one buffer (``into``'s, see the module docstring)
+    laid out in ring order (own block, then r-1, r-2, ...), which is exactly
+    the stream this rank sends on, so nothing is copied after the exchange.
     """
     return _ring_allgatherv(comm, sendbuf, _check_chunk_words(chunk_words),
-                            counts)
+                            counts, into)
 
 
-def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
+def _receive_buffer(into, words):
+    """The receive buffer: ``into(words)`` checked, or a new array."""
+    if into is None:
+        return numpy.empty(words, dtype=numpy.uint32)
+    buf = into(words)
+    if not (isinstance(buf, numpy.ndarray) and buf.dtype == numpy.uint32
+            and buf.shape == (words,) and buf.flags.c_contiguous):
+        raise ValueError('allgatherv: into({}) must return a C-contiguous '
+                         '1-D uint32 host array of {} words'.format(
+                             words, words))
+    return buf
+
+
+def _ring_allgatherv(comm, sendbuf, chunk_words, counts, into=None):
     """:func:`ring_allgatherv` with ``chunk_words`` already checked."""
     from mpi4py import MPI  # here: importing this module loads no MPI
     sendbuf = _as_words(sendbuf)
@@ -112,7 +128,7 @@ def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
     if sendbuf.size != own:
         raise ValueError('sendbuf has {} words but counts[{}] = {}'.format(
             sendbuf.size, r, own))
-    stream = numpy.empty(int(counts.sum()), dtype=numpy.uint32)
+    stream = _receive_buffer(into, int(counts.sum()))
     stream[:own] = sendbuf
     left, right = (r - 1) % p, (r + 1) % p
     sent = received = 0
@@ -143,15 +159,15 @@ def _ring_allgatherv(comm, sendbuf, chunk_words, counts):
     return blocks, counts
 
 
-def mpi_allgatherv(comm, sendbuf, counts=None):
+def mpi_allgatherv(comm, sendbuf, counts=None, into=None):
     """MPI's own Allgatherv; same ``(blocks, counts)`` as
-    :func:`ring_allgatherv`."""
+    :func:`ring_allgatherv` (the blocks in rank order)."""
     from mpi4py import MPI  # here: importing this module loads no MPI
     sendbuf = _as_words(sendbuf)
     if counts is None:
         counts = exchange_counts(comm, sendbuf.size)
     displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]])
-    recvbuf = numpy.empty(int(counts.sum()), dtype=numpy.uint32)
+    recvbuf = _receive_buffer(into, int(counts.sum()))
     comm.Allgatherv([sendbuf, MPI.UINT32_T],
                     [recvbuf, counts.tolist(), displs.tolist(),
                      MPI.UINT32_T])
@@ -162,14 +178,14 @@ ALLGATHERV = {'ring': ring_allgatherv, 'mpi': mpi_allgatherv}
 
 
 def allgatherv(comm, sendbuf, method='ring',
-               chunk_words=DEFAULT_CHUNK_WORDS, counts=None):
+               chunk_words=DEFAULT_CHUNK_WORDS, counts=None, into=None):
     """Dispatch to ``'ring'`` or ``'mpi'`` (which ignores ``chunk_words``);
     the arguments are checked by :func:`check_arguments`.  Returns
     ``(blocks, counts)``."""
     method, chunk_words = check_arguments(method, chunk_words)
     if method == 'ring':
-        return _ring_allgatherv(comm, sendbuf, chunk_words, counts)
-    return mpi_allgatherv(comm, sendbuf, counts=counts)
+        return _ring_allgatherv(comm, sendbuf, chunk_words, counts, into)
+    return mpi_allgatherv(comm, sendbuf, counts=counts, into=into)
 
 
 def split_blocks(recvbuf, counts):

@@ -340,20 +340,77 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     assert all(len(o) == 1 for o in owners.values()), owners
 
 
-def test_communicator_step_takes_the_whole_model_paths(device):
+@pytest.mark.parametrize('model', ['f32', 'f16+f32', 'big'])
+@pytest.mark.parametrize('method,kw', [METHODS[0]] + CODED,
+                         ids=[IDS[0]] + CODED_IDS)
+def test_messages_received_into_the_upload_buffer_stay_where_they_are(
+        device, monkeypatch, method, kw, model):
+    """4 ranks' messages as the ring leaves them on rank 1 (its own first,
+    then ranks 0, 3, 2) in the buffer :func:`exchange.receive_into` hands
+    MPI: the decode reads each where it lies (the descriptors point there,
+    nothing is copied) and the means equal the CPU decoder's bit for
+    bit."""
+    from chainer_vgc import device_decode
+    fake = device
+    shapes, dtypes = MODELS[model]
+    ranks = 4
+    comps = [_pair(method, kw, shapes, dtypes)[1] for _ in range(ranks)]
+    for k in range(3):
+        blocks = [c.compress(*_stream(shapes, dtypes, 3, 20 + r)[k])
+                  for r, c in enumerate(comps)]
+    host = [_param(numpy, s, d, numpy.ones(s, d))
+            for s, d in zip(shapes, dtypes)]
+    exchange.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
+                            ranks, True, False)
+    grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
+    dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
+    into = exchange.receive_into(comps[0], dev, grads, ranks)
+    stream = into(sum(b.size for b in blocks))
+    views, at = [None] * ranks, 0
+    for src in (1, 0, 3, 2):  # ring order on rank 1
+        views[src] = stream[at:at + blocks[src].size]
+        views[src][...] = blocks[src]
+        at += blocks[src].size
+    seen = []
+    describe = device_decode._descriptors
+
+    def recording(rows, sizes, p, starts):
+        seen.append(starts.copy())
+        return describe(rows, sizes, p, starts)
+    monkeypatch.setattr(device_decode, '_descriptors', recording)
+    exchange.mean_gradients(views, comps[0], dev, grads, ranks, True, False)
+    base = stream.__array_interface__['data'][0]
+    where = [(v.__array_interface__['data'][0] - base) // 4 for v in views]
+    assert (seen[-1] - seen[-1][1]).tolist() == where, (seen, where)
+    assert numpy.shares_memory(views[0], comps[0]._upload_staging._raw)
+    for h, d in zip(host, dev):
+        assert_bitwise(fake.asnumpy(d.grad), h.grad)
+
+
+def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
     """VGCCommunicator.multi_node_mean_grad on a one-rank world, a float32
     model on the device, three steps: the whole-model compress and decode
     (vgc's default 'auto': 13 launches and one download, then two
-    launches, FMT_GAP's blocks and the mean, and one upload; no scalar
-    read), the means and the residuals of the CPU path bit for bit."""
+    launches, FMT_GAP's blocks and the mean, and one upload, from the
+    buffer MPI received the messages into; no scalar read), the means and
+    the residuals of the CPU path bit for bit."""
     from mpi4py import MPI
     from chainer_vgc import communicator
+    from chainer_vgc import transport
     fake = device
     shapes, dtypes = MODELS['f32']
     steps = _stream(shapes, dtypes, 3, 4)
     comms = {xp: communicator.VGCCommunicator(MPI.COMM_SELF, method='vgc',
                                               alpha=1.0)
              for xp in (numpy, fake)}
+    received = []
+    allgatherv = transport.allgatherv
+
+    def recording(*args, **kwargs):
+        blocks, counts = allgatherv(*args, **kwargs)
+        received.append(blocks)
+        return blocks, counts
+    monkeypatch.setattr(transport, 'allgatherv', recording)
     models = {}
     for xp in (numpy, fake):
         models[xp] = _FakeModel({'/{}'.format(t): _param(
@@ -383,6 +440,12 @@ def test_communicator_step_takes_the_whole_model_paths(device):
                     assert fake.count('launch') <= 9 + 4 + 2, ' '.join(
                         fake.launches)
             means[xp] = [backend.to_numpy(p.grad) for p in params]
+            # on the device, MPI received into the buffer the decode
+            # uploads from (no copy between them); on the host, anywhere
+            staging = getattr(comms[xp].state(models[xp]).compressor,
+                              '_upload_staging', None)
+            assert (staging is not None and numpy.shares_memory(
+                received[-1][0], staging._raw)) == (xp is fake)
         for a, b in zip(means[numpy], means[fake]):
             assert_bitwise(a, b)
     comp = {xp: comms[xp].state(models[xp]).compressor

@@ -20,6 +20,24 @@ def test_ring_and_mpi_allgatherv_match_mpi(p):
            expect='allgatherv OK')
 
 
+@pytest.mark.parametrize('method', ['ring', 'mpi'])
+@pytest.mark.parametrize('bad', [
+    lambda n: numpy.empty(n, numpy.int32),            # another dtype
+    lambda n: numpy.empty(n + 1, numpy.uint32),       # another size
+    lambda n: numpy.empty(2 * n, numpy.uint32)[::2],  # not contiguous
+    lambda n: [0] * n])                               # not an array
+def test_a_receive_buffer_of_the_wrong_kind_is_refused(method, bad):
+    """allgatherv's ``into`` must give a C-contiguous 1-D uint32 host array
+    of the words asked: anything else is refused, naming it, before MPI
+    writes anything (one rank: MPI_COMM_SELF)."""
+    from mpi4py import MPI
+    from chainer_vgc import transport
+    with pytest.raises(ValueError, match='into'):
+        transport.allgatherv(MPI.COMM_SELF,
+                             numpy.arange(5, dtype=numpy.uint32),
+                             method=method, into=bad)
+
+
 @pytest.mark.parametrize('p', [2, 4])
 def test_communicator(p):
     run_ok(p, 'check_communicator.py', expect='communicator OK at p={}'

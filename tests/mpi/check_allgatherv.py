@@ -32,6 +32,21 @@ def main():
         ring, counts = transport.ring_allgatherv(comm, mine,
                                                  chunk_words=chunk)
         mpi, counts2 = transport.mpi_allgatherv(comm, mine)
+        # into: the blocks received into a given buffer (a slice of a
+        # larger one), its words only
+        outer = numpy.full(int(sizes.sum()) + 6, 7, numpy.uint32)
+        given = []
+
+        def into(words):
+            given.append(outer[3:3 + words])
+            return given[-1]
+        method = ('ring', 'mpi')[trial % 2]
+        into_blocks, _ = transport.allgatherv(comm, mine, method=method,
+                                              chunk_words=chunk, into=into)
+        assert len(given) == 1 and given[0].size == int(sizes.sum())
+        assert all(b.size == 0 or numpy.shares_memory(b, outer)
+                   for b in into_blocks)
+        assert (outer[:3] == 7).all() and (outer[-3:] == 7).all()
         # the oracle: MPI's Allgatherv called directly
         oracle = numpy.empty(int(sizes.sum()), numpy.uint32)
         displs = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]])
@@ -40,7 +55,7 @@ def main():
                                                MPI.UINT32_T])
         assert (oracle == want).all()
         assert counts.tolist() == sizes.tolist() == counts2.tolist()
-        for got in (ring, mpi):
+        for got in (ring, mpi, into_blocks):
             assert len(got) == comm.size
             flat = numpy.concatenate(got) if got else oracle[:0]
             assert flat.dtype == numpy.uint32
