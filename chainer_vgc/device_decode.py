@@ -145,10 +145,10 @@ def _gap_blocks(gap, first, words, starts):
     # block 0: bit 0, after index -1
     at = numpy.where(k > 0, body[j] + 2 + codec.GAP_RESTART_WORDS * (k - 1),
                      body[j])  # (block 0 reads its body's first words)
-    w = words.astype(numpy.uint64)
-    for col in (2, 3):
+    for col in (2, 3):  # (only the words read, widened)
         word = at + 2 * (col - 2)
-        rec[:, col] = w[word] | (w[word + 1] << numpy.uint64(32))
+        rec[:, col] = words[word].astype(numpy.uint64) | (
+            words[word + 1].astype(numpy.uint64) << numpy.uint64(32))
     rec[k == 0, 2] = 0
     rec[k == 0, 3] = 2 ** 64 - 1
     rec[:, 4] = numpy.minimum(count[j] - j0, codec.GAP_RESTART_CODES) | (

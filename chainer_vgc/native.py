@@ -389,4 +389,12 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
     # each message's rows, from row b * n on, with b before them
     mine = (numpy.arange(p * n) % max(n, 1)) < numpy.repeat(n_rows[:p], n)
     msg = numpy.repeat(numpy.arange(p, dtype=numpy.int64), n)[mine]
-    return touched[:n], elements[:p], numpy.column_stack([msg, rows[mine]])
+    rows = rows[mine]
+    # every element the walk counted is in the table (a stale build: none)
+    if not numpy.array_equal(numpy.bincount(msg, rows[:, 2], p),
+                             elements[:p]):
+        raise NativeBackendError(
+            'chainer_vgc: the native backend {} returned a group table that '
+            'does not add up to the messages; {}'.format(library_path(isa()),
+                                                        _FIX))
+    return touched[:n], elements[:p], numpy.column_stack([msg, rows])
