@@ -69,9 +69,18 @@ def group_rows(blocks, sizes):
     for b, block in enumerate(blocks):
         for g in walk(block, sizes):
             rows.append((b, g.tensor_id, g.fmt, g.count, g.a, g.b,
-                         (g.body.ctypes.data - block.ctypes.data) // 4,
-                         g.span))
+                         (_address(g.body) - _address(block)) // 4, g.span))
     return numpy.array(rows, numpy.int64).reshape(-1, 8)
+
+
+def _address(a):
+    return a.__array_interface__['data'][0]
+
+
+def _blocks_of(count):
+    """Blocks of FMT_GAP groups of ``count`` (>= 1) codes: one before the
+    first restart point and one from each (:func:`codec.gap_restarts`)."""
+    return (count - 1) // codec.GAP_RESTART_CODES + 1
 
 
 def _split(x):
@@ -127,14 +136,13 @@ def _gap_blocks(gap, first, words, starts):
     ``starts`` on."""
     count = gap[:, 3]
     body = starts[gap[:, 0]] + gap[:, 6]  # the body's word in the upload
-    restarts = (count - 1) // codec.GAP_RESTART_CODES
+    nb = _blocks_of(count)
     param, stream_words = (words[body].astype(numpy.int64),
                            words[body + 1].astype(numpy.int64))
     stream = body + codec.GAP_PARAM_WORDS + \
-        codec.GAP_RESTART_WORDS * restarts
+        codec.GAP_RESTART_WORDS * (nb - 1)
     kw = (param & codec.GAP_K_MASK) | numpy.where(
         param & codec.GAP_SIGN_ONLY, 256, 0)
-    nb = restarts + 1
     j = numpy.repeat(numpy.arange(len(gap)), nb)
     k = numpy.arange(nb.sum()) - numpy.repeat(numpy.cumsum(nb) - nb, nb)
     j0 = k * codec.GAP_RESTART_CODES
@@ -213,10 +221,6 @@ def receive_into(compressor, params, ranks):
     return into
 
 
-def _address(a):
-    return a.__array_interface__['data'][0]
-
-
 def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     """``param.grad`` = the mean of the (validated) ``blocks`` for every
     parameter; False (nothing done) when a message carries FMT_QSGD.
@@ -235,8 +239,7 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     # host buffer kept from step to step
     groups, head, d_words = _prefix(params, sizes, p)
     lens = numpy.array([blk.size for blk in blocks], numpy.int64)
-    gap_counts = rows[rows[:, 2] == codec.FMT_GAP, 3]
-    n_blocks = int(((gap_counts - 1) // codec.GAP_RESTART_CODES + 1).sum())
+    n_blocks = int(_blocks_of(rows[rows[:, 2] == codec.FMT_GAP, 3]).sum())
     rec_words = n_blocks * BLOCK_WORDS
     total = head + d_words + int(lens.sum()) + rec_words
     staging = upload_staging(compressor)

@@ -23,9 +23,9 @@ whole model; each tensor's state is a view), and a step is:
    of arenas, the input and overflow checks as per-tensor flags, and for
    vgc each tensor's largest selected ``|r|`` (for e_k, Sec. 4.2);
 3. vgc only: which selected elements e_k can represent;
-4. one scan (``cupy.cumsum``) of the elements sent: CuPy's scan takes
-   about 2 log_512(N) + 1 launches for N elements (3 with CUB), so this
-   count grows with the model's size, not with its number of tensors;
+4. one scan of the elements sent, in place on the int64 ``ok``
+   (:func:`chainer_vgc.kernels.scan`: CUB's, two launches; without CUB
+   ``cupy.cumsum``, whose launches grow with the model's size);
 5. the layout, one thread: each tensor's FMT_POW2 group header and place;
 6. the write pass: each element's word (Sec. 4.2) at its place, and the
    reset of the selected elements' r and v;
@@ -163,7 +163,7 @@ class DeviceStep(object):
         self.ek = xp.empty(max(self.n, 1), numpy.int64)
         self.active_key, self.active = None, None
         #: a one-element array of each input dtype (the gather's `like`)
-        self.zeros = {}
+        self.likes = {}
         #: the gather's address tables, host and device, per slot
         self.tables = {}
         #: [flags (a word a tensor), info (INFO_WORDS), message]
@@ -246,9 +246,9 @@ class DeviceStep(object):
         tables = self._tables(xp, arrays, dts, slot)
         nt = numpy.int32(self.n)
         for k, in_dtype in enumerate(dts or [dtype]):
-            like = self.zeros.get(in_dtype)
+            like = self.likes.get(in_dtype)
             if like is None:
-                like = self.zeros[in_dtype] = xp.zeros(1, in_dtype)
+                like = self.likes[in_dtype] = xp.zeros(1, in_dtype)
             kernels.get_kernel('vgc_model_gather')(
                 tables[k], like, self.offsets, nt, out)
         return out
