@@ -406,7 +406,33 @@ def vgg_patches(ctx, patches):
             (chainer.optimizer.GradientMethod, 'update',
              'GradientMethod.update')]:
         patches.wrap(owner, name, label)
+    statistics_patches(patches)
     exchange_patches(ctx, patches)
+
+
+def statistics_patches(patches):
+    """The statistics' phases inside ``PerSampleSquares.backward``: the
+    hook's per-function work, the uses it builds, the contraction (Gram or
+    blocked), im2col and the square sums, each where the caller looks it
+    up (a name imported into ``hook`` or ``handlers`` is wrapped there)."""
+    from chainer_vgc.statistics import contraction
+    from chainer_vgc.statistics import handlers
+    from chainer_vgc.statistics import hook
+    from chainer_vgc.statistics import im2col
+    for owner, name, label in [
+            (hook.PerSampleSquares, 'backward_postprocess',
+             'PerSampleSquares.backward_postprocess'),
+            (hook, '_uses_of', 'statistics._uses_of'),
+            (hook, '_combined_sqsum', 'statistics._combined_sqsum'),
+            (contraction, 'sum_squared_products',
+             'contraction.sum_squared_products'),
+            (contraction, '_gram_into', 'contraction._gram_into'),
+            (contraction, '_blocked_into', 'contraction._blocked_into'),
+            (contraction, 'sum_squares', 'contraction.sum_squares'),
+            (handlers, 'im2col', 'handlers.im2col'),
+            (handlers, '_sum_over', 'handlers._sum_over'),
+            (im2col.ColumnCapture, 'take', 'ColumnCapture.take')]:
+        patches.wrap(owner, name, label)
 
 
 # -- pinned memory ------------------------------------------------------------
