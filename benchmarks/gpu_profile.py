@@ -351,6 +351,8 @@ def exchange_patches(ctx, patches):
     from chainer_vgc.compressor import GradientCompressor
     xp = ctx.xp
     patches.kernels(kernels)
+    patches.wrap(sys.modules[__name__], 'mpi_receive',
+                 'MPI receive (emulated: the copy into the upload buffer)')
     for name in ('concatenate', 'cumsum', 'asarray'):
         patches.wrap(xp, name, 'cupy.' + name, 'cupy')
     for name in ('get', 'fill'):
@@ -381,6 +383,7 @@ def exchange_patches(ctx, patches):
             (device_decode, 'group_rows', 'device_decode.group_rows'),
             (device_decode, '_descriptors', 'device_decode._descriptors'),
             (device_decode, '_gap_blocks', 'device_decode._gap_blocks'),
+            (device_decode, '_items', 'device_decode._items'),
             (device_decode, '_dtype_groups', 'device_decode._dtype_groups'),
             (backend.HostStaging, 'view', 'HostStaging.view'),
             (backend, 'host_buffer', 'backend.host_buffer'),
@@ -749,6 +752,25 @@ def message_pool(ctx, coding, count):
     return messages
 
 
+def mpi_receive(receiver, params, grads, blocks):
+    """What MPI does in training before the decode: the messages copied
+    into the buffer the decode uploads from (``transport.allgatherv``'s
+    ``into``, from ``exchange.receive_into``); the blocks there (or the
+    blocks themselves where the decode takes no such buffer).  Its own row
+    in the tables: a copy that the allgatherv makes in training."""
+    from chainer_vgc import exchange
+    into = exchange.receive_into(receiver, params, grads, len(blocks))
+    if into is None:
+        return blocks
+    buf = into(sum(int(b.size) for b in blocks))
+    out, at = [], 0
+    for b in blocks:
+        buf[at:at + b.size] = b
+        out.append(buf[at:at + b.size])
+        at += b.size
+    return out
+
+
 def decode_step(ctx, coding, messages, ranks, seed):
     """``(step, validate, receiver, words)``: ``step(k)`` is the
     decode+mean of ``ranks`` messages drawn from ``messages`` (the draw of
@@ -771,13 +793,16 @@ def decode_step(ctx, coding, messages, ranks, seed):
     draws = [rng.integers(0, len(messages), ranks) for _ in range(64)]
 
     def step(k):
-        blocks = [messages[i] for i in draws[k % len(draws)]]
+        blocks = mpi_receive(receiver, params, zeros,
+                             [messages[i] for i in draws[k % len(draws)]])
         exchange.mean_gradients(blocks, receiver, params, zeros, ranks, True,
                                 False)
-    def validate(k):
+
+    def validate(k):  # as the step validates (the device checks codes)
         blocks = [messages[i] for i in draws[k % len(draws)]]
         exchange.validate_messages(blocks, receiver,
-                                   [p.dtype for p in params])
+                                   [p.dtype for p in params], True,
+                                   codes=False)
     if getattr(exchange, 'validate_messages', None) is None:
         validate = None  # (validated elsewhere, e.g. on the device)
     words = [sum(int(messages[i].size) for i in d) for d in draws]

@@ -1,36 +1,36 @@
-"""The whole-model decode + mean on a GPU: one upload and at most two
-kernel launches per step, whatever the number of tensors and ranks
-(issue 25).
+"""The whole-model decode + mean on a GPU: one upload, a fixed number of
+launches per step whatever the number of tensors (one a rank), one flag
+read back (issues 25, 36).
 
 The question this module answers: how do every rank's messages become
-the parameters' gradients on the device without a launch per tensor?
-The messages are validated on the host, where MPI left them (a bad one is
-refused before anything moves).  A descriptor per (rank, tensor) (body
-offset, count, kind, e_k, scale), the bodies as they were sent, and for
-the gap-coded groups (FMT_GAP) a record per block of
-:data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes (read from the group's
-restart table, docs/wire_format.md Sec. 4.5: where the block starts in
-the stream and the index before it) go up in one copy, from a host
-buffer the compressor keeps from step to step
+the parameters' gradients on the device without a launch per tensor,
+and without the host decoding anything twice?  The host checks each
+message's structure where MPI left it (headers, lengths, value tables;
+a bad one is refused before anything moves), not the FMT_GAP codes.  A
+descriptor per (rank, tensor) (body offset, count, kind, e_k, scale),
+the bodies as they were sent, each rank's groups (items), and for the
+gap-coded groups (FMT_GAP) a record per block of
+:data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes (read from the
+group's restart table, docs/wire_format.md Sec. 4.5) go up in one copy,
+from a host buffer kept from step to step
 (:class:`~chainer_vgc.backend.HostStaging`: pinned memory that grows a
-few times, then stays, whatever the messages' sizes).  Then
-``vgc_model_gap_expand`` decodes the blocks, one thread each, into one
-uint64 an element (index | nibble << 60), and one
-``vgc_model_decode_mean`` thread per element of the model finds what each
-rank sent for it (binary search in each rank's group), adds the values in
-rank order from +0.0 (``dense``: MPI's rank-order tree), and writes the
-mean in the parameter dtype into one new array; each ``param.grad``
-becomes a view of it.  The sums and means equal
+few times, then stays).  Then ``vgc_model_gap_expand`` decodes the
+blocks, one thread each, with every check of the sequential decoder,
+into one uint64 an element (index | nibble << 60), and flags a message
+whose codes fail.  The sums: with the dense tree ('none'), one
+``vgc_model_decode_mean`` thread per element looks up each rank's value
+(binary search) and adds them in MPI's rank-order tree; otherwise one
+``vgc_model_scatter`` launch per rank, in rank order, adds each element
+its message carries to the element's sum (from +0.0: the rank order
+of the reference), and ``vgc_model_finish`` writes the means.  Only
+then are the flags read: a flagged message leaves every gradient as it
+was (:data:`REFUSED`); else each ``param.grad`` becomes a view of one
+new array a dtype.  The means equal
 :func:`chainer_vgc.exchange.sum_messages` + ``write_mean`` bit for bit
-(``tests/test_device_step.py``).
-
-Parameters of several dtypes (float16 weights with float32 batch
-normalization, as Chainer's mixed16 makes them) take one mean launch per
-dtype, each over its tensors.  Applies when every parameter has a
-gradient, the tensors have at most 2**28 elements and no message carries
-FMT_QSGD; otherwise :mod:`chainer_vgc.exchange` decodes tensor by
-tensor.
-"""
+(``tests/test_device_step.py``, ``tests/test_device_decode_checks.py``).
+Applies when every parameter has a gradient, the tensors have at most
+2**28 elements and no message carries FMT_QSGD; otherwise
+:mod:`chainer_vgc.exchange` decodes tensor by tensor."""
 
 import numpy
 
@@ -42,10 +42,13 @@ from chainer_vgc.codec.message import walk
 #: words of a (rank, tensor) descriptor, of a FMT_GAP block record, and
 #: the body kinds (kernels/vgc_numerics.cuh)
 DESC_WORDS = 8
-BLOCK_WORDS = 16
+BLOCK_WORDS = 20
 POW2, RAW32, RAW64, DENSE32, DENSE64, GAP = 1, 2, 3, 4, 5, 6
 #: ranks the dense tree adds in registers (more: tensor by tensor)
 TREE_MAX = 64
+#: what :func:`mean` returns when a message's FMT_GAP codes failed the
+#: device's checks (no gradient written)
+REFUSED = type('Refused', (), {'__repr__': lambda _: 'REFUSED'})()
 
 
 def applies(blocks, compressor, params, grads, dense):
@@ -127,13 +130,16 @@ def _descriptors(rows, sizes, p, starts):
     return desc, gap, first[:-1], int(first[-1])
 
 
-def _gap_blocks(gap, first, words, starts):
+def _gap_blocks(gap, first, words, starts, bounds):
     """The block records (uint64 [blocks, BLOCK_WORDS // 2]) of the
     FMT_GAP groups ``gap`` (rows of the group table): one block per
     restart point and one before them, read from each group's restart
     table (no code is decoded here), their elements going to ``first`` on
     of the expanded array; ``words``: the upload, the messages from
-    ``starts`` on."""
+    ``starts`` on; ``bounds``: the tensors' offsets in the model, end to
+    end (for each group's index space, which the device's checks need).
+    Every record also names its message and whether it is its group's
+    last (kernels/vgc_numerics.cuh, ``vgc_model_gap_expand``)."""
     count = gap[:, 3]
     body = starts[gap[:, 0]] + gap[:, 6]  # the body's word in the upload
     nb = _blocks_of(count)
@@ -145,6 +151,7 @@ def _gap_blocks(gap, first, words, starts):
         param & codec.GAP_SIGN_ONLY, 256, 0)
     j = numpy.repeat(numpy.arange(len(gap)), nb)
     k = numpy.arange(nb.sum()) - numpy.repeat(numpy.cumsum(nb) - nb, nb)
+    span_sizes = (bounds[gap[j, 1] + gap[j, 7] + 1] - bounds[gap[j, 1]])
     j0 = k * codec.GAP_RESTART_CODES
     rec = numpy.empty((j.size, BLOCK_WORDS // 2), numpy.uint64)
     rec[:, 0] = stream[j]
@@ -164,6 +171,9 @@ def _gap_blocks(gap, first, words, starts):
     rec[:, 5] = stream[j] + stream_words[j]  # the value fields
     rec[:, 6] = j0
     rec[:, 7] = first[j] + j0
+    rec[:, 8] = span_sizes  # the group's index space, for the checks
+    rec[:, 9] = gap[j, 0].astype(numpy.uint64) | (
+        (k == nb[j] - 1).astype(numpy.uint64) << numpy.uint64(32))
     return rec
 
 
@@ -195,49 +205,81 @@ def upload_staging(compressor, name='_upload_staging'):
 
 
 def _prefix(params, sizes, ranks):
-    """Words of the upload before the messages: each dtype's offsets and
-    tensor ids (int64), then a descriptor per (rank, tensor)."""
+    """The upload's first words, before the descriptors: each dtype's
+    offsets and tensor ids, the model's offsets (bounds) and the sums'
+    offsets (acc_at) for the scatter, and room for each rank's items (its
+    groups' cumulative counts and first tensors: at most a group a
+    tensor); all int64.  Returns (the dtype groups, bounds, acc_at, the
+    words before the descriptors, the descriptors' words)."""
     groups = _dtype_groups(params, sizes)
-    head = sum(2 * tab.size for _, _, tab in groups)
-    return groups, head, ranks * len(sizes) * DESC_WORDS
+    n = len(sizes)
+    bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(
+        numpy.int64)
+    wide = numpy.array([numpy.dtype(p.dtype) == numpy.float64
+                        for p in params], numpy.int64)
+    acc_at = numpy.concatenate([[0], numpy.cumsum(
+        numpy.asarray(sizes, numpy.int64) * (1 + wide))]).astype(numpy.int64)
+    head = sum(2 * tab.size for _, _, tab in groups) + \
+        2 * (2 * (n + 1) + ranks * (2 * n + 1))
+    return groups, bounds, acc_at, head, ranks * n * DESC_WORDS
 
 
 def receive_into(compressor, params, ranks):
     """For :func:`chainer_vgc.transport.allgatherv`'s ``into``: MPI
     receives the ``ranks`` messages straight into the upload's buffer,
-    after the room the offsets and descriptors take and with room after
-    them for the FMT_GAP block records (at most one a word over 32, since
+    after the room the tables and descriptors take and with room after
+    them for the FMT_GAP block records (at most a block a 32 words, since
     a code takes a bit, plus one a group), so :func:`mean` copies no
     message."""
-    _, head, d_words = _prefix(params, compressor.sizes, ranks)
-    staging = upload_staging(compressor)
+    n = len(compressor.sizes)
+    head, d_words = _prefix(params, compressor.sizes, ranks)[3:]
     at = head + d_words
 
     def into(words):
-        records = words // 2 + BLOCK_WORDS * (ranks * len(compressor.sizes)
-                                              + 1)
-        return staging.view(at + words + records, numpy.uint32)[
-            at:at + words]
+        room = (words // 32 + ranks * n + 1) * BLOCK_WORDS
+        return upload_staging(compressor).view(
+            at + words + room, numpy.uint32)[at:at + words]
     return into
 
 
+def _items(rows, p, n):
+    """Each rank's items for the scatter (int64 [p, 2 n + 1]: its groups'
+    cumulative element counts from 0, then their first tensors), and how
+    many groups and elements each rank has."""
+    items = numpy.zeros((p, 2 * n + 1), numpy.int64)
+    msg = rows[:, 0]
+    per = numpy.bincount(msg, minlength=p)[:p]
+    first = numpy.concatenate([[0], numpy.cumsum(per)[:-1]])
+    r = numpy.arange(len(rows)) - numpy.repeat(first, per)  # row in rank
+    ends = numpy.cumsum(rows[:, 3]) - numpy.repeat(
+        numpy.concatenate([[0], numpy.cumsum(rows[:, 3])])[first], per)
+    items[msg, r + 1] = ends
+    items[msg, n + 1 + r] = rows[:, 1]
+    counts = numpy.bincount(msg, rows[:, 3], minlength=p)[:p].astype(
+        numpy.int64)
+    return items, per, counts
+
+
 def mean(blocks, compressor, params, size, dense, rescale, rows=None):
-    """``param.grad`` = the mean of the (validated) ``blocks`` for every
-    parameter; False (nothing done) when a message carries FMT_QSGD.
-    ``rows``: their group table, as the validation read it (default:
-    :func:`group_rows`).  Messages that MPI received into the upload's
-    buffer (:func:`receive_into`) are uploaded where they are."""
+    """``param.grad`` = the mean of the ``blocks`` for every parameter
+    (validated on the host, the FMT_GAP codes perhaps excepted: they are
+    checked here, by ``vgc_model_gap_expand``); False (nothing done) when
+    a message carries FMT_QSGD; :data:`REFUSED` (nothing written) when a
+    message's codes failed the device's checks.  ``rows``: their group
+    table, as the validation read it (default: :func:`group_rows`).
+    Messages that MPI received into the upload's buffer
+    (:func:`receive_into`) are uploaded where they are."""
     sizes = compressor.sizes
     if rows is None:
         rows = group_rows(blocks, sizes)
     if (rows[:, 2] == codec.FMT_QSGD).any():
         return False
-    p = len(blocks)
+    p, n = len(blocks), len(sizes)
     xp = backend.get_array_module(params[0].array)
-    # [each dtype's offsets and tensor ids (int64)][descriptors][the
-    # messages as received][FMT_GAP block records]: one upload, from a
-    # host buffer kept from step to step
-    groups, head, d_words = _prefix(params, sizes, p)
+    # [each dtype's offsets and tensor ids, bounds, acc_at, each rank's
+    # items (int64)][descriptors][the messages as received][FMT_GAP block
+    # records]: one upload, from a host buffer kept from step to step
+    groups, bounds, acc_at, head, d_words = _prefix(params, sizes, p)
     lens = numpy.array([blk.size for blk in blocks], numpy.int64)
     n_blocks = int(_blocks_of(rows[rows[:, 2] == codec.FMT_GAP, 3]).sum())
     rec_words = n_blocks * BLOCK_WORDS
@@ -259,14 +301,17 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
         for blk, at in zip(blocks, starts):  # a copy a message
             buf_host[at:at + blk.size] = blk
     desc, gap, first, expanded = _descriptors(rows, sizes, p, starts)
+    items, per, counts = _items(rows, p, n)
     pos = 0
-    for tab in [tab.view(numpy.uint32) for _, _, tab in groups]:
+    for tab in [tab for _, _, tab in groups] + [bounds, acc_at, items]:
+        tab = numpy.ascontiguousarray(tab).reshape(-1).view(numpy.uint32)
         staged[pos:pos + tab.size] = tab
         pos += tab.size
     buf_host[:d_words] = desc.reshape(-1)
     if n_blocks:
         buf_host[total - head - rec_words:] = _gap_blocks(
-            gap, first, buf_host, starts).view(numpy.uint32).reshape(-1)
+            gap, first, buf_host, starts, bounds).view(
+                numpy.uint32).reshape(-1)
     with backend.device_scope(params[0].array):
         uploaded = xp.asarray(staged)
         # CuPy queues the copy from pinned memory on the current stream
@@ -275,24 +320,80 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
         staging.hold_until(backend.upload_fence(uploaded))
         buf = uploaded[head:]  # body offsets count from here
         gaps = xp.empty(max(expanded, 1), numpy.uint64)
+        errs = None
         if n_blocks:
+            errs = xp.zeros(p, numpy.uint32)
             kernels.get_kernel('vgc_model_gap_expand')(
                 buf, uploaded[total - rec_words:],
-                xp.empty(n_blocks, numpy.int32), gaps)
+                xp.empty(n_blocks, numpy.int32), gaps, errs)
+        tables = uploaded[:head - 2 * items.size].view(numpy.int64)
         rescaled = rescale not in (None, 1)
-        at = 0
-        for dtype, tids, tab in groups:  # one launch a parameter dtype
-            table = uploaded[at:at + 2 * tab.size].view(numpy.int64)
-            at += 2 * tab.size
-            ends = tab[:len(tids) + 1]
-            out = xp.empty(int(ends[-1]), dtype)
-            kernels.get_kernel('vgc_model_decode_mean')(
-                buf, gaps, table[:len(tids) + 1], table[len(tids) + 1:],
-                numpy.int32(len(tids)), numpy.int32(len(sizes)),
-                numpy.int32(p), bool(dense), rescaled,
-                numpy.float64(1.0 / size),
+        args = (rescaled, numpy.float64(1.0 / size),
                 numpy.float64(rescale if rescaled else 1.0),
-                numpy.float32(numpy.float16(1.0 / size)), out)
+                numpy.float32(numpy.float16(1.0 / size)))
+        if dense:  # each element's values found by binary search
+            means = _mean_by_lookup(xp, groups, tables, buf, gaps, n, p,
+                                    args)
+        else:  # each rank's elements added to their sums, in rank order
+            means = _mean_by_scatter(xp, groups, tables, uploaded, head,
+                                     items, per, counts, buf, gaps, n, p,
+                                     int(acc_at[-1]), args)
+        if errs is not None and errs.get().any():  # (waits for the device)
+            return REFUSED
+        for (dtype, tids, tab), out in zip(groups, means):
+            ends = tab[:len(tids) + 1]
             for t, lo, hi in zip(tids, ends[:-1], ends[1:]):
                 params[t].grad = out[lo:hi].reshape(params[t].shape)
     return True
+
+
+def _local_tables(groups, tables):
+    """Each dtype group's (offsets, tensor ids) on the device."""
+    at = 0
+    for _, tids, tab in groups:
+        table = tables[at:at + tab.size]
+        at += tab.size
+        yield table[:len(tids) + 1], table[len(tids) + 1:]
+
+
+def _mean_by_lookup(xp, groups, tables, buf, gaps, n, p, args):
+    """``vgc_model_decode_mean``: a thread per element, one launch per
+    parameter dtype (the dense tree's order)."""
+    means = []
+    for (dtype, tids, tab), (offsets, ids) in zip(
+            groups, _local_tables(groups, tables)):
+        out = xp.empty(int(tab[len(tids)]), dtype)
+        kernels.get_kernel('vgc_model_decode_mean')(
+            buf, gaps, offsets, ids, numpy.int32(len(tids)), numpy.int32(n),
+            numpy.int32(p), True, *(args + (out,)))
+        means.append(out)
+    return means
+
+
+def _mean_by_scatter(xp, groups, tables, uploaded, head, items, per, counts,
+                     buf, gaps, n, p, acc_words, args):
+    """The sums from +0.0 (one zeroed array), one ``vgc_model_scatter``
+    launch per rank with elements, in rank order, then one
+    ``vgc_model_finish`` per parameter dtype."""
+    at = sum(tab.size for _, _, tab in groups)
+    bounds, acc_at = tables[at:at + n + 1], tables[at + n + 1:at + 2 * n + 2]
+    item_tab = uploaded[head - 2 * items.size:head].view(numpy.int64)
+    acc = xp.zeros(max(acc_words, 1), numpy.uint32)
+    done = xp.empty(max(int(counts.max()) if p else 0, 1), numpy.int32)
+    for b in range(p):
+        if not counts[b]:
+            continue
+        row = item_tab[b * items.shape[1]:(b + 1) * items.shape[1]]
+        kernels.get_kernel('vgc_model_scatter')(
+            buf, gaps, row[:int(per[b]) + 1], row[n + 1:n + 1 + int(per[b])],
+            numpy.int32(per[b]), numpy.int32(b), numpy.int32(n), bounds,
+            acc_at, done[:int(counts[b])], acc)
+    means = []
+    for (dtype, tids, tab), (offsets, ids) in zip(
+            groups, _local_tables(groups, tables)):
+        out = xp.empty(int(tab[len(tids)]), dtype)
+        kernels.get_kernel('vgc_model_finish')(
+            acc, acc_at, offsets, ids, numpy.int32(len(tids)),
+            *(args + (out,)))
+        means.append(out)
+    return means

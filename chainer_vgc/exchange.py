@@ -15,11 +15,16 @@ step runs one way (paper Sec. 4.3):
    reference :func:`sum_messages` + :func:`write_mean`, or the native
    backend's one fused call, equal to it bit for bit).
 
-On a GPU the messages are checked on the host (:func:`validate_messages`),
-their gap-coded groups (FMT_GAP: sequential codes) expanded to indices on
-the host (:func:`chainer_vgc.codec.expand_gap`), uploaded with one
-host-to-device copy (:func:`upload_blocks`), decoded and summed on the
-device without reading a value back.  A dense group (method
+On a GPU the whole model is decoded at once where it can be
+(:mod:`chainer_vgc.device_decode`): the messages' structure is checked on
+the host (:func:`validate_messages` with ``codes=False``), the messages go
+up as received in one copy, and the device decodes and checks the
+gap-coded groups (FMT_GAP) from their restart points and sums the
+messages, reading back only the flags of those checks.  Otherwise
+(FMT_QSGD) the messages are checked on the host, their FMT_GAP groups
+expanded to indices there (:func:`chainer_vgc.codec.expand_gap`),
+uploaded in one copy (:func:`upload_blocks`) and decoded tensor by
+tensor on the device.  A dense group (method
 ``'none'``, the simulation's dense group) is summed in a rank-order pairwise
 tree, MPI's recursive-doubling order, so that 2^k ranks reproduce a dense
 allreduce bit for bit.
@@ -239,19 +244,27 @@ def _device_finish_mean(total, dtype, size, rescale):
 
 
 # -- checks before a decode that trusts its input --------------------------
-def validate_messages(blocks, compressor, dtypes, table=False):
+def validate_messages(blocks, compressor, dtypes, table=False, codes=True):
     """Check every host message against the model, as :func:`codec.unpack`
     does (the native decoder's walk where it applies: same checks, no
     output); returns the elements each carries, and with ``table`` also
     the group table that walk read (None without the native backend; see
     :func:`chainer_vgc.device_decode.group_rows`).  A fault raises
     :class:`~chainer_vgc.codec.WireFormatError` as the reference names
-    it."""
+    it.  ``codes=False`` (with the native backend): the FMT_GAP groups'
+    codes are left unchecked, for the device decode, which checks them
+    (:func:`chainer_vgc.device_decode.mean`); a message refused even so
+    is checked in full, which names the fault."""
     sizes = compressor.sizes
     sdts = [backend.state_dtype(d) for d in dtypes]
     if _native_decode_applies(blocks, compressor):
         result = native.decode_mean(blocks, sizes, sdts, [None] * len(sizes),
-                                    [0] * len(sizes), 1.0, table=table)
+                                    [0] * len(sizes), 1.0, table=table,
+                                    gap_codes=codes)
+        if result is None and not codes:
+            result = native.decode_mean(blocks, sizes, sdts,
+                                        [None] * len(sizes),
+                                        [0] * len(sizes), 1.0, table=table)
         if result is not None:
             elements = [int(e) for e in result[1]]
             return (elements, result[2]) if table else elements
@@ -316,18 +329,31 @@ def upload_blocks(blocks, xp, like, staging=None):
 def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
                  rescale, present=None):
     """:func:`mean_gradients` for parameters on a GPU.  The messages are
-    validated on the host (where MPI left them), uploaded once, decoded and
-    summed on the device (in rank order; ``dense``: in the rank-order tree
-    of :func:`sum_messages`) without reading a value back, then
-    :func:`write_mean`: the reference's sums bit for bit.  (Parameters on
-    several devices: the blocks are uploaded to the first one's device and
-    read from there.)"""
+    validated on the host (where MPI left them; for the whole-model decode
+    all but the FMT_GAP codes, which it checks on the device), uploaded
+    once, decoded and summed on the device (in rank order; ``dense``: in
+    the rank-order tree of :func:`sum_messages`): the reference's sums bit
+    for bit.  (Parameters on several devices: the blocks are uploaded to
+    the first one's device and read from there.)"""
     dtypes = [p.dtype for p in params]
-    elements, rows = validate_messages(blocks, compressor, dtypes, True)
-    if device_decode.applies(blocks, compressor, params, grads, dense) and \
-            device_decode.mean(blocks, compressor, params, size, dense,
-                               rescale, rows):
-        return elements  # the whole model in one launch
+    whole = device_decode.applies(blocks, compressor, params, grads, dense)
+    # the whole-model decode checks the FMT_GAP codes itself
+    elements, rows = validate_messages(blocks, compressor, dtypes, True,
+                                       codes=not whole)
+    if whole:
+        done = device_decode.mean(blocks, compressor, params, size, dense,
+                                  rescale, rows)
+        if done is device_decode.REFUSED:
+            # a message's codes failed the device's checks: the full
+            # validation names the fault (nothing was written)
+            validate_messages(blocks, compressor, dtypes)
+            raise RuntimeError(
+                'chainer_vgc: the device decode refused a message the host '
+                'validation accepts; please report this with '
+                'CHAINER_VGC_BACKEND=numpy as the workaround')
+        if done:
+            return elements
+        validate_messages(blocks, compressor, dtypes)  # (codes too, now)
     # gap-coded indices are sequential codes: decoded here, on the host
     decoder, _ = compressor.gap_codec()
     blocks = [codec.expand_gap(b, compressor.sizes, decoder) for b in blocks]

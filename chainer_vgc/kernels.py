@@ -154,11 +154,28 @@ SPECS = collections.OrderedDict([
         'D mean',
         'mean = vgc_model_mean<D>(i, buf, gaps, offsets, tids, n_local, '
         'n_tensors, ranks, dense, rescaled, inv, rescale, k16)')),
-    # FMT_GAP bodies decoded on the device, one thread per block of codes
-    # from its restart point (chainer_vgc.device_decode)
+    # ... or (without the dense tree) by scatter: the sums in acc from
+    # +0.0, one launch per rank in rank order, then the means
+    ('vgc_model_scatter', KernelSpec(
+        'raw uint32 buf, raw uint64 gaps, raw int64 item_ends, '
+        'raw int64 item_tids, int32 n_items, int32 rank, int32 n_tensors, '
+        'raw int64 bounds, raw int64 acc_at',
+        'int32 done, raw uint32 acc',
+        'vgc_model_scatter(i, buf, gaps, item_ends, item_tids, n_items, '
+        'rank, n_tensors, bounds, acc_at, acc); done = 1')),
+    ('vgc_model_finish', KernelSpec(
+        'raw uint32 acc, raw int64 acc_at, raw int64 offsets, '
+        'raw int64 tids, int32 n_local, bool rescaled, float64 inv, '
+        'float64 rescale, float32 k16',
+        'D mean',
+        'mean = vgc_model_finish<D>(i, acc, acc_at, offsets, tids, n_local, '
+        'rescaled, inv, rescale, k16)')),
+    # FMT_GAP bodies decoded and checked on the device, one thread per
+    # block of codes from its restart point (chainer_vgc.device_decode)
     ('vgc_model_gap_expand', KernelSpec(
-        'raw uint32 buf, raw uint32 blocks', 'int32 done, raw uint64 out',
-        'vgc_model_gap_expand(i, buf, blocks, out); done = 1')),
+        'raw uint32 buf, raw uint32 blocks', 'int32 done, raw uint64 out, '
+        'raw uint32 errs',
+        'vgc_model_gap_expand(i, buf, blocks, out, errs); done = 1')),
     # FMT_GAP on the device ('gap', 'auto'): ranks compacted, code
     # lengths, a one-thread layout, every message word assembled
     ('vgc_model_vgc_compact', KernelSpec(

@@ -333,7 +333,7 @@ ROW_WORDS = 7
 
 
 def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
-                accumulate=False, table=False):
+                accumulate=False, table=False, gap_codes=True):
     """Validate the messages ``blocks``, then write into each ``outs[t]``
     (flat, C-contiguous, state dtype; None: skip) the sum of their elements
     in rank order, times ``scale`` where ``apply_scale[t]``.
@@ -347,7 +347,8 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
     ``table``, ``(touched, elements, rows)``: ``rows`` (int64 [groups,
     :data:`ROW_WORDS`] plus a first column, the message) lists every
     message's groups in order, as the validating walk read them.
-    """
+    ``gap_codes=False`` (no outs): all but the FMT_GAP groups' codes are
+    checked (the device decode checks those, ``vgc_model_gap_expand``)."""
     lib = load()
     p, n = len(blocks), len(sizes)
     blocks = [numpy.ascontiguousarray(b, dtype=numpy.uint32) for b in blocks]
@@ -359,27 +360,26 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
     out_ptrs = (ctypes.c_void_p * max(n, 1))(
         *[None if o is None else o.ctypes.data for o in outs])
     apply_a = numpy.asarray(apply_scale, dtype=numpy.int32)
-    touched = numpy.zeros(max(n, 1), dtype=numpy.int64)
-    elements = numpy.zeros(max(p, 1), dtype=numpy.int64)
-    bad = numpy.zeros(1, dtype=numpy.int64)
+    touched, bad = (numpy.zeros(k, numpy.int64) for k in (max(n, 1), 1))
+    elements, n_rows = (numpy.zeros(max(p, 1), numpy.int64) for _ in '12')
     rows = numpy.empty((p * n if table else 0, ROW_WORDS), numpy.int64)
-    n_rows = numpy.zeros(max(p, 1), dtype=numpy.int64)
     if accumulate and any(apply_scale):
         raise ValueError('decode_mean: accumulate=True adds without scaling '
                          '(apply_scale must be all False)')
     for o, size, dt in zip(outs, sizes, state_dtypes):
-        if o is not None and (o.size != size or o.dtype != dt
-                              or o.dtype not in (numpy.float32,
-                                                 numpy.float64)
-                              or not o.flags.c_contiguous):
-            raise ValueError('decode_mean: output arrays must be '
-                             'C-contiguous, of the tensor sizes, in the state '
-                             'dtypes (float32 or float64)')
+        if o is not None and (o.size != size or o.dtype != dt or not (
+                o.dtype in (numpy.float32, numpy.float64) and gap_codes
+                and o.flags.c_contiguous)):
+            raise ValueError(
+                'decode_mean: output arrays must be C-contiguous, of the '
+                'tensor sizes, in the state dtypes (float32 or float64); '
+                'none with gap_codes=False (it validates only)')
     rc = lib.vgc_native_decode(
         p, ctypes.cast(ptrs, ctypes.c_void_p), lens.ctypes.data, n,
         sizes_a.ctypes.data, codes.ctypes.data,
         ctypes.cast(out_ptrs, ctypes.c_void_p), apply_a.ctypes.data,
-        float(scale), int(bool(accumulate)), touched.ctypes.data,
+        float(scale), int(bool(accumulate)) | (0 if gap_codes else 2),
+        touched.ctypes.data,
         elements.ctypes.data, bad.ctypes.data,
         rows.ctypes.data if table else None, n_rows.ctypes.data)
     if rc != 0:

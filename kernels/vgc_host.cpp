@@ -244,7 +244,12 @@ int vgc_native_gap_decode(const uint32_t *body, int64_t len, int64_t count,
  * VGC_BAD_MESSAGE with bad[0] = the first invalid message (nothing is
  * written then).  With rows (room for p * n_tensors rows of
  * VGC_ROW_WORDS), each message's group table from row b * n_tensors on,
- * n_rows[b] rows (vgc_walk). */
+ * n_rows[b] rows (vgc_walk).  accumulate & VGC_DECODE_STRUCTURE (every
+ * outs[t] NULL): the FMT_GAP groups' codes are not decoded (their
+ * headers, lengths, value padding and value tables are checked, the
+ * table in the state dtype of every tensor of the span): what is left
+ * for the device decode to check (vgc_model_gap_expand, issue 36). */
+#define VGC_DECODE_STRUCTURE 2
 int vgc_native_decode(int p, const uint32_t *const *blocks,
                       const int64_t *lens, int n_tensors,
                       const int64_t *sizes, const int *scodes,
@@ -268,6 +273,31 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
             &msg_jobs[b],
             rows ? rows + (size_t)b * n_tensors * VGC_ROW_WORDS : NULL,
             rows ? n_rows + b : NULL);
+    }
+    const bool structure = (accumulate & VGC_DECODE_STRUCTURE) != 0;
+    accumulate &= 1;
+    if (structure) {
+        for (int b = 0; b < p; ++b) {
+            for (size_t j = 0; valid[b] && j < msg_jobs[b].size(); ++j) {
+                const vgc_gap_job &job = msg_jobs[b][j];
+                bool seen[2] = {false, false};
+                for (int64_t t = job.tid; t <= job.tid + job.span; ++t) {
+                    const int f64 = scodes[t] == VGC_F64;
+                    if (seen[f64]) continue;
+                    seen[f64] = true;
+                    vgc_group g;
+                    g.a = job.a;
+                    g.b = job.b;
+                    if (!vgc_pow2_table(g, f64)) valid[b] = 0;
+                }
+            }
+            if (!valid[b]) {
+                bad[0] = b;
+                return VGC_BAD_MESSAGE;
+            }
+        }
+        for (int t = 0; t < n_tensors; ++t) touched[t] = 0;
+        return VGC_OK;
     }
     /* the FMT_GAP groups of the messages valid so far: decoded and checked
      * in parallel, largest first, each into its own scratch (indices, then

@@ -836,7 +836,6 @@ VGC_FN void vgc_model_none_write(long long i, F g, const O &offsets, int n,
 #define VGC_BODY_DENSE64 5u
 #define VGC_BODY_GAP 6u
 #define VGC_TREE_MAX 64
-#define VGC_BLOCK_WORDS 16
 #define VGC_EXPANDED_INDEX 0x0FFFFFFFFFFFFFFFull
 
 /* the 64-bit field of words buf[at], buf[at + 1] (low word first) */
@@ -872,21 +871,37 @@ VGC_FN unsigned long long vgc_stream_bits(const W &buf, long long s,
                                  (0xFFFFFFFFu >> (64 - n))) << 32);
 }
 
-/* Block b of the FMT_GAP groups (a validated message: no checks), its
- * VGC_BLOCK_WORDS words at blocks[b * VGC_BLOCK_WORDS]: stream offset in
- * buf, G, the bit where its first code starts, the index before it
- * (all uint64, two words), its codes, k | SIGN_ONLY << 8, the value
- * section's offset in buf, its first code's number in the group and its
- * first element's place in out (uint64).  Writes each element's index in
- * the group's index space | its nibble (sign << 3 | d) << 60. */
-template <typename W, typename B, typename X>
+/* Block b of the FMT_GAP groups, its VGC_BLOCK_WORDS words at
+ * blocks[b * VGC_BLOCK_WORDS] (uint64 each, low word first): stream
+ * offset in buf, G, the bit where its first code starts and the index
+ * before it (its restart entry as sent; block 0: bit 0, index -1), its
+ * codes | (k | SIGN_ONLY << 8) << 32, the value section's offset in buf,
+ * its first code's number in the group, its first element's place in
+ * out, the group's index space (span_size), its message | last << 32
+ * (last: the group's last block).  Writes each element's index in the
+ * group's index space | its nibble (sign << 3 | d) << 60.
+ *
+ * The host checked the message's structure only (headers, lengths,
+ * value padding: native.decode_mean with codes=False), so every check of
+ * codec.gap_decode on the codes is made here (issue 36), each code with
+ * the exact checks of vgc_gap_decode: a code never read past the stream
+ * (32 G bits), a gap never past the group's index space; the block's
+ * end must be where the next block's restart entry says (bit and index)
+ * and the last block's the canonical end (the last word, zero padding).
+ * By induction from block 0's exact start, every entry is then the
+ * sequential decoder's.  A failed check sets errs[message] and stops the
+ * block (its elements are left unwritten: whoever reads them must stay
+ * in bounds whatever they hold).  Reads: buf only inside the stream and
+ * the value section, blocks[b] and blocks[b + 1]'s start. */
+#define VGC_BLOCK_WORDS 20
+template <typename W, typename B, typename X, typename E>
 VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const B &blocks,
-                                 X &out) {
+                                 X &out, E &errs) {
     const long long at = b * VGC_BLOCK_WORDS;
     const long long s = (long long)vgc_u64_at(blocks, at);
     const long long G = (long long)vgc_u64_at(blocks, at + 2);
     unsigned long long pos = vgc_u64_at(blocks, at + 4);
-    unsigned long long prev = vgc_u64_at(blocks, at + 6);
+    long long prev = (long long)vgc_u64_at(blocks, at + 6);
     const long long codes = (long long)(unsigned int)blocks[at + 8];
     const unsigned int kw = (unsigned int)blocks[at + 9];
     const int k = (int)(kw & 63u);
@@ -894,37 +909,72 @@ VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const B &blocks,
     const long long v = (long long)vgc_u64_at(blocks, at + 10);
     const long long j0 = (long long)vgc_u64_at(blocks, at + 12);
     const long long o = (long long)vgc_u64_at(blocks, at + 14);
-    for (long long j = 0; j < codes; ++j) {
-        long long z = 0; /* zeros up to the next one */
-        for (;;) {
-            const unsigned int w = vgc_stream32(buf, s, G, pos + z);
-            if (w) {
-                z += vgc_ilog2_u64((unsigned long long)(w & (0u - w)));
-                break;
-            }
-            z += 32;
-        }
+    const long long size = (long long)vgc_u64_at(blocks, at + 16);
+    const unsigned int msg = (unsigned int)blocks[at + 18];
+    const bool last = blocks[at + 19] != 0u;
+    const unsigned long long total = 32ull * (unsigned long long)G;
+    const unsigned int esc_mask = (1u << VGC_GAP_ESCAPE) - 1u;
+    bool ok = true;
+    for (long long j = 0; j < codes && ok; ++j) {
+        if (pos > total || prev < -1 || prev + 1 >= size) { ok = false; break; }
+        const unsigned long long limit = (unsigned long long)(size - prev - 1);
+        const unsigned long long qmax = (limit - 1) >> k;
         unsigned long long q;
-        if (z < VGC_GAP_ESCAPE) {
+        const unsigned int w = vgc_stream32(buf, s, G, pos);
+        if (w & esc_mask) { /* unary: z zeros and a one */
+            const int z = vgc_ilog2_u64((unsigned long long)(w & (0u - w)));
+            if (pos + z + 1 > total) { ok = false; break; }
             q = (unsigned long long)z;
             pos += z + 1;
-        } else { /* escape: n more zeros, a one, the n bits below v's top */
-            const int n = (int)(z - VGC_GAP_ESCAPE);
-            pos += z + 1;
-            q = ((1ull << n) | vgc_stream_bits(buf, s, G, pos, n)) +
-                (VGC_GAP_ESCAPE - 1);
-            pos += n;
+            if (q > qmax) { ok = false; break; }
+        } else { /* escape, then Elias gamma: n zeros, a one, n bits */
+            if (pos + VGC_GAP_ESCAPE > total) { ok = false; break; }
+            pos += VGC_GAP_ESCAPE;
+            int n = 0;
+            for (;;) {
+                if (pos + n >= total) { ok = false; break; }
+                const unsigned int x = vgc_stream32(buf, s, G, pos + n);
+                if (x) {
+                    n += vgc_ilog2_u64((unsigned long long)(x & (0u - x)));
+                    break;
+                }
+                n += 32;
+                if (n >= 64) { ok = false; break; }
+            }
+            if (!ok || n >= 64 || pos + 2ull * n + 1 > total) {
+                ok = false;
+                break;
+            }
+            const unsigned long long val =
+                (1ull << n) | vgc_stream_bits(buf, s, G, pos + n + 1, n);
+            pos += 2ull * n + 1;
+            if (qmax < VGC_GAP_ESCAPE || val > qmax - (VGC_GAP_ESCAPE - 1)) {
+                ok = false;
+                break;
+            }
+            q = val + (VGC_GAP_ESCAPE - 1);
         }
+        if (pos + k > total) { ok = false; break; }
         const unsigned long long gap =
-            (k < 64 ? q << k : 0ull) | vgc_stream_bits(buf, s, G, pos, k);
+            (q << k) | vgc_stream_bits(buf, s, G, pos, k);
         pos += k;
-        prev += 1 + gap;
+        if (gap >= limit) { ok = false; break; }
+        prev += 1 + (long long)gap;
         const long long e = j0 + j; /* its value field */
         const unsigned int field =
             sign_only ? (((unsigned int)buf[v + (e >> 5)] >> (e & 31)) & 1u) << 3
                       : ((unsigned int)buf[v + (e >> 3)] >> (4 * (e & 7))) & 15u;
-        out[o + j] = prev | ((unsigned long long)field << 60);
+        out[o + j] = (unsigned long long)prev | ((unsigned long long)field << 60);
     }
+    if (ok && !last) { /* where the next block starts */
+        const long long nx = at + VGC_BLOCK_WORDS;
+        ok = pos == vgc_u64_at(blocks, nx + 4) &&
+             (unsigned long long)prev == vgc_u64_at(blocks, nx + 6);
+    } else if (ok) { /* the canonical end */
+        ok = pos <= total && prev < size && (pos + 31) / 32 == (unsigned long long)G &&
+             (!(pos & 31) || !((unsigned int)buf[s + G - 1] >> (pos & 31)));
+    }
+    if (!ok) vgc_atomic_or(&errs[msg], 1u);
 }
 
 template <typename S, typename W>
@@ -993,6 +1043,19 @@ VGC_FN bool vgc_lookup(const W &buf, const X &gaps, long long d, long long j,
     return true;
 }
 
+/* the mean in the parameter dtype D of a sum acc in D's state dtype
+ * (chainer_vgc.exchange's _finish_mean; see vgc_model_mean) */
+template <typename D, typename S>
+VGC_FN D vgc_mean_of(S acc, bool rescaled, double inv, double rescale,
+                     float k16) {
+    if (rescaled)
+        return vgc_to<D>(vgc_mul(vgc_mul(acc, vgc_to<S>(inv)),
+                                 vgc_to<S>(rescale)));
+    if (sizeof(D) == 2)
+        return vgc_to<D>(vgc_mul(vgc_to<float>(vgc_to<D>(acc)), k16));
+    return vgc_mul(vgc_to<D>(acc), vgc_to<D>(inv));
+}
+
 /* the mean of element i in the parameter dtype D (chainer_vgc.exchange's
  * _finish_mean): sum * (1/p) in D (float16: the product in float32 by
  * k16 = float32(float16(1/p)), rounded once); with a loss scale, sum *
@@ -1025,12 +1088,140 @@ VGC_FN D vgc_model_mean(long long i, const W &buf, const X &gaps,
         }
         acc = vals[0];
     }
-    if (rescaled)
-        return vgc_to<D>(vgc_mul(vgc_mul(acc, vgc_to<S>(inv)),
-                                 vgc_to<S>(rescale)));
-    if (sizeof(D) == 2)
-        return vgc_to<D>(vgc_mul(vgc_to<float>(vgc_to<D>(acc)), k16));
-    return vgc_mul(vgc_to<D>(acc), vgc_to<D>(inv));
+    return vgc_mean_of<D>(acc, rescaled, inv, rescale, k16);
+}
+
+/* ---- The sparse mean by scatter (issue 36) ----------------------------- *
+ * Without the dense tree, the sum of element j is the values the ranks
+ * sent for it added in rank order from +0.0 (vgc_model_mean's order).
+ * Here the sums live in acc, uint32 words from +0.0 (all bits zero):
+ * tensor t's from acc_at[t] on, one word an element in float32 state,
+ * two in float64 (acc_at[t + 1] - acc_at[t] is then twice its size).  Rank b's launch has one thread per element its
+ * message carries: it finds its group among the rank's items (the group
+ * table's rows of that message, in order: item_ends cumulative counts,
+ * item_tids their first tensor), reads the element's index and value as
+ * vgc_lookup would, and adds the value to the element's sum.  A message
+ * carries an index at most once, so the threads of one launch touch
+ * distinct sums, and the launches run in rank order on one stream: each
+ * sum is built in rank order, as vgc_model_mean builds it, bit for bit.
+ * Then vgc_model_finish writes the means.  An index outside the model
+ * (a FMT_GAP element left unwritten by a block that failed its checks:
+ * the step is refused then) adds nothing. */
+template <typename S, typename A>
+VGC_FN void vgc_acc_add(A &acc, long long w, S v) {
+    if (sizeof(S) == 8) {
+        const unsigned long long lo = (unsigned int)acc[w],
+                                 hi = (unsigned int)acc[w + 1];
+        const unsigned long long r = (unsigned long long)vgc_bits(
+            vgc_add(vgc_to<S>(vgc_from_bits(lo | (hi << 32))), v));
+        acc[w] = (unsigned int)r;
+        acc[w + 1] = (unsigned int)(r >> 32);
+    } else {
+        acc[w] = (unsigned int)vgc_bits(
+            vgc_add(vgc_to<S>(vgc_from_bits((unsigned int)acc[w])), v));
+    }
+}
+
+/* element i of rank b's message: its descriptor's word index d in buf
+ * (item r = the rank's group holding i, tensor item_tids[r]), its index
+ * in the model's index space (bounds[n] if none), and for FMT_POW2 and
+ * FMT_GAP its word (the nibble on top); the value is read by
+ * vgc_scatter_value once the tensor, hence the state dtype, is known */
+template <typename W, typename X, typename I>
+VGC_FN long long vgc_scatter_index(long long i, const W &buf, const X &gaps,
+                                   const I &item_ends, const I &item_tids,
+                                   int n_items, int b, int n, const I &bounds,
+                                   long long &d, long long &e,
+                                   unsigned int &word) {
+    const int r = vgc_segment(item_ends, n_items, i);
+    const int t = (int)item_tids[r];
+    e = i - (long long)item_ends[r];
+    d = (long long)VGC_DESC_WORDS * ((long long)b * n + t);
+    const long long off = (long long)(unsigned int)buf[d] |
+                          ((long long)(unsigned int)buf[d + 1] << 32);
+    const unsigned int kind = buf[d + 3];
+    const long long end = (long long)bounds[n];
+    word = 0u;
+    if (kind == VGC_BODY_DENSE32 || kind == VGC_BODY_DENSE64)
+        return (long long)bounds[t] + e;
+    if (kind == VGC_BODY_RAW32 || kind == VGC_BODY_RAW64)
+        return (long long)bounds[t] + (long long)(unsigned int)buf[off + e];
+    if (kind == VGC_BODY_GAP) {
+        const unsigned long long x = (unsigned long long)gaps[off + e];
+        const unsigned long long gi = x & VGC_EXPANDED_INDEX;
+        word = (unsigned int)((x >> 60) << 28);
+        return gi < (unsigned long long)(end - (long long)bounds[t])
+                   ? (long long)bounds[t] + (long long)gi
+                   : end;
+    }
+    if (kind != VGC_BODY_POW2) return end;
+    word = (unsigned int)buf[off + e];
+    return (long long)bounds[t] + (long long)(word & VGC_INDEX_MASK);
+}
+
+template <typename S, typename W>
+VGC_FN S vgc_scatter_value(const W &buf, long long d, long long e,
+                           unsigned int word) {
+    const long long count = (long long)(unsigned int)buf[d + 2];
+    const long long off = (long long)(unsigned int)buf[d] |
+                          ((long long)(unsigned int)buf[d + 1] << 32);
+    const unsigned int kind = buf[d + 3];
+    if (kind == VGC_BODY_DENSE32 || kind == VGC_BODY_DENSE64) {
+        const bool f64 = kind == VGC_BODY_DENSE64;
+        return vgc_raw_value<S>(buf, off + (f64 ? 2 * e : e), f64);
+    }
+    if (kind == VGC_BODY_RAW32 || kind == VGC_BODY_RAW64) {
+        const bool f64 = kind == VGC_BODY_RAW64;
+        return vgc_raw_value<S>(buf, off + count + (f64 ? 2 * e : e), f64);
+    }
+    long long index;
+    const S scale = vgc_to<S>(vgc_from_bits((unsigned int)buf[d + 5]));
+    return vgc_pow2_decode<S>(word, (int)buf[d + 4], scale, index);
+}
+
+template <typename W, typename X, typename I, typename A>
+VGC_FN void vgc_model_scatter(long long i, const W &buf, const X &gaps,
+                              const I &item_ends, const I &item_tids,
+                              int n_items, int b, int n, const I &bounds,
+                              const I &acc_at, A &acc) {
+    long long d, e;
+    unsigned int word;
+    const long long j = vgc_scatter_index(i, buf, gaps, item_ends, item_tids,
+                                          n_items, b, n, bounds, d, e, word);
+    if (j < 0 || j >= (long long)bounds[n]) return;
+    const int u = vgc_segment(bounds, n, j);
+    const long long at = (long long)acc_at[u],
+                    wide = (long long)acc_at[u + 1] - at >
+                           (long long)bounds[u + 1] - (long long)bounds[u];
+    const long long k = j - (long long)bounds[u];
+    if (wide)
+        vgc_acc_add<double>(acc, at + 2 * k,
+                            vgc_scatter_value<double>(buf, d, e, word));
+    else
+        vgc_acc_add<float>(acc, at + k,
+                           vgc_scatter_value<float>(buf, d, e, word));
+}
+
+/* the mean of element i of this launch's tensors (one parameter dtype D,
+ * as vgc_model_mean's i) from its sum in acc */
+template <typename D, typename A, typename I>
+VGC_FN D vgc_model_finish(long long i, const A &acc, const I &acc_at,
+                          const I &offsets, const I &tids, int n_local,
+                          bool rescaled, double inv, double rescale,
+                          float k16) {
+    typedef typename vgc_state<D>::type S;
+    const int u = vgc_segment(offsets, n_local, i);
+    const int t = (int)tids[u];
+    const long long w = (long long)acc_at[t] +
+                        (sizeof(S) == 8 ? 2 : 1) * (i - (long long)offsets[u]);
+    S sum;
+    if (sizeof(S) == 8)
+        sum = vgc_to<S>(vgc_from_bits(
+            (unsigned long long)(unsigned int)acc[w] |
+            ((unsigned long long)(unsigned int)acc[w + 1] << 32)));
+    else
+        sum = vgc_to<S>(vgc_from_bits((unsigned int)acc[w]));
+    return vgc_mean_of<D>(sum, rescaled, inv, rescale, k16);
 }
 
 /* ---- FMT_GAP on the device, for the whole model (issue 25) ------------- *

@@ -21,6 +21,20 @@ def host_kernels(tmp_path_factory):
         pytest.fail(str(e))
 
 
+@pytest.fixture(scope='session')
+def host_kernels_checked(tmp_path_factory):
+    """As ``host_kernels``, with every raw array bounds-checked
+    (``kernel_harness.HostKernels(checked=True)``): a kernel call that
+    reads or writes outside one raises ``AssertionError``."""
+    import kernel_harness
+    try:
+        return kernel_harness.HostKernels(
+            workdir=str(tmp_path_factory.mktemp('host_kernels_checked')),
+            checked=True)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
 @pytest.fixture
 def device(host_kernels, monkeypatch):
     """The GPU code path on the CPU: chainer_vgc sees a fake CuPy whose
@@ -28,6 +42,22 @@ def device(host_kernels, monkeypatch):
     recorded (tests/fake_cupy.py), and the CuPy kernels run as the
     host-compiled kernels of kernels/vgc_numerics.cuh.  Returns the fake
     module: ``device.asarray(x)`` puts x on the "device"."""
+    return _fake_device(host_kernels, monkeypatch)
+
+
+@pytest.fixture
+def checked_device(host_kernels_checked, monkeypatch):
+    """``device`` with the kernels run through ``host_kernels_checked``:
+    any kernel launch that indexes a raw array out of its bounds fails the
+    test with ``AssertionError``."""
+    return _fake_device(host_kernels_checked, monkeypatch)
+
+
+def _fake_device(host_kernels, monkeypatch):
+    """The fake CuPy installed, ``kernels.get_kernel`` answering with
+    launchers that run the kernels through ``host_kernels`` (a
+    ``kernel_harness.HostKernels``) on the device arrays' NumPy data;
+    returns the fake module."""
     import fake_cupy
     import kernel_harness
     from chainer_vgc import kernels

@@ -14,6 +14,18 @@ runs over the non-raw arrays' elements (all of equal size).
 
 The same generated code, as ``__global__`` functions, is what
 :func:`compile_ptx` feeds to ``nvcc``.
+
+The checked mode (``HostKernels(checked=True)``) passes each raw array as
+its pointer and its element count instead, bound in the generated function
+to a ``vgc_bounded<T>`` (:data:`CHECKED_PRELUDE`): its ``name[j]`` is the
+element where ``0 <= j < count``, else a counter of the library is
+incremented and a zeroed dummy element stands in, so that the run goes on
+without touching memory outside the array.  ``HostKernels.__call__``
+clears the counter before the run and raises ``AssertionError`` when it is
+not zero after it.  Only the raw arrays are checked: the others are read
+at ``i`` by the generated loop, which is within their size by construction
+(and an address a kernel reads through, ``vgc_model_gather``'s table, is
+not an array of the harness's).
 """
 
 import collections
@@ -52,6 +64,28 @@ _CONCRETE = {'bool': numpy.bool_, 'int8': numpy.int8, 'uint8': numpy.uint8,
 
 HOST_FLAGS = ['-std=c++14', '-O2', '-ffp-contract=off', '-fno-fast-math',
               '-fPIC', '-shared']
+
+
+#: The checked mode's code in front of the kernels (after the include): a
+#: raw array as pointer and element count, whose out-of-range elements
+#: count in ``vgc_harness_oob`` (one counter per library, read and cleared
+#: through the two ``extern "C"`` functions) and read and write a dummy
+#: element, zeroed at each such access.  ``T`` is ``const`` for inputs.
+CHECKED_PRELUDE = r'''#include <type_traits>
+static long long vgc_harness_oob = 0;
+extern "C" long long vgc_harness_oob_count(void) { return vgc_harness_oob; }
+extern "C" void vgc_harness_oob_reset(void) { vgc_harness_oob = 0; }
+template <typename T> struct vgc_bounded {
+    T *p;
+    long long n;
+    T &operator[](long long j) const {
+        if (j >= 0 && j < n) return p[j];
+        ++vgc_harness_oob;
+        static typename std::remove_const<T>::type dummy;
+        dummy = typename std::remove_const<T>::type();
+        return dummy;
+    }
+};'''
 
 
 #: one kernel parameter: ``raw`` ones are whole arrays, indexed in the
@@ -109,18 +143,29 @@ def _resolve(spec, args):
     return params, dtypes, is_array, binding
 
 
-def _body(name, spec, params, dtypes, is_array, binding, device):
+def _body(name, spec, params, dtypes, is_array, binding, device,
+          checked=False):
+    """One kernel instantiation: the function's signature, then per element
+    ``i`` its non-raw parameters bound and the operation.  ``checked``
+    (host only): each raw array comes as ``name_p, name_n`` (pointer,
+    element count) and is bound before the loop to a ``vgc_bounded``."""
     types = _DEVICE_TYPES if device else {k: v[0] for k, v in
                                           _HOST_TYPES.items()}
     n_in = len(parse_params(spec.in_params))
     lines = ['namespace {} {{'.format(name)]
     for ph, dt in sorted(binding.items()):
         lines.append('typedef {} {};'.format(types[dt], ph))
-    sig, bind = ['long long n'], []
+    sig, bind, bounded = ['long long n'], [], []
     for k, ((typ, pname, raw), dt, arr) in enumerate(zip(params, dtypes,
                                                          is_array)):
         ctype = types[dt]
-        if raw:  # the whole array, indexed in the operation as name[j]
+        if raw and checked:  # pointer and count, bound to vgc_bounded
+            const = 'const ' if k < n_in else ''
+            sig.append('{}{} *{}_p, long long {}_n'.format(const, ctype,
+                                                          pname, pname))
+            bounded.append('  vgc_bounded<{}{}> {} = {{{}_p, {}_n}};'.format(
+                const, ctype, pname, pname, pname))
+        elif raw:  # the whole array, indexed in the operation as name[j]
             sig.append('{}{} *{}'.format('const ' if k < n_in else '',
                                          ctype, pname))
         elif k >= n_in:
@@ -140,6 +185,7 @@ def _body(name, spec, params, dtypes, is_array, binding, device):
     else:
         lines.append('extern "C" void {}_run({}) {{'.format(
             name, ', '.join(sig)))
+        lines.extend(bounded)
         lines.append('  for (long long i = 0; i < n; ++i) {')
     lines.extend('    ' + b for b in bind)
     lines.append('    {};'.format(spec.operation))
@@ -147,33 +193,65 @@ def _body(name, spec, params, dtypes, is_array, binding, device):
     return '\n'.join(lines)
 
 
-def generated_source(instances, device):
-    """C++/CUDA translation unit for [(kernel name, args), ...]."""
+def generated_source(instances, device, checked=False):
+    """C++/CUDA translation unit for [(kernel name, args), ...];
+    ``checked`` (host only): with :data:`CHECKED_PRELUDE` and bounded raw
+    arrays (:func:`_body`)."""
+    if checked and device:
+        raise ValueError('the checked mode is for the host build only')
     header = ['#include <cuda_fp16.h>'] if device else []
     header.append('#include "{}"'.format(
         os.path.join(kernels.source_dir(), 'vgc_numerics.cuh')))
+    if checked:
+        header.append(CHECKED_PRELUDE)
     parts = header[:]
     for k, (kname, args) in enumerate(instances):
         spec = kernels.SPECS[kname]
         params, dtypes, is_array, binding = _resolve(spec, args)
         parts.append(_body('{}_{}'.format(kname, k), spec, params, dtypes,
-                           is_array, binding, device))
+                           is_array, binding, device, checked))
     return '\n\n'.join(parts) + '\n'
 
 
 class HostKernels(object):
-    """Compiles and runs kernel instantiations with the host compiler."""
+    """Compiles and runs kernel instantiations with the host compiler.
 
-    def __init__(self, cxx=None, workdir=None):
+    ``checked``: every raw array is bounds-checked (the module's docstring):
+    a call whose kernel indexes one outside its elements raises
+    ``AssertionError`` after the run, which went on with a dummy element
+    in place of each such access; :meth:`oob` is the number of those
+    accesses in the last call.
+    """
+
+    def __init__(self, cxx=None, workdir=None, checked=False):
         self.cxx = cxx or os.environ.get('CXX') or shutil.which('g++')
         if self.cxx is None:
             raise RuntimeError('no host C++ compiler (g++) found')
         self.workdir = workdir or tempfile.mkdtemp(prefix='vgc_host_')
+        self.checked = bool(checked)
         self._libs = {}
+        self._last = None  # the library of the last call (checked mode)
 
-    @staticmethod
-    def _key(src):
-        return hashlib.sha1((src + kernels.source()).encode()).hexdigest()
+    def _key(self, src):
+        """The cache key of a library: its source, the kernels' header and
+        the mode (a suffix in the checked mode only)."""
+        text = src + kernels.source() + ('\0checked' if self.checked
+                                         else '')
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def oob(self):
+        """Out-of-bounds accesses to raw arrays counted in the last kernel
+        call (its library's counter; cleared by the next call): 0 when
+        no call has run yet or in the unchecked mode."""
+        if self._last is None:
+            return 0
+        return self._last.vgc_harness_oob_count()
+
+    def reset_oob(self):
+        """Clear the counter of the last call's library (each call clears
+        its own before it runs)."""
+        if self._last is not None:
+            self._last.vgc_harness_oob_reset()
 
     def _build(self, key, src):
         """Compile ``src`` with the host flags; the loaded library."""
@@ -186,19 +264,30 @@ class HostKernels(object):
         return ctypes.CDLL(so)
 
     def _library(self, kname, args):
+        """(library, function, dtypes, is_array) of kernel ``kname`` for
+        arguments like ``args``, compiled once per generated source (in the
+        checked mode, a raw array takes a pointer and a count)."""
         spec = kernels.SPECS[kname]
         params, dtypes, is_array, binding = _resolve(spec, args)
-        src = generated_source([(kname, args)], device=False)
+        src = generated_source([(kname, args)], device=False,
+                               checked=self.checked)
         key = self._key(src)
         if key not in self._libs:
             lib = self._build(key, src)
             fn = getattr(lib, '{}_0_run'.format(kname))
             argtypes = [ctypes.c_longlong]
-            for dt, arr in zip(dtypes, is_array):
+            for p, dt, arr in zip(params, dtypes, is_array):
                 argtypes.append(ctypes.c_void_p if arr
                                 else _HOST_TYPES[dt][1])
+                if p.raw and self.checked:
+                    argtypes.append(ctypes.c_longlong)
             fn.argtypes = argtypes
             fn.restype = None
+            if self.checked:
+                lib.vgc_harness_oob_count.argtypes = []
+                lib.vgc_harness_oob_count.restype = ctypes.c_longlong
+                lib.vgc_harness_oob_reset.argtypes = []
+                lib.vgc_harness_oob_reset.restype = None
             self._libs[key] = (lib, fn, dtypes, is_array)
         return self._libs[key]
 
@@ -224,7 +313,8 @@ class HostKernels(object):
                      for p in out_params)
 
     def reduce_axis0(self, kname, x):
-        """Run reduction kernel ``kname`` over axis 0 of ``x``."""
+        """Run reduction kernel ``kname`` over axis 0 of ``x`` (no raw
+        array: the same code in both modes, the harness's own indexing)."""
         x = numpy.ascontiguousarray(x)
         src = reduction_source(kname, x.dtype)
         key = self._key(src)
@@ -248,7 +338,11 @@ class HostKernels(object):
         Array arguments must be 1-D, contiguous and, except the ``raw``
         ones (any size), of equal size: the kernel runs once per element
         of those, with ``i`` the element number; outputs are written in
-        place and returned.
+        place and returned.  In the checked mode each raw array is passed
+        with its size, the library's counter is cleared before the run, and
+        ``AssertionError`` names the kernel, the count and the raw arrays'
+        sizes when it is not zero after it (the outputs as the run left
+        them).
         """
         spec = kernels.SPECS[kname]
         params = parse_params(spec.in_params) + parse_params(
@@ -256,7 +350,7 @@ class HostKernels(object):
         n_in = len(parse_params(spec.in_params))
         if len(args) == n_in:  # CuPy allocates outputs that are not given
             args = args + self._allocate(spec, args)
-        _, fn, dtypes, is_array = self._library(kname, args)
+        lib, fn, dtypes, is_array = self._library(kname, args)
         n = None
         cargs = []
         for k, (a, dt, arr, p) in enumerate(zip(args, dtypes, is_array,
@@ -267,6 +361,8 @@ class HostKernels(object):
                                     'array'.format(k, dt))
                 if p.raw:
                     cargs.append(a.ctypes.data_as(ctypes.c_void_p))
+                    if self.checked:  # its element count, the bound
+                        cargs.append(a.size)
                     continue
                 if n is not None and a.size != n:
                     raise ValueError('array arguments differ in size')
@@ -277,7 +373,19 @@ class HostKernels(object):
                     raise TypeError('outputs must be arrays')
                 cargs.append(dt.type(a).item() if dt.kind != 'b'
                              else bool(a))
+        if not self.checked:
+            fn(n or 0, *cargs)
+            return args[n_in:]
+        self._last = lib
+        lib.vgc_harness_oob_reset()
         fn(n or 0, *cargs)
+        count = lib.vgc_harness_oob_count()
+        if count:
+            raise AssertionError(
+                'kernel {} read or wrote out of bounds {} times (raw arrays: '
+                '{})'.format(kname, count, ', '.join(
+                    '{}[{}]'.format(p.name, a.size)
+                    for p, a in zip(params, args) if p.raw)))
         return args[n_in:]
 
 

@@ -297,11 +297,14 @@ def _param(xp, shape, dtype, grad):
                                            (4, 1024.0)])
 def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
                                                ranks, rescale):
-    """Every rank's messages (CPU-made) decoded on the device in one
-    launch a parameter dtype (float16 + float32: two), one more with
-    FMT_GAP groups (their blocks decoded from the restart points first):
-    the means equal the CPU decoder's bit for bit, and each grad is a
-    view of one new array a dtype."""
+    """Every rank's messages (CPU-made) decoded on the device: with the
+    dense tree ('none') one lookup launch a parameter dtype (float16 +
+    float32: two); otherwise the sums zeroed, one scatter launch a rank
+    that sent something, in rank order, and one finish a dtype; with
+    FMT_GAP groups their blocks decoded and checked from the restart
+    points first, and one flag read back.  The means equal the CPU
+    decoder's bit for bit, and each grad is a view of one new array a
+    dtype."""
     fake = device
     shapes, dtypes = MODELS[model]
     comps = [_pair(method, kw, shapes, dtypes)[1] for _ in range(ranks)]
@@ -321,10 +324,15 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
                                        True, dense, rescale=rescale)
     groups = [g for b in blocks for g in walk(b, comps[0].sizes)]
     gap = any(g.fmt == codec.FMT_GAP for g in groups)
-    assert fake.launches == (['vgc_model_gap_expand'] if gap else []) + [
-        'vgc_model_decode_mean'] * len(set(dtypes))  # one a dtype
+    sending = sum(codec.message_count(b) > 0 for b in blocks)
+    assert fake.launches == (
+        ['zeros', 'vgc_model_gap_expand'] if gap else []) + (
+        ['vgc_model_decode_mean'] * len(set(dtypes)) if dense else
+        ['zeros'] + ['vgc_model_scatter'] * sending +
+        ['vgc_model_finish'] * len(set(dtypes)))  # one a dtype
     assert fake.count('upload') == 1
-    assert fake.count('download') == fake.count('scalar') == 0
+    assert fake.count('download') == (1 if gap else 0)  # the flags
+    assert fake.count('scalar') == 0
     assert elements == [codec.message_count(b) for b in blocks]
     if model == 'big' and kw.get('index_coding') == 'gap':
         # blocks decoded from their restart points
@@ -390,10 +398,11 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
 def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
     """VGCCommunicator.multi_node_mean_grad on a one-rank world, a float32
     model on the device, three steps: the whole-model compress and decode
-    (vgc's default 'auto': 13 launches and one download, then two
-    launches, FMT_GAP's blocks and the mean, and one upload, from the
-    buffer MPI received the messages into; no scalar read), the means and
-    the residuals of the CPU path bit for bit."""
+    (vgc's default 'auto': 13 launches and one download, then FMT_GAP's
+    blocks decoded and checked, the rank's scatter and the mean, one
+    upload, from the buffer MPI received the messages into, and the
+    checks' flags read back; no scalar read), the means and the residuals
+    of the CPU path bit for bit."""
     from mpi4py import MPI
     from chainer_vgc import communicator
     from chainer_vgc import transport
@@ -426,7 +435,11 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
             fake.reset()
             comms[xp].multi_node_mean_grad(models[xp])
             if xp is fake:
-                assert fake.count('download') == 1
+                # the message; and the device decode's flags when it
+                # checked FMT_GAP codes
+                gap = any(g.fmt == codec.FMT_GAP for b in received[-1]
+                          for g in walk(b, comms[xp].compressor.sizes))
+                assert fake.count('download') == 1 + gap
                 # the first step uploads the offsets and which tensors have
                 # a gradient; every step its messages, and the gather's
                 # tables of addresses (gradients, sums) where they moved
@@ -436,8 +449,10 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
                     tables) and len(tables) <= 2
                 assert fake.count('scalar') == 0
                 if k:  # (the first step also sets the arenas up)
-                    # 9 kernels of ours and two CUB scans of 2 launches
-                    assert fake.count('launch') <= 9 + 4 + 2, ' '.join(
+                    # 9 kernels of ours and two CUB scans of 2 launches;
+                    # decode: 2 zeroed arrays, FMT_GAP's blocks, the
+                    # scatter of the one rank, the mean
+                    assert fake.count('launch') <= 9 + 4 + 5, ' '.join(
                         fake.launches)
             means[xp] = [backend.to_numpy(p.grad) for p in params]
             # on the device, MPI received into the buffer the decode
@@ -455,9 +470,9 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
 
 
 def test_a_bad_message_never_reaches_the_decode_kernel(device):
-    """The whole-model decode validates every message on the host first:
-    a corrupt one raises the reference's WireFormatError, nothing is
-    uploaded or launched and no gradient changes."""
+    """The whole-model decode validates every message's structure on the
+    host first: a corrupt header raises the reference's WireFormatError,
+    nothing is uploaded or launched and no gradient changes."""
     fake = device
     shapes, dtypes = MODELS['f32']
     comp = _pair('vgc', dict(alpha=1.0), shapes, dtypes)[1]
@@ -475,9 +490,10 @@ def test_a_bad_message_never_reaches_the_decode_kernel(device):
     assert fake.count('upload') == 0 and fake.launches == []
     assert all(p.grad is g for p, g in zip(dev, grads))
     assert all((fake.asnumpy(g) == 1).all() for g in grads)
-    # and the good messages alone do take the one-launch decode
+    # and the good messages alone do take the whole-model decode
     exchange.mean_gradients([good, good], comp, dev, grads, 2, True, False)
-    assert fake.launches == ['vgc_model_decode_mean']
+    assert fake.launches == ['zeros'] + ['vgc_model_scatter'] * 2 + [
+        'vgc_model_finish']
 
 
 @pytest.mark.parametrize('method,kw', [

@@ -138,7 +138,14 @@ def model_instances():
             u32, u64, i64, i64, n, n, n, False, False, numpy.float64(1),
             numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
     out.append(('vgc_model_gap_expand', (u32, u32,
-                                         numpy.zeros(1, numpy.int32), u64)))
+                                         numpy.zeros(1, numpy.int32), u64,
+                                         u32)))
+    out.append(('vgc_model_scatter', (u32, u64, i64, i64, n, n, n, i64, i64,
+                                      numpy.zeros(1, numpy.int32), u32)))
+    for gdt in (F16, F32, F64):
+        out.append(('vgc_model_finish', (
+            u32, i64, i64, i64, n, False, numpy.float64(1),
+            numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
     out.append(('vgc_model_clear', (n, u32, u64)))
     for gdt in (F16, F32, F64):  # every input dtype into float32 ...
         out.append(('vgc_model_gather', (u64, numpy.zeros(1, gdt), i64, n,
