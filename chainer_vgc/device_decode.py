@@ -8,16 +8,16 @@ and without the host decoding anything twice?  The host checks each
 message's structure where MPI left it (headers, lengths, value tables;
 a bad one is refused before anything moves), not the FMT_GAP codes.  A
 descriptor per (rank, tensor) (body offset, count, kind, e_k, scale),
-the bodies as they were sent, each rank's groups (items), and for the
-gap-coded groups (FMT_GAP) a record per block of
-:data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes (read from the
-group's restart table, docs/wire_format.md Sec. 4.5) go up in one copy,
-from a host buffer kept from step to step
+the bodies as they were sent, each rank's groups (items), and a row per
+gap-coded group (FMT_GAP: where its body is, its codes, its index
+space) go up in one copy, from a host buffer kept from step to step
 (:class:`~chainer_vgc.backend.HostStaging`: pinned memory that grows a
-few times, then stays).  Then ``vgc_model_gap_expand`` decodes the
-blocks, one thread each, with every check of the sequential decoder,
-into one uint64 an element (index | nibble << 60), and flags a message
-whose codes fail.  The sums: with the dense tree ('none'), one
+few times, then stays); nothing on the host is per block or per code.
+Then ``vgc_model_gap_expand`` decodes the blocks of
+:data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes, one thread each from
+its entry of the group's restart table (docs/wire_format.md Sec. 4.5),
+with every check of the sequential decoder, into one uint64 an element
+(index | nibble << 60), and flags a message whose codes fail.  The sums: with the dense tree ('none'), one
 ``vgc_model_decode_mean`` thread per element looks up each rank's value
 (binary search) and adds them in MPI's rank-order tree; otherwise one
 ``vgc_model_scatter`` launch per rank, in rank order, adds each element
@@ -39,10 +39,10 @@ from chainer_vgc import codec
 from chainer_vgc import kernels
 from chainer_vgc.codec.message import walk
 
-#: words of a (rank, tensor) descriptor, of a FMT_GAP block record, and
-#: the body kinds (kernels/vgc_numerics.cuh)
+#: words of a (rank, tensor) descriptor, int64 of a FMT_GAP group's row
+#: for vgc_model_gap_expand, and the body kinds (kernels/vgc_numerics.cuh)
 DESC_WORDS = 8
-BLOCK_WORDS = 20
+GAP_ROW = 5
 POW2, RAW32, RAW64, DENSE32, DENSE64, GAP = 1, 2, 3, 4, 5, 6
 #: ranks the dense tree adds in registers (more: tensor by tensor)
 TREE_MAX = 64
@@ -130,51 +130,22 @@ def _descriptors(rows, sizes, p, starts):
     return desc, gap, first[:-1], int(first[-1])
 
 
-def _gap_blocks(gap, first, words, starts, bounds):
-    """The block records (uint64 [blocks, BLOCK_WORDS // 2]) of the
-    FMT_GAP groups ``gap`` (rows of the group table): one block per
-    restart point and one before them, read from each group's restart
-    table (no code is decoded here), their elements going to ``first`` on
-    of the expanded array; ``words``: the upload, the messages from
-    ``starts`` on; ``bounds``: the tensors' offsets in the model, end to
-    end (for each group's index space, which the device's checks need).
-    Every record also names its message and whether it is its group's
-    last (kernels/vgc_numerics.cuh, ``vgc_model_gap_expand``)."""
-    count = gap[:, 3]
-    body = starts[gap[:, 0]] + gap[:, 6]  # the body's word in the upload
-    nb = _blocks_of(count)
-    param, stream_words = (words[body].astype(numpy.int64),
-                           words[body + 1].astype(numpy.int64))
-    stream = body + codec.GAP_PARAM_WORDS + \
-        codec.GAP_RESTART_WORDS * (nb - 1)
-    kw = (param & codec.GAP_K_MASK) | numpy.where(
-        param & codec.GAP_SIGN_ONLY, 256, 0)
-    j = numpy.repeat(numpy.arange(len(gap)), nb)
-    k = numpy.arange(nb.sum()) - numpy.repeat(numpy.cumsum(nb) - nb, nb)
-    span_sizes = (bounds[gap[j, 1] + gap[j, 7] + 1] - bounds[gap[j, 1]])
-    j0 = k * codec.GAP_RESTART_CODES
-    rec = numpy.empty((j.size, BLOCK_WORDS // 2), numpy.uint64)
-    rec[:, 0] = stream[j]
-    rec[:, 1] = stream_words[j]
-    # the restart entry before block k >= 1 (two uint64, low word first);
-    # block 0: bit 0, after index -1
-    at = numpy.where(k > 0, body[j] + 2 + codec.GAP_RESTART_WORDS * (k - 1),
-                     body[j])  # (block 0 reads its body's first words)
-    for col in (2, 3):  # (only the words read, widened)
-        word = at + 2 * (col - 2)
-        rec[:, col] = words[word].astype(numpy.uint64) | (
-            words[word + 1].astype(numpy.uint64) << numpy.uint64(32))
-    rec[k == 0, 2] = 0
-    rec[k == 0, 3] = 2 ** 64 - 1
-    rec[:, 4] = numpy.minimum(count[j] - j0, codec.GAP_RESTART_CODES) | (
-        kw[j] << 32)
-    rec[:, 5] = stream[j] + stream_words[j]  # the value fields
-    rec[:, 6] = j0
-    rec[:, 7] = first[j] + j0
-    rec[:, 8] = span_sizes  # the group's index space, for the checks
-    rec[:, 9] = gap[j, 0].astype(numpy.uint64) | (
-        (k == nb[j] - 1).astype(numpy.uint64) << numpy.uint64(32))
-    return rec
+def _gap_groups(gap, first, starts, bounds):
+    """What ``vgc_model_gap_expand`` needs of the FMT_GAP groups ``gap``
+    (rows of the group table), one row each, no block read here: each
+    group's first block (cumulative, int64 [groups + 1]; a block per
+    restart point and one before them) and its row (int64 [groups,
+    GAP_ROW]: its body's first word in the upload, its codes, its first
+    element's place in the expanded array, ``first``, its index space,
+    its message).  ``starts``: where each message starts in the upload;
+    ``bounds``: the model's tensor offsets, end to end."""
+    nb = _blocks_of(gap[:, 3])
+    block_starts = numpy.concatenate([[0], numpy.cumsum(nb)]).astype(
+        numpy.int64)
+    span_size = bounds[gap[:, 1] + gap[:, 7] + 1] - bounds[gap[:, 1]]
+    rows = numpy.stack([starts[gap[:, 0]] + gap[:, 6], gap[:, 3], first,
+                        span_size, gap[:, 0]], axis=1).astype(numpy.int64)
+    return block_starts, rows
 
 
 def _dtype_groups(params, sizes):
@@ -224,19 +195,24 @@ def _prefix(params, sizes, ranks):
     return groups, bounds, acc_at, head, ranks * n * DESC_WORDS
 
 
+def _gap_room(groups):
+    """Words after the messages for ``groups`` FMT_GAP rows and their
+    block starts (int64, after a word of padding at most)."""
+    return 2 + 2 * (groups + 1 + GAP_ROW * groups)
+
+
 def receive_into(compressor, params, ranks):
     """For :func:`chainer_vgc.transport.allgatherv`'s ``into``: MPI
     receives the ``ranks`` messages straight into the upload's buffer,
     after the room the tables and descriptors take and with room after
-    them for the FMT_GAP block records (at most a block a 32 words, since
-    a code takes a bit, plus one a group), so :func:`mean` copies no
-    message."""
+    them for the FMT_GAP groups' rows (at most a group a tensor a rank),
+    so :func:`mean` copies no message."""
     n = len(compressor.sizes)
     head, d_words = _prefix(params, compressor.sizes, ranks)[3:]
     at = head + d_words
 
     def into(words):
-        room = (words // 32 + ranks * n + 1) * BLOCK_WORDS
+        room = _gap_room(ranks * n)
         return upload_staging(compressor).view(
             at + words + room, numpy.uint32)[at:at + words]
     return into
@@ -277,13 +253,15 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     p, n = len(blocks), len(sizes)
     xp = backend.get_array_module(params[0].array)
     # [each dtype's offsets and tensor ids, bounds, acc_at, each rank's
-    # items (int64)][descriptors][the messages as received][FMT_GAP block
-    # records]: one upload, from a host buffer kept from step to step
+    # items (int64)][descriptors][the messages as received][FMT_GAP
+    # groups' first blocks and rows (int64)]: one upload, from a host
+    # buffer kept from step to step
     groups, bounds, acc_at, head, d_words = _prefix(params, sizes, p)
     lens = numpy.array([blk.size for blk in blocks], numpy.int64)
-    n_blocks = int(_blocks_of(rows[rows[:, 2] == codec.FMT_GAP, 3]).sum())
-    rec_words = n_blocks * BLOCK_WORDS
-    total = head + d_words + int(lens.sum()) + rec_words
+    n_gap = int((rows[:, 2] == codec.FMT_GAP).sum())
+    tail = head + d_words + int(lens.sum())
+    tail += tail % 2 if n_gap else 0  # (int64 from here)
+    total = tail + (2 * (n_gap + 1 + GAP_ROW * n_gap) if n_gap else 0)
     staging = upload_staging(compressor)
     staged = staging.view(total, numpy.uint32)
     buf_host = staged[head:]  # the words the descriptors count from
@@ -308,10 +286,12 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
         staged[pos:pos + tab.size] = tab
         pos += tab.size
     buf_host[:d_words] = desc.reshape(-1)
-    if n_blocks:
-        buf_host[total - head - rec_words:] = _gap_blocks(
-            gap, first, buf_host, starts, bounds).view(
-                numpy.uint32).reshape(-1)
+    n_blocks = 0
+    if n_gap:
+        block_starts, gap_rows = _gap_groups(gap, first, starts, bounds)
+        n_blocks = int(block_starts[-1])
+        staged[tail:total] = numpy.concatenate(
+            [block_starts, gap_rows.reshape(-1)]).view(numpy.uint32)
     with backend.device_scope(params[0].array):
         uploaded = xp.asarray(staged)
         # CuPy queues the copy from pinned memory on the current stream
@@ -321,11 +301,13 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
         buf = uploaded[head:]  # body offsets count from here
         gaps = xp.empty(max(expanded, 1), numpy.uint64)
         errs = None
-        if n_blocks:
+        if n_gap:
             errs = xp.zeros(p, numpy.uint32)
+            gap_tab = uploaded[tail:total].view(numpy.int64)
             kernels.get_kernel('vgc_model_gap_expand')(
-                buf, uploaded[total - rec_words:],
-                xp.empty(n_blocks, numpy.int32), gaps, errs)
+                buf, gap_tab[:n_gap + 1], gap_tab[n_gap + 1:],
+                numpy.int32(n_gap), xp.empty(n_blocks, numpy.int32), gaps,
+                errs)
         tables = uploaded[:head - 2 * items.size].view(numpy.int64)
         rescaled = rescale not in (None, 1)
         args = (rescaled, numpy.float64(1.0 / size),

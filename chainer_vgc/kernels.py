@@ -173,9 +173,10 @@ SPECS = collections.OrderedDict([
     # FMT_GAP bodies decoded and checked on the device, one thread per
     # block of codes from its restart point (chainer_vgc.device_decode)
     ('vgc_model_gap_expand', KernelSpec(
-        'raw uint32 buf, raw uint32 blocks', 'int32 done, raw uint64 out, '
-        'raw uint32 errs',
-        'vgc_model_gap_expand(i, buf, blocks, out, errs); done = 1')),
+        'raw uint32 buf, raw int64 starts, raw int64 groups, '
+        'int32 n_groups', 'int32 done, raw uint64 out, raw uint32 errs',
+        'vgc_model_gap_expand(i, buf, starts, groups, n_groups, out, errs); '
+        'done = 1')),
     # FMT_GAP on the device ('gap', 'auto'): ranks compacted, code
     # lengths, a one-thread layout, every message word assembled
     ('vgc_model_vgc_compact', KernelSpec(

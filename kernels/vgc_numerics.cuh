@@ -871,47 +871,64 @@ VGC_FN unsigned long long vgc_stream_bits(const W &buf, long long s,
                                  (0xFFFFFFFFu >> (64 - n))) << 32);
 }
 
-/* Block b of the FMT_GAP groups, its VGC_BLOCK_WORDS words at
- * blocks[b * VGC_BLOCK_WORDS] (uint64 each, low word first): stream
- * offset in buf, G, the bit where its first code starts and the index
- * before it (its restart entry as sent; block 0: bit 0, index -1), its
- * codes | (k | SIGN_ONLY << 8) << 32, the value section's offset in buf,
- * its first code's number in the group, its first element's place in
- * out, the group's index space (span_size), its message | last << 32
- * (last: the group's last block).  Writes each element's index in the
- * group's index space | its nibble (sign << 3 | d) << 60.
+/* Block b of the FMT_GAP groups: its group g is the last with
+ * starts[g] <= b (starts: the groups' first blocks, cumulative, starts[0]
+ * = 0), block k = b - starts[g] of it; the group's row of VGC_GAP_ROW
+ * int64 in groups: its body's first word in buf, its codes, its first
+ * element's place in out, its index space (span_size), its message.
+ * From the body (docs/wire_format.md Sec. 4.5): the param word (k,
+ * SIGN_ONLY), G, the restart table (entry m: the bit where code
+ * (m + 1) N starts and the index before it, N = VGC_GAP_RESTART_CODES),
+ * the stream, the value fields.  Block k decodes codes k N .. (k + 1) N
+ * - 1 from entry k - 1 (block 0: bit 0, index -1), and writes each
+ * element's index in the group's index space | its nibble (sign << 3 |
+ * d) << 60.
  *
  * The host checked the message's structure only (headers, lengths,
- * value padding: native.decode_mean with codes=False), so every check of
- * codec.gap_decode on the codes is made here (issue 36), each code with
- * the exact checks of vgc_gap_decode: a code never read past the stream
- * (32 G bits), a gap never past the group's index space; the block's
- * end must be where the next block's restart entry says (bit and index)
- * and the last block's the canonical end (the last word, zero padding).
- * By induction from block 0's exact start, every entry is then the
- * sequential decoder's.  A failed check sets errs[message] and stops the
- * block (its elements are left unwritten: whoever reads them must stay
- * in bounds whatever they hold).  Reads: buf only inside the stream and
- * the value section, blocks[b] and blocks[b + 1]'s start. */
-#define VGC_BLOCK_WORDS 20
-template <typename W, typename B, typename X, typename E>
-VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const B &blocks,
-                                 X &out, E &errs) {
-    const long long at = b * VGC_BLOCK_WORDS;
-    const long long s = (long long)vgc_u64_at(blocks, at);
-    const long long G = (long long)vgc_u64_at(blocks, at + 2);
-    unsigned long long pos = vgc_u64_at(blocks, at + 4);
-    long long prev = (long long)vgc_u64_at(blocks, at + 6);
-    const long long codes = (long long)(unsigned int)blocks[at + 8];
-    const unsigned int kw = (unsigned int)blocks[at + 9];
-    const int k = (int)(kw & 63u);
-    const bool sign_only = (kw >> 8) & 1u;
-    const long long v = (long long)vgc_u64_at(blocks, at + 10);
-    const long long j0 = (long long)vgc_u64_at(blocks, at + 12);
-    const long long o = (long long)vgc_u64_at(blocks, at + 14);
-    const long long size = (long long)vgc_u64_at(blocks, at + 16);
-    const unsigned int msg = (unsigned int)blocks[at + 18];
-    const bool last = blocks[at + 19] != 0u;
+ * value padding: native.decode_mean with gap_codes=False), so every
+ * check of codec.gap_decode on the codes is made here (issue 36), each
+ * code with the exact checks of vgc_gap_decode: a code never read past
+ * the stream (32 G bits), a gap never past the group's index space; the
+ * block must end where entry k says (bit and index), and the last block
+ * at the canonical end (the last word, zero padding).  By induction from
+ * block 0's exact start, every entry is then the sequential decoder's.
+ * A failed check sets errs[message] and stops the block (its elements
+ * are left unwritten: whoever reads them must stay in bounds whatever
+ * they hold).  Reads buf only inside the group's body. */
+#define VGC_GAP_ROW 5
+template <typename W, typename I, typename X, typename E>
+VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const I &starts,
+                                 const I &groups, int n_groups, X &out,
+                                 E &errs) {
+    const int g = vgc_segment(starts, n_groups, b);
+    const long long k_block = b - (long long)starts[g];
+    const long long nb = (long long)starts[g + 1] - (long long)starts[g];
+    const long long at = (long long)VGC_GAP_ROW * g;
+    const long long body = (long long)groups[at];
+    const long long count = (long long)groups[at + 1];
+    const long long first = (long long)groups[at + 2];
+    const long long size = (long long)groups[at + 3];
+    const unsigned int msg = (unsigned int)(long long)groups[at + 4];
+    const unsigned int param = (unsigned int)buf[body];
+    const long long G = (long long)(unsigned int)buf[body + 1];
+    const long long table = body + VGC_GAP_PARAM_WORDS;
+    const long long s = table + VGC_GAP_RESTART_WORDS * (nb - 1);
+    unsigned long long pos = 0;
+    long long prev = -1;
+    if (k_block > 0) {
+        const long long e = table + VGC_GAP_RESTART_WORDS * (k_block - 1);
+        pos = vgc_u64_at(buf, e);
+        prev = (long long)vgc_u64_at(buf, e + 2);
+    }
+    const long long j0 = k_block * VGC_GAP_RESTART_CODES;
+    const long long left = count - j0;
+    const long long codes = left < VGC_GAP_RESTART_CODES ? left
+                                                         : VGC_GAP_RESTART_CODES;
+    const int k = (int)(param & 63u);
+    const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
+    const long long v = s + G;
+    const long long o = first + j0;
+    const bool last = k_block == nb - 1;
     const unsigned long long total = 32ull * (unsigned long long)G;
     const unsigned int esc_mask = (1u << VGC_GAP_ESCAPE) - 1u;
     bool ok = true;
@@ -966,10 +983,10 @@ VGC_FN void vgc_model_gap_expand(long long b, const W &buf, const B &blocks,
                       : ((unsigned int)buf[v + (e >> 3)] >> (4 * (e & 7))) & 15u;
         out[o + j] = (unsigned long long)prev | ((unsigned long long)field << 60);
     }
-    if (ok && !last) { /* where the next block starts */
-        const long long nx = at + VGC_BLOCK_WORDS;
-        ok = pos == vgc_u64_at(blocks, nx + 4) &&
-             (unsigned long long)prev == vgc_u64_at(blocks, nx + 6);
+    if (ok && !last) { /* where the next block starts: entry k_block */
+        const long long e = table + VGC_GAP_RESTART_WORDS * k_block;
+        ok = pos == vgc_u64_at(buf, e) &&
+             (unsigned long long)prev == vgc_u64_at(buf, e + 2);
     } else if (ok) { /* the canonical end */
         ok = pos <= total && prev < size && (pos + 31) / 32 == (unsigned long long)G &&
              (!(pos & 31) || !((unsigned int)buf[s + G - 1] >> (pos & 31)));

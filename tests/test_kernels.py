@@ -137,7 +137,7 @@ def model_instances():
         out.append(('vgc_model_decode_mean', (
             u32, u64, i64, i64, n, n, n, False, False, numpy.float64(1),
             numpy.float64(1), numpy.float32(1), numpy.zeros(2, gdt))))
-    out.append(('vgc_model_gap_expand', (u32, u32,
+    out.append(('vgc_model_gap_expand', (u32, i64, i64, n,
                                          numpy.zeros(1, numpy.int32), u64,
                                          u32)))
     out.append(('vgc_model_scatter', (u32, u64, i64, i64, n, n, n, i64, i64,
