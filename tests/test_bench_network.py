@@ -506,8 +506,6 @@ def test_network_step_trains_to_accuracy():
     assert res['compression'] > 1 and res['eval_examples'] == 1000
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(
-    ROOT, 'chainer_vgc', 'hierarchy.py')), reason='no hierarchy yet')
 def test_network_step_times_the_hierarchical_exchange():
     """--hierarchy node on loopback, 4 ranks that MPICH splits into two
     nodes of 2 (its debugging cliques): the exchange timed is the

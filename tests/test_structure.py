@@ -406,3 +406,24 @@ def test_readme_is_a_front_door():
     for name in ('chainer_vgc.create_communicator',
                  'chainer_vgc.create_multi_node_optimizer'):
         assert name in head, name
+
+
+def test_the_layout_page_names_every_module():
+    """docs/layout.md, the newcomer's map, names every module of the
+    package by its file name (a package's ``__init__.py`` is named by its
+    folder): a module added without a row there fails here."""
+    root = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), 'chainer_vgc')
+    with open(os.path.join(os.path.dirname(root), 'docs', 'layout.md')) as f:
+        page = f.read()
+    missing = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            rel = os.path.relpath(os.path.join(folder, name), root)
+            if not name.endswith('.py') or name == '__init__.py':
+                continue
+            if '`{}`'.format(name) not in page and \
+                    '`chainer_vgc/{}`'.format(rel) not in page:
+                missing.append(rel)
+    assert not missing, 'docs/layout.md does not name: {}'.format(
+        ', '.join(sorted(missing)))
