@@ -368,12 +368,10 @@ class GradientCompressor(object):
                 [False] * len(outs), 1.0, accumulate=True)
             if result is not None:
                 return int(result[1][0])
-            # rejected: the reference names the fault (and writes nothing)
-            codec.unpack(message, self.sizes, [o.dtype for o in outs])
-            raise RuntimeError('chainer_vgc: the native decoder rejected a '
-                               'message the reference decoder accepts; '
-                               "please report this, with backend='numpy' "
-                               'as the workaround')
+            # rejected (nothing written): the reference names the fault
+            codec.name_the_fault([message], self.sizes,
+                                 [o.dtype for o in outs],
+                                 workaround="backend='numpy'")
         return codec.decode_into(message, outs, self.sizes)
 
     def _native_decodes(self, message, outs):

@@ -124,13 +124,8 @@ def mean_gradients(blocks, compressor, params, grads, size, zero_fill,
     result = native.decode_mean(blocks, compressor.sizes, sdts, outs, direct,
                                 scale)
     if result is None:  # name the fault as the reference decoder does
-        dtypes = [p.dtype for p in params]
-        for block in blocks:
-            codec.unpack(block, compressor.sizes, dtypes)
-        raise RuntimeError('chainer_vgc: the native decoder rejected a '
-                           'message the reference decoder accepts; please '
-                           'report this with CHAINER_VGC_BACKEND=numpy as '
-                           'the workaround')
+        codec.name_the_fault(blocks, compressor.sizes,
+                             [p.dtype for p in params])
     touched, elements = result
     for i, (p, g, out, ok, n) in enumerate(zip(params, grads, outs, direct,
                                                touched)):
@@ -268,15 +263,10 @@ def validate_messages(blocks, compressor, dtypes, table=False, codes=True):
         if result is not None:
             elements = [int(e) for e in result[1]]
             return (elements, result[2]) if table else elements
-    counts = []
-    for block in blocks:
-        counts.append(sum(int(d.index.size)
-                          for d in codec.unpack(block, sizes, dtypes)))
-    if _native_decode_applies(blocks, compressor):
-        raise RuntimeError('chainer_vgc: the native decoder rejected a '
-                           'message the reference decoder accepts; please '
-                           'report this with CHAINER_VGC_BACKEND=numpy as '
-                           'the workaround')
+        codec.name_the_fault(blocks, sizes, dtypes)
+    counts = [sum(int(d.index.size) for d in codec.unpack(block, sizes,
+                                                           dtypes))
+              for block in blocks]
     return (counts, None) if table else counts
 
 
@@ -344,13 +334,10 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
         done = device_decode.mean(blocks, compressor, params, size, dense,
                                   rescale, rows)
         if done is device_decode.REFUSED:
-            # a message's codes failed the device's checks: the full
-            # validation names the fault (nothing was written)
-            validate_messages(blocks, compressor, dtypes)
-            raise RuntimeError(
-                'chainer_vgc: the device decode refused a message the host '
-                'validation accepts; please report this with '
-                'CHAINER_VGC_BACKEND=numpy as the workaround')
+            # a message's codes failed the device's checks (nothing was
+            # written): the reference names the fault
+            codec.name_the_fault(blocks, compressor.sizes, dtypes,
+                                 'the device decode')
         if done:
             return elements
         validate_messages(blocks, compressor, dtypes)  # (codes too, now)

@@ -1315,3 +1315,36 @@ def test_span_fast_paths_equal_the_reference():
             got = codec.merge_spans(m, SPAN_SIZES, native_gap.gap_decode,
                                     native_gap.gap_encode)
             _assert_same(want, got, 'merge_spans')
+
+
+def test_a_native_refusal_the_reference_does_not_share_is_reported(
+        monkeypatch):
+    """The one fallback after a fast decoder refused (codec.name_the_fault),
+    from each caller: a message the native decoder refuses and the
+    reference accepts (a bug) stops with an error that names the
+    workaround, and nothing is written; one the reference refuses too
+    raises the reference's WireFormatError."""
+    import types
+    shapes, dtypes = [(50,), (7,)], [numpy.float32] * 2
+    comp = GradientCompressor('vgc', ['a', 'b'], shapes, dtypes, alpha=1.0,
+                              backend='native')
+    rng = numpy.random.default_rng(0)
+    msg = comp.compress([rng.normal(0, 1, s).astype(numpy.float32)
+                         for s in shapes],
+                        [numpy.ones(s, numpy.float32) for s in shapes]).copy()
+    monkeypatch.setattr(native, 'decode_mean', lambda *a, **k: None)
+    outs = [numpy.zeros(s, numpy.float32) for s in shapes]
+    with pytest.raises(RuntimeError, match="backend='numpy'"):
+        comp.decode_into(msg, outs)
+    assert all((o == 0).all() for o in outs)
+    params = [types.SimpleNamespace(array=o, grad=o.copy(), dtype=o.dtype,
+                                    shape=o.shape, size=o.size) for o in outs]
+    with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
+        exchange.mean_gradients([msg], comp, params,
+                                [p.grad for p in params], 1, True, False)
+    with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
+        exchange.validate_messages([msg], comp, dtypes)
+    bad = msg.copy()
+    bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
+    with pytest.raises(codec.WireFormatError):
+        comp.decode_into(bad, outs)

@@ -93,7 +93,7 @@ from chainer_vgc.codec.index_coding import (  # NOQA: F401
     pow2_best_group, pow2_max_words, pow2_sign_group)
 from chainer_vgc.codec.message import (  # NOQA: F401
     add_validated, decode_into, expand_gap, merge_spans, message_count,
-    pack, unpack)
+    name_the_fault, pack, unpack)
 from chainer_vgc.codec.pow2 import (  # NOQA: F401
     floor_log2, pow2_decode, pow2_encode, pow2_group, pow2_table,
     wire_scale)

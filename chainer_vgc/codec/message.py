@@ -144,6 +144,22 @@ def add_validated(host, device, outs, sizes):
     return n
 
 
+def name_the_fault(blocks, sizes, dtypes, decoder='the native decoder',
+                   workaround='CHAINER_VGC_BACKEND=numpy'):
+    """After a fast decoder (the native backend's, the device's) refused
+    one of ``blocks``: the reference decoder names the fault (:func:`unpack`
+    of each raises its :class:`~.header.WireFormatError`).  Should it
+    accept them all, the two decoders disagree, a bug: a RuntimeError says
+    so and names the ``workaround`` (the reference backend).  Never
+    returns; the one place this fallback is written."""
+    for block in blocks:
+        unpack(block, sizes, dtypes)
+    raise RuntimeError(
+        'chainer_vgc: {} rejected a message the reference decoder accepts; '
+        'please report this, with {} as the workaround'.format(decoder,
+                                                               workaround))
+
+
 def merge_spans(message, sizes, decoder=None, encoder=None):
     """The message with each maximal run of consecutive FMT_POW2/FMT_GAP
     groups of at most :data:`.MERGE_MAX_COUNT` elements each that share
