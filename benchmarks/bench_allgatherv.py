@@ -14,7 +14,7 @@ import argparse
 import numpy
 from mpi4py import MPI
 
-from chainer_vgc import transport
+from chainer_vgc.chainermn import transport
 
 from bench_common import machine
 from bench_common import median_time

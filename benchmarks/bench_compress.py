@@ -11,7 +11,7 @@ into VGG-like tensors) and times, as a user calls them:
   same density, so the two passes do the same encoding work);
 - ``decode_into`` of one message into the gradients;
 - decode + mean of 4 such messages (as from 4 ranks) into the gradients,
-  the communicator's step (:func:`chainer_vgc.exchange.mean_gradients`);
+  the communicator's step (:func:`chainer_vgc.exchange.mean.mean_gradients`);
 
 each against ``numpy.copyto`` of the gradient bytes, at one density per
 ``--alphas`` entry (vgc's alpha: 2 sends about 10-15 % of this
@@ -32,8 +32,8 @@ import chainer  # NOQA: E402
 import numpy  # NOQA: E402
 
 from chainer_vgc import GradientCompressor  # NOQA: E402
-from chainer_vgc import exchange  # NOQA: E402
-from chainer_vgc import native  # NOQA: E402
+from chainer_vgc.exchange import mean as exchange  # NOQA: E402
+from chainer_vgc.backends.native import bindings as native  # NOQA: E402
 
 from bench_common import machine  # NOQA: E402
 from bench_common import median_time  # NOQA: E402

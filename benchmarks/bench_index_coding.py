@@ -46,9 +46,9 @@ from chainer_vgc.codec.gap import bit_length  # NOQA: E402
 from chainer_vgc.codec.gap import index_gaps  # NOQA: E402
 from chainer_vgc.codec.gap import span_parts  # NOQA: E402
 from chainer_vgc.codec.message import walk  # NOQA: E402
-from chainer_vgc import datasets  # NOQA: E402
+from chainer_vgc.harness import datasets  # NOQA: E402
 from chainer_vgc import GradientCompressor  # NOQA: E402
-from chainer_vgc.simulation import SimulatedWorkers  # NOQA: E402
+from chainer_vgc.harness.simulation import SimulatedWorkers  # NOQA: E402
 
 from bench_common import machine  # NOQA: E402
 from example_common import make_model  # NOQA: E402

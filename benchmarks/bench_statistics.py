@@ -39,10 +39,10 @@ import chainer
 import chainer.functions as F
 import numpy
 
-from chainer_vgc.models import DCGANDiscriminator
-from chainer_vgc.models import DCGANGenerator
-from chainer_vgc.models import MLP
-from chainer_vgc.models import VGG
+from chainer_vgc.harness.models import DCGANDiscriminator
+from chainer_vgc.harness.models import DCGANGenerator
+from chainer_vgc.harness.models import MLP
+from chainer_vgc.harness.models import VGG
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
 

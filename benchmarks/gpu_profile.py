@@ -36,7 +36,7 @@ Data flow of a measurement:
    the warm-up.  Next to them, the same for a device-to-device copy of the
    model's gradient bytes (``dst[...] = src``), and their ratio.
 2. **instrumented steps**: :class:`Patches` replaces, for these steps only,
-   ``chainer_vgc.kernels.get_kernel`` (every kernel it returns is wrapped),
+   ``chainer_vgc.backends.cuda.kernels.get_kernel`` (every kernel it returns is wrapped),
    the CuPy calls the steps make (``concatenate``, ``cumsum``,
    ``asarray``, ``ndarray.get``, ``ndarray.fill``, where CuPy lets them be
    replaced) and the host phases (methods of ``GradientCompressor``,
@@ -261,7 +261,7 @@ class Patches(object):
     :meth:`wrap` replaces ``owner.name`` (a module's function, a class's
     method, static method or a method it inherits, an object's attribute)
     by a wrapper that runs it through :meth:`Profiler.call`;
-    :meth:`kernels` wraps every kernel ``chainer_vgc.kernels.get_kernel``
+    :meth:`kernels` wraps every kernel ``chainer_vgc.backends.cuda.kernels.get_kernel``
     returns.  What does not exist, or cannot be replaced (a CuPy extension
     type), is listed in :attr:`missing`.  Used as a context manager."""
 
@@ -346,8 +346,12 @@ class Patches(object):
 def exchange_patches(ctx, patches):
     """What a compress or a decode step calls: the kernels, CuPy's
     functions, the host phases."""
-    from chainer_vgc import backend, codec, device_decode, device_step
-    from chainer_vgc import exchange, kernels
+    from chainer_vgc import codec
+    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends.cuda import decode as device_decode
+    from chainer_vgc.backends.cuda import compress as device_step
+    from chainer_vgc.exchange import mean as exchange
+    from chainer_vgc.backends.cuda import kernels
     from chainer_vgc.compressor import GradientCompressor
     xp = ctx.xp
     patches.kernels(kernels)
@@ -395,8 +399,9 @@ def exchange_patches(ctx, patches):
 def vgg_patches(ctx, patches):
     """The exchange's, and the parts of a training step around it."""
     import chainer
-    from chainer_vgc.communicator import VGCCommunicator
-    from chainer_vgc.multi_node_optimizer import VGCMultiNodeOptimizer
+    from chainer_vgc.chainermn.communicator import VGCCommunicator
+    from chainer_vgc.chainermn.multi_node_optimizer import \
+        VGCMultiNodeOptimizer
     from chainer_vgc.statistics import PerSampleSquares
     for owner, name, label in [
             (VGCMultiNodeOptimizer, 'update', 'VGCMultiNodeOptimizer.update'),
@@ -758,7 +763,7 @@ def mpi_receive(receiver, params, grads, blocks):
     ``into``, from ``exchange.receive_into``); the blocks there (or the
     blocks themselves where the decode takes no such buffer).  Its own row
     in the tables: a copy that the allgatherv makes in training."""
-    from chainer_vgc import exchange
+    from chainer_vgc.exchange import mean as exchange
     into = exchange.receive_into(receiver, params, grads, len(blocks))
     if into is None:
         return blocks
@@ -781,7 +786,7 @@ def decode_step(ctx, coding, messages, ranks, seed):
     the host validation of the same draw alone
     (``exchange.validate_messages``, which the step runs first);
     ``words[k]``, the draw's words."""
-    from chainer_vgc import exchange
+    from chainer_vgc.exchange import mean as exchange
     xp = ctx.xp
     receiver = compressor(ctx, 'vgc', dict(HYPERPARAMETERS['vgc'],
                                            index_coding=coding))
@@ -870,7 +875,7 @@ def profile_vgg(ctx):
 
 
 def profile_pinned(ctx, messages, ranks=4):
-    from chainer_vgc import backend
+    from chainer_vgc.backends import arrays as backend
     say = ctx.report.say
     step, _, receiver, words = decode_step(ctx, 'auto', messages, ranks,
                                            7)
@@ -902,7 +907,7 @@ def profile_pinned(ctx, messages, ranks=4):
     extra = [getattr(cupy_pool, name)() for name in ('total_bytes',)
              if cupy_pool is not None and hasattr(cupy_pool, name)]
     staging = getattr(receiver, '_upload_staging', None)
-    if staging is not None:  # chainer_vgc.backend.HostStaging, if used
+    if staging is not None:  # chainer_vgc.backends.arrays.HostStaging, if used
         say('the receiver\'s upload staging: {} allocations, {:,} bytes '
             'held'.format(getattr(staging, 'allocations', '?'),
                           getattr(staging, 'capacity', 0)))

@@ -21,7 +21,7 @@ gpu_carry --log "$OUT/gpu_runbook.log"`` with ``gpu_carry`` carried)
     2. ``imports``: ``import chainer, chainer_vgc`` in both orders with no
        warning; every module of the package imported from the venv; on a
        GPU, Chainer's CUDA backend available and NVRTC found
-       (``chainer_vgc.cuda_support.status()``).
+       (``chainer_vgc.backends.cuda.support.status()``).
     3. ``profile``: ``benchmarks/gpu_profile.py`` (issue 36): compress,
        decode+mean and the VGG step under training conditions, CUDA-event
        and host time of every kernel and host phase, and the pinned pool
@@ -424,11 +424,11 @@ print('\\n'.join(bad) or '{} modules, all from {}'.format(len(sys.argv) - 2,
 sys.exit(1 if bad else 0)
 """
 
-#: run in the venv: chainer_vgc.cuda_support.status() as one JSON line
+#: run in the venv: chainer_vgc.backends.cuda.support.status() as one JSON line
 CUDA_STATUS = """
 import json
 import chainer_vgc
-from chainer_vgc import cuda_support
+from chainer_vgc.backends.cuda import support as cuda_support
 print('STATUS ' + json.dumps(cuda_support.status()))
 """
 
@@ -636,9 +636,9 @@ def statistics_check(args):
     import chainer
     import chainer.functions as F
     import chainer.links as L
-    from chainer_vgc.models import DCGANDiscriminator
-    from chainer_vgc.models import DCGANGenerator
-    from chainer_vgc.models import VGG
+    from chainer_vgc.harness.models import DCGANDiscriminator
+    from chainer_vgc.harness.models import DCGANGenerator
+    from chainer_vgc.harness.models import VGG
     from chainer_vgc.statistics import PerSampleSquares
     from chainer_vgc.statistics import contraction
     from chainer_vgc.statistics import handlers

@@ -34,9 +34,9 @@ import numpy
 from mpi4py import MPI
 
 import chainer_vgc
-from chainer_vgc import datasets
-from chainer_vgc.models import MLP
-from chainer_vgc.models import VGG
+from chainer_vgc.harness import datasets
+from chainer_vgc.harness.models import MLP
+from chainer_vgc.harness.models import VGG
 
 from bench_common import default
 from bench_common import hyperparameters
@@ -187,7 +187,7 @@ def time_exchanges(comm):
         owner = sys.modules[comm._run.__module__]
         name = comm._run.__name__
     elif hasattr(comm, 'exchange_async'):
-        from chainer_vgc import step as owner
+        from chainer_vgc.exchange import run as owner
         name = 'run_exchange'
     else:
         owner, name = comm, 'multi_node_mean_grad'

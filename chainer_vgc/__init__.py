@@ -3,22 +3,29 @@
 Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for Efficient
 Distributed Deep Learning", ICLR 2018 workshop.
 
-Modules, in data-flow order: :mod:`~chainer_vgc.statistics` (per-sample sums
-of squares), :mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
-:mod:`~chainer_vgc.codec` (quantize/pack/unpack), with
-:mod:`~chainer_vgc.kernels` (the CuPy kernels built from ``kernels/``) and
-:class:`~chainer_vgc.compressor.GradientCompressor` tying them together.
+The package by concept (``docs/layout.md``), in data-flow order:
+:mod:`~chainer_vgc.statistics` (per-sample sums of squares),
+:mod:`~chainer_vgc.rules` (vgc, hybrid, strom, qsgd, none),
+:mod:`~chainer_vgc.codec` (the wire formats),
+:class:`~chainer_vgc.compressor.GradientCompressor` (one rule over a
+model) on the :mod:`~chainer_vgc.backends` (NumPy, the native CPU
+backend, the GPU path), :mod:`~chainer_vgc.exchange` (one model's
+exchange: state, run, the mean), :mod:`~chainer_vgc.chainermn` (the
+communicator, the transport, the optimizer wrapper),
+:mod:`~chainer_vgc.nodes` (nodes of k ranks) and
+:mod:`~chainer_vgc.harness` (the paper's experiments in one process).
 
 ``import chainer_vgc`` imports neither Chainer nor MPI: the names below are
 loaded when first used (PEP 562).  The core -- :mod:`~chainer_vgc.codec`,
-:mod:`~chainer_vgc.kernels`, :mod:`~chainer_vgc.rules`,
-:mod:`~chainer_vgc.compressor`, :mod:`~chainer_vgc.exchange`,
-:mod:`~chainer_vgc.transport` -- needs NumPy only (CuPy where present).
+:mod:`~chainer_vgc.backends.cuda.kernels`, :mod:`~chainer_vgc.rules`,
+:mod:`~chainer_vgc.compressor`, :mod:`~chainer_vgc.exchange.mean`,
+:mod:`~chainer_vgc.chainermn.transport` -- needs NumPy only (CuPy where
+present).
 The first use of a name that needs Chainer (the communicator, the
 optimizer) prepares Chainer's import first (NumPy 2: the start-up hook,
 :mod:`chainer_vgc._startup_hook`), and of one that needs MPI loads MPI with
 an error that says how to get an MPI library
-(:func:`chainer_vgc.mpi_support.import_mpi`).
+(:func:`chainer_vgc.chainermn.mpi_support.import_mpi`).
 """
 
 import importlib
@@ -41,8 +48,8 @@ __version__ = '0.1.0'
 #: public name -> (module, needs Chainer, needs MPI)
 _LAZY = {
     'create_communicator': ('factory', True, True),
-    'VGCCommunicator': ('communicator', True, True),
-    'HierarchicalCommunicator': ('hierarchy', True, True),
+    'VGCCommunicator': ('chainermn.communicator', True, True),
+    'HierarchicalCommunicator': ('nodes.communicator', True, True),
     'create_multi_node_optimizer': ('optimizer', True, True),
     'GradientCompressor': ('compressor', False, False),
     'WireFormatError': ('codec', False, False),
@@ -51,19 +58,14 @@ _LAZY = {
 }
 
 #: submodules that import Chainer (and MPI), loaded as attributes
-#: (``chainer_vgc.communicator``) like the names above
+#: (``chainer_vgc.chainermn.communicator``) like the names above
 _SUBMODULES = {
-    'communicator': (True, True),
+    'chainermn': (True, True),
+    'nodes': (True, True),
     'factory': (True, True),
-    'hierarchy': (True, True),
     'optimizer': (True, True),
-    'multi_node_optimizer': (True, True),
-    'double_buffering': (True, True),
-    'datasets': (True, False),
     'extensions': (True, False),
-    'groups': (True, False),
-    'models': (True, False),
-    'simulation': (True, False),
+    'harness': (True, False),
     'statistics': (True, False),
 }
 
@@ -74,7 +76,7 @@ def _prepare(needs_chainer, needs_mpi):
     if needs_chainer:
         _startup_hook.prepare_chainer_import()
     if needs_mpi:
-        from chainer_vgc import mpi_support
+        from chainer_vgc.chainermn import mpi_support
         mpi_support.import_mpi()
 
 

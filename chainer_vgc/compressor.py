@@ -7,8 +7,8 @@ All inputs are validated before any state changes, so a bad gradient (NaN,
 Inf, wrong shape) raises an error naming the parameter and leaves every
 residual as it was.
 
-Two CPU backends (:func:`chainer_vgc.backend.cpu_backend`): ``'native'``
-(default), the fused C++ passes of :mod:`chainer_vgc.native`, which write
+Two CPU backends (:func:`chainer_vgc.backends.arrays.cpu_backend`): ``'native'``
+(default), the fused C++ passes of :mod:`chainer_vgc.backends.native.bindings`, which write
 each step's state into a second set of arrays and swap them in only when
 every tensor passed its checks (so an overflow, too, leaves the state as it
 was), and ``'numpy'``, the readable reference, equal bit for bit.  CuPy
@@ -17,14 +17,15 @@ arrays always take the rules' CuPy kernels.
 
 import numpy
 
-from chainer_vgc import backend as _backend
+from chainer_vgc.backends import arrays as _backend
 from chainer_vgc import codec
-from chainer_vgc import device_step
-from chainer_vgc import fast_paths
-from chainer_vgc import faults
-from chainer_vgc import native
-from chainer_vgc import native_gap
-from chainer_vgc import native_paths  # NOQA: F401 (registers its paths)
+from chainer_vgc.backends.cuda import compress as device_step
+from chainer_vgc.backends import registry as fast_paths
+from chainer_vgc.exchange import faults
+from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.backends.native import gap as native_gap
+# (registers the native backend's fast paths)
+from chainer_vgc.backends.native import paths as native_paths  # NOQA: F401
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
 
@@ -86,7 +87,7 @@ class GradientCompressor(object):
         self._spares = [None] * len(self.names)
         self._buffer = None
         self._decode_buffers = [None] * len(self.names)
-        self._device_step = None  # chainer_vgc.device_step, on a GPU
+        self._device_step = None  # chainer_vgc.backends.cuda.compress, on a GPU
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0
@@ -307,7 +308,7 @@ class GradientCompressor(object):
     @staticmethod
     def settle(error, agree):
         """The second agreement of a fused step (native or
-        :mod:`~chainer_vgc.device_step`): every worker's fault code, and
+        :mod:`~chainer_vgc.backends.cuda.compress`): every worker's fault code, and
         ``error`` (or the others') raised on all of them when there is
         one; without ``agree``, ``error`` raised."""
         if agree is not None:

@@ -4,8 +4,8 @@ The question this module answers: how much did the ranks send, compared
 with a dense allreduce, and how do Chainer trainers see it?  The arithmetic
 (:func:`step_figures`, :func:`report_step`, :func:`new_totals`,
 :func:`run_summary`) is shared by
-:class:`~chainer_vgc.communicator.VGCCommunicator` and the one-process
-:class:`~chainer_vgc.simulation.SimulatedWorkers`; it needs no MPI.
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` and the one-process
+:class:`~chainer_vgc.harness.simulation.SimulatedWorkers`; it needs no MPI.
 
 Every step the communicator reports, with ``chainer.reporter``, figures
 aggregated over all ranks:

@@ -2,14 +2,14 @@
 
 The question this module answers: which communicator does
 ``chainer_vgc.create_communicator`` return?  The flat
-:class:`~chainer_vgc.communicator.VGCCommunicator` (every rank one VGC
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` (every rank one VGC
 worker, paper Alg. 1), or with ``hierarchy='node'`` the
-:class:`~chainer_vgc.hierarchy.HierarchicalCommunicator` (every node one
+:class:`~chainer_vgc.nodes.communicator.HierarchicalCommunicator` (every node one
 worker of batch kB, issue 27).
 """
 
-from chainer_vgc.communicator import VGCCommunicator
-from chainer_vgc.hierarchy import HierarchicalCommunicator
+from chainer_vgc.chainermn.communicator import VGCCommunicator
+from chainer_vgc.nodes.communicator import HierarchicalCommunicator
 
 
 def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
@@ -17,15 +17,15 @@ def create_communicator(method='vgc', mpi_comm=None, allgatherv='ring',
                         uncovered='error', warmup=0, alpha_ramp=None,
                         dense_dtype=None, hierarchy=None,
                         ranks_per_node=None, **kwargs):
-    """A :class:`~chainer_vgc.communicator.VGCCommunicator` on ``mpi_comm``
+    """A :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` on ``mpi_comm``
     (default COMM_WORLD); with ``hierarchy='node'``, a
-    :class:`~chainer_vgc.hierarchy.HierarchicalCommunicator`: each node
+    :class:`~chainer_vgc.nodes.communicator.HierarchicalCommunicator`: each node
     (MPI's shared-memory split; ``ranks_per_node=k``: groups of k
     consecutive ranks) acts as one VGC worker between nodes.
 
     ``method``: a rule name or a
     :class:`~chainer_vgc.rules.CompressionRule` object.  The controls (see
-    :class:`~chainer_vgc.communicator.VGCCommunicator` for the details):
+    :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` for the details):
 
     - ``exclude``: parameter names and/or predicates ``f(name, param)``
       sent uncompressed (dense allreduce); ``min_size``: parameters of

@@ -2,13 +2,13 @@
 drop-in.
 
 The question this module answers: which optimizer wrapper does a run get?
-:class:`~chainer_vgc.multi_node_optimizer.VGCMultiNodeOptimizer` (one
+:class:`~chainer_vgc.chainermn.multi_node_optimizer.VGCMultiNodeOptimizer` (one
 exchange per update, synchronously) or, with ``double_buffering=True``,
-:class:`~chainer_vgc.double_buffering.VGCDoubleBufferingOptimizer`.
+:class:`~chainer_vgc.chainermn.double_buffering.VGCDoubleBufferingOptimizer`.
 """
 
-from chainer_vgc.double_buffering import VGCDoubleBufferingOptimizer
-from chainer_vgc.multi_node_optimizer import VGCMultiNodeOptimizer
+from chainer_vgc.chainermn.double_buffering import VGCDoubleBufferingOptimizer
+from chainer_vgc.chainermn.multi_node_optimizer import VGCMultiNodeOptimizer
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,

@@ -31,11 +31,11 @@ import chainermn
 import numpy
 
 import chainer_vgc
-from chainer_vgc import datasets
+from chainer_vgc.harness import datasets
 from chainer_vgc.extensions import CompressionReport
 from chainer_vgc.extensions import run_summary
-from chainer_vgc.models import MLP
-from chainer_vgc.models import VGG
+from chainer_vgc.harness.models import MLP
+from chainer_vgc.harness.models import VGG
 
 # -- the compression method, from the registry --------------------------------
 
@@ -375,7 +375,7 @@ def add_data_args(p):
     :func:`make_network`)."""
     p.add_argument('--dataset', choices=('mnist', 'fashion'), default='mnist',
                    help="'fashion': Fashion-MNIST from Debian's "
-                   'dataset-fashion-mnist (chainer_vgc.datasets)')
+                   'dataset-fashion-mnist (chainer_vgc.harness.datasets)')
     p.add_argument('--model', choices=('mlp', 'vgg'), default='mlp',
                    help="'vgg': the App. D conv-BN network on 28x28x1")
     p.add_argument('--width', type=float, default=0.25,

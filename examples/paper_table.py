@@ -9,7 +9,7 @@ d=512), plus VGC alpha 2 with a 0.1-epoch dense warm-up and the biases sent
 uncompressed (not in the paper; the grid trains one epoch, so a longer
 warm-up would leave nothing compressed), with Adam and with momentum SGD, each for
 ``--seeds`` seeds, with the p workers simulated in this process
-(:class:`chainer_vgc.simulation.SimulatedWorkers`, shown identical to an
+(:class:`chainer_vgc.harness.simulation.SimulatedWorkers`, shown identical to an
 ``mpiexec -n p`` run of train_mnist.py by tests/test_examples.py).  Writes
 ``OUT/results.csv`` (every run), ``OUT/table.md`` (medians over seeds, in
 the layout of Table 1) and ``OUT/scatter.png`` (accuracy vs compression,
@@ -38,9 +38,9 @@ import chainer
 from chainer.dataset import convert
 import chainer.functions as F
 
-from chainer_vgc import datasets
+from chainer_vgc.harness import datasets
 from chainer_vgc.extensions import run_summary
-from chainer_vgc.simulation import SimulatedWorkers
+from chainer_vgc.harness.simulation import SimulatedWorkers
 import example_common as common
 
 

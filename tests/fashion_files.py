@@ -7,7 +7,7 @@ import struct
 
 import numpy
 
-from chainer_vgc import datasets
+from chainer_vgc.harness import datasets
 
 
 def write_idx(path, array, magic=None, extra=b''):

@@ -122,7 +122,7 @@ CASES = [
     ('qsgd', 'qsgd', dict(bits=2, bucket=64), []),
 ]
 RESCALE = 1024.0
-#: the whole-model GPU paths (issue 25: chainer_vgc.device_step and
+#: the whole-model GPU paths (issue 25: chainer_vgc.backends.cuda.compress and
 #: device_decode) run on a model of one dtype: MODEL's tensors and inputs
 #: in float32 (cast on the host), these cases
 WHOLE_CASES = [
@@ -236,8 +236,12 @@ def gen_sqsum(rng, g, sqdt):
 
 # ---- importing the chainer-free core ----------------------------------------
 
-CORE = ('cuda_support', 'backend', 'kernels', 'codec', 'native', 'rules',
-        'compressor', 'exchange', 'device_step')
+#: the chainer-free core: {the name gpu_check uses: module under chainer_vgc}
+CORE = {'cuda_support': 'backends.cuda.support', 'backend': 'backends.arrays',
+        'kernels': 'backends.cuda.kernels', 'codec': 'codec',
+        'native': 'backends.native.bindings', 'rules': 'rules',
+        'compressor': 'compressor', 'exchange': 'exchange.mean',
+        'device_step': 'backends.cuda.compress'}
 
 
 def import_core(no_nvrtc_preload=False):
@@ -250,8 +254,8 @@ def import_core(no_nvrtc_preload=False):
     if 'chainer_vgc' not in sys.modules:
         sys.path.insert(0, REPO)
     mods = {}
-    for name in CORE:
-        mods[name] = importlib.import_module('chainer_vgc.' + name)
+    for name, module in CORE.items():
+        mods[name] = importlib.import_module('chainer_vgc.' + module)
         if name == 'cuda_support' and no_nvrtc_preload:
             mods[name].preload_nvrtc = lambda: None
     return types.SimpleNamespace(**mods)
@@ -1059,7 +1063,7 @@ def setup_device(args, core):
         return fake, env
     import cupy
     if core.backend.cupy is not cupy:
-        raise SystemExit('chainer_vgc.backend did not import CuPy (its '
+        raise SystemExit('chainer_vgc.backends.arrays did not import CuPy (its '
                          'import failed there); cannot run the GPU path')
     env['cupy'] = cupy.__version__
     try:  # a device, memory and copies at all (no kernel compiled yet)
@@ -1083,7 +1087,7 @@ def setup_device(args, core):
         env['cupy_pinned_pairing'] = False
         env['check_cupy_refused'] = str(e)
         print('NOTE: running under CuPy {}, OUTSIDE the pinned pairing (CuPy '
-              '{}); chainer_vgc.cuda_support.check_cupy replaced by a '
+              '{}); chainer_vgc.backends.cuda.support.check_cupy replaced by a '
               'recorder for this run'.format(
                   cupy.__version__, core.cuda_support.supported_range()))
     try:

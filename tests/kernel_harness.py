@@ -1,6 +1,6 @@
 """Runs the CuPy ElementwiseKernels of chainer_vgc without a GPU.
 
-Each entry of :data:`chainer_vgc.kernels.SPECS` is turned into a C++ loop
+Each entry of :data:`chainer_vgc.backends.cuda.kernels.SPECS` is turned into a C++ loop
 that binds the parameters element by element, as CuPy's ElementwiseKernel
 does (inputs by value, outputs by reference), and pastes the *same*
 operation string after ``#include``-ing the same ``kernels/vgc_numerics.cuh``.
@@ -39,7 +39,7 @@ import tempfile
 
 import numpy
 
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 
 _HOST_TYPES = {
     numpy.dtype(numpy.float16): ('_Float16', None),
@@ -448,7 +448,7 @@ def cupy_available():
     (``cuda_support.preload_nvrtc``: the CUDA 12 wheel for CuPy 13, the
     CUDA 13 wheel for CuPy 14)."""
     try:
-        from chainer_vgc import cuda_support
+        from chainer_vgc.backends.cuda import support as cuda_support
         if cuda_support.preload_nvrtc() is None:
             return False
         import cupy  # noqa: F401
@@ -513,7 +513,7 @@ def cupy_nvrtc_input(code, options, arch='compute_80'):
     """
     from unittest import mock
 
-    from chainer_vgc import cuda_support
+    from chainer_vgc.backends.cuda import support as cuda_support
     from cupy._core import core
     from cupy.cuda import compiler
     cuda_support.preload_nvrtc()  # CuPy 13 needs it for its empty-file run

@@ -12,7 +12,7 @@ it checks:
   module docstring, one word at a time;
 - :func:`parse_message`: the message structure (magic, groups, counts);
 - :func:`ring_simulation`: the pipelined ring allgatherv of
-  ``chainer_vgc/transport.py``'s docstring, word by word with labels;
+  ``chainer_vgc/chainermn/transport.py``'s docstring, word by word with labels;
 - :func:`per_example_sqsum`: sum_z (grad_z / B)**2 with one ordinary
   ``loss.backward()`` per example.
 """

@@ -1,7 +1,7 @@
 """The installed CuPy with Chainer 7.8.1: imports, version check (CuPy 13
 on the numpy 1.x stack, CuPy 14 on the NumPy 2 stack), NVRTC discovery and
 loading (the CUDA 12 and CUDA 13 wheels, also on fake directory layouts),
-and the CuPy kernel objects of chainer_vgc.kernels (built, not launched: no
+and the CuPy kernel objects of chainer_vgc.backends.cuda.kernels (built, not launched: no
 GPU is needed)."""
 
 import configparser
@@ -22,8 +22,8 @@ except Exception as e:  # ImportError, or a CUDA library missing at import
                 "pip install 'chainer-vgc[cuda]'".format(type(e).__name__, e),
                 allow_module_level=True)
 
-from chainer_vgc import cuda_support
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import support as cuda_support
+from chainer_vgc.backends.cuda import kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import chainer
 import numpy
 import pytest
 
-from chainer_vgc import datasets
+from chainer_vgc.harness import datasets
 from fashion_files import fake_package
 from fashion_files import write_idx
 

@@ -1,4 +1,4 @@
-"""The whole-model GPU compress step (chainer_vgc.device_step), run on the
+"""The whole-model GPU compress step (chainer_vgc.backends.cuda.compress), run on the
 CPU through the fake CuPy with its kernels compiled for the host (the
 ``device`` fixture): messages and states bit for bit those of the native
 CPU backend, step after step, faults leaving every state untouched, and a
@@ -8,13 +8,13 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
-from chainer_vgc.faults import SkippedStep
-from chainer_vgc import device_step
-from chainer_vgc import exchange
-from chainer_vgc import faults
+from chainer_vgc.exchange.faults import SkippedStep
+from chainer_vgc.backends.cuda import compress as device_step
+from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import faults
 
 from reference import assert_bitwise
 from test_gpu_path import _FakeModel
@@ -177,7 +177,7 @@ def test_a_step_failing_after_the_select_pass_leaves_nothing_behind(
     per-tensor maxima of that step (e_k's input) are cleared with the
     flags at the next step's start: its message and states equal the CPU
     path that never saw the failed step (issue 36)."""
-    from chainer_vgc import kernels
+    from chainer_vgc.backends.cuda import kernels
     fake = device
     shapes, dtypes = MODELS['f32']
     dev, cpu = _pair('vgc', dict(alpha=1.0, index_coding=coding), shapes,
@@ -358,7 +358,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
     MPI: the decode reads each where it lies (the descriptors point there,
     nothing is copied) and the means equal the CPU decoder's bit for
     bit."""
-    from chainer_vgc import device_decode
+    from chainer_vgc.backends.cuda import decode as device_decode
     fake = device
     shapes, dtypes = MODELS[model]
     ranks = 4
@@ -404,8 +404,8 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
     checks' flags read back; no scalar read), the means and the residuals
     of the CPU path bit for bit."""
     from mpi4py import MPI
-    from chainer_vgc import communicator
-    from chainer_vgc import transport
+    from chainer_vgc.chainermn import communicator
+    from chainer_vgc.chainermn import transport
     fake = device
     shapes, dtypes = MODELS['f32']
     steps = _stream(shapes, dtypes, 3, 4)

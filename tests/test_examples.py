@@ -19,7 +19,7 @@ EXAMPLES = os.path.join(ROOT, 'examples')
 sys.path.insert(0, EXAMPLES)
 
 import paper_table  # NOQA: E402
-from chainer_vgc import datasets  # NOQA: E402
+from chainer_vgc.harness import datasets  # NOQA: E402
 
 # multi-rank runs oversubscribe the cores: under pytest-xdist they run one
 # after the other, on one worker, beside the single-process tests
@@ -251,7 +251,7 @@ def check_simulated_mean(method, kw, min_size):
     import reference
     from chainer_vgc import GradientCompressor
     from chainer_vgc import create_rule
-    from chainer_vgc.simulation import SimulatedWorkers
+    from chainer_vgc.harness.simulation import SimulatedWorkers
     from chainer_vgc.statistics import PerSampleSquares
     from chainer_vgc.statistics import model_params
     numpy.random.seed(0)

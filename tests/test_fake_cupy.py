@@ -254,7 +254,7 @@ def test_transfer_record_helpers(xp):
 
 
 def test_install_routes_backend(monkeypatch):
-    from chainer_vgc import backend
+    from chainer_vgc.backends import arrays as backend
     xp = fake_cupy.install(monkeypatch)
     a = xp.arange(3, dtype=numpy.float32)
     assert backend.get_array_module(numpy.ones(1), a) is xp

@@ -1,13 +1,13 @@
-"""The dense fallback's prediction and counts (chainer_vgc.fallback); the
+"""The dense fallback's prediction and counts (chainer_vgc.exchange.fallback); the
 multi-rank behaviour is tests/mpi/check_fallback.py."""
 
 import numpy
 import pytest
 
 from chainer_vgc import codec
-from chainer_vgc import fallback
+from chainer_vgc.exchange import fallback
 from chainer_vgc.compressor import GradientCompressor
-from chainer_vgc.method_state import MethodState
+from chainer_vgc.exchange.state import MethodState
 
 
 def test_choice_by_hand():

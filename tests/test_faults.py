@@ -6,9 +6,9 @@ import numpy
 import pytest
 
 from chainer_vgc import codec
-from chainer_vgc import exchange
+from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import GradientCompressor
-from chainer_vgc.faults import NONFINITE, OK, OVERFLOW, SkippedStep
+from chainer_vgc.exchange.faults import NONFINITE, OK, OVERFLOW, SkippedStep
 
 BACKENDS = ['numpy', 'native']
 
@@ -117,7 +117,7 @@ def test_rescaled_mean_is_identical_on_both_backends(dtype):
 
 def test_snapshot_record_takes_numpy_scalar_hyperparameters():
     import json
-    from chainer_vgc.method_state import plain_json as _plain
+    from chainer_vgc.exchange.state import plain_json as _plain
     text = json.dumps({'alpha': numpy.float32(2.0), 'bits': numpy.int64(3)},
                       default=_plain)
     assert json.loads(text) == {'alpha': 2.0, 'bits': 3}

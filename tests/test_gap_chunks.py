@@ -13,7 +13,7 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc import native
+from chainer_vgc.backends.native import bindings as native
 
 @pytest.fixture(params=[1, 3, 5])
 def chunks(request):

@@ -14,11 +14,11 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
-from chainer_vgc import communicator
-from chainer_vgc import exchange
+from chainer_vgc.chainermn import communicator
+from chainer_vgc.exchange import mean as exchange
 
 from reference import assert_bitwise
 
@@ -63,7 +63,7 @@ SCALAR_READS_PER_TENSOR = 6
 
 def upload_words(blocks, comp):
     """The words the decode uploads.  The whole-model decode
-    (chainer_vgc.device_decode, every method but QSGD): each dtype's tensor
+    (chainer_vgc.backends.cuda.decode, every method but QSGD): each dtype's tensor
     offsets and ids, the model's offsets and the sums' (a float64 tensor
     takes two words an element), room for each rank's items (at most a
     group a tensor: 2 n + 1), all int64; a descriptor of 8 words per

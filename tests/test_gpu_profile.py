@@ -15,7 +15,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, 'benchmarks', 'gpu_profile.py')

@@ -133,9 +133,9 @@ def test_missing_mpi_library_says_what_to_install(tmp_path, error):
     assert proc.returncode != 0
     # one error, not mpi4py's traceback followed by this one
     assert proc.stderr.count('Traceback') == 1
-    last = proc.stderr[proc.stderr.index('\nchainer_vgc.mpi_support.'
-                                         'MPILibraryError: ') + 1:]
-    assert last.startswith('chainer_vgc.mpi_support.MPILibraryError: '
+    last = proc.stderr[proc.stderr.index(
+        '\nchainer_vgc.chainermn.mpi_support.MPILibraryError: ') + 1:]
+    assert last.startswith('chainer_vgc.chainermn.mpi_support.MPILibraryError: '
                            'chainer-vgc needs an MPI '
                            'library, and mpi4py cannot load one: ')
     assert ('libmpi.so.12 was not found' in last
@@ -158,14 +158,14 @@ def test_other_mpi4py_errors_are_not_rewritten(tmp_path):
 
 
 def test_missing_mpi4py_says_what_to_install(monkeypatch):
-    from chainer_vgc import mpi_support
+    from chainer_vgc.chainermn import mpi_support
     monkeypatch.setitem(sys.modules, 'mpi4py', None)
     with pytest.raises(ImportError, match='needs mpi4py.*pip install'):
         mpi_support.import_mpi()
 
 
 def test_library_names_in_loader_messages():
-    from chainer_vgc import mpi_support
+    from chainer_vgc.chainermn import mpi_support
     assert mpi_support.missing_libraries(
         'cannot load MPI library\n/v/lib/libmpi.so: cannot open shared '
         'object file\n/v/lib/libmpi.so.12: x\nlibmpi.so.12: x\n'
@@ -181,7 +181,7 @@ def test_library_names_in_loader_messages():
 
 def test_import_mpi_returns_mpi4py_mpi():
     from mpi4py import MPI
-    from chainer_vgc import mpi_support
+    from chainer_vgc.chainermn import mpi_support
     assert mpi_support.import_mpi() is MPI
 
 
@@ -215,7 +215,7 @@ SMOKE = textwrap.dedent("""\
     import numpy as np
     import chainer
     import chainer_vgc
-    from chainer_vgc import native
+    from chainer_vgc.backends.native import bindings as native
     native.load()
     comm = chainer_vgc.create_communicator(method='none')
     model = chainer.links.Linear(3, 2)

@@ -13,7 +13,7 @@ import numpy
 import pytest
 
 import kernel_harness
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.gap import device_gap_body
 
 #: test-only kernels: element i copied from / to raw element i + shift

@@ -1,6 +1,6 @@
 """The CuPy kernels' source, compiled for the GPU and executed on the CPU.
 
-Every entry of chainer_vgc.kernels.SPECS is (1) compiled to PTX with nvcc,
+Every entry of chainer_vgc.backends.cuda.kernels.SPECS is (1) compiled to PTX with nvcc,
 exactly as generated for the device, and (2) compiled with the host C++
 compiler from the same kernels/vgc_numerics.cuh and operation strings, run
 element by element, and compared bit for bit with the NumPy path.
@@ -11,11 +11,11 @@ import pytest
 
 import kernel_harness
 from chainer_vgc import GradientCompressor
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.gap import device_gap_body
-from chainer_vgc.backend import state_dtype
+from chainer_vgc.backends.arrays import state_dtype
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import QSGD
 from chainer_vgc.rules import Strom
@@ -85,7 +85,7 @@ def instances():
 
 
 def model_instances():
-    """The whole-model step's kernels (chainer_vgc.device_step)."""
+    """The whole-model step's kernels (chainer_vgc.backends.cuda.compress)."""
     out = []
     i64, u32 = numpy.zeros(3, numpy.int64), numpy.zeros(3, numpy.uint32)
     u64, on = numpy.zeros(3, numpy.uint64), numpy.ones(2, bool)

@@ -13,10 +13,10 @@ input when they average over 2 MiB, so the gradients and the sums are
 gathered by our own kernel through a table of addresses (uploaded only
 when an address moves); ``cupy.cumsum`` takes about 2 log_512(N) + 1
 launches for N elements, which grows with the model's size, not with its
-number of tensors.  The whole-model compress step (chainer_vgc.device_step:
+number of tensors.  The whole-model compress step (chainer_vgc.backends.cuda.compress:
 vgc, hybrid and Strom with every index coding, and 'none') runs at most
 :data:`COMPRESS_KERNELS` kernels of its own besides CuPy's scans; the
-whole-model decode (chainer_vgc.device_decode) the sums zeroed, a scatter
+whole-model decode (chainer_vgc.backends.cuda.decode) the sums zeroed, a scatter
 launch per rank and a mean (the dense tree of 'none': one lookup launch),
 and with FMT_GAP groups their flags zeroed and their blocks decoded and
 checked from their restart points.  QSGD keeps its own counts, and
@@ -31,7 +31,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc import exchange
+from chainer_vgc.exchange import mean as exchange
 
 TENSORS = (4, 40, 400)
 METHODS = [('vgc', dict(alpha=1.0, index_coding='fixed')),
@@ -281,7 +281,7 @@ def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
     reference's group table, the gap expansion are never called) and the
     messages go up as received, a copy per message."""
     from chainer_vgc import codec
-    from chainer_vgc import device_decode
+    from chainer_vgc.backends.cuda import decode as device_decode
     from chainer_vgc.codec import message as message_module
     calls = []
 
@@ -321,7 +321,7 @@ def test_the_scans_take_cub_or_fall_back_to_cumsum(device, method, kw):
     in place: with CuPy's CUB two launches each and no cast pass; without
     it (``cupy.cuda.cub`` missing) ``cupy.cumsum`` into the same array.
     The messages and states are the same bit for bit."""
-    from chainer_vgc import kernels
+    from chainer_vgc.backends.cuda import kernels
     fake = device
     x = numpy.random.default_rng(2).integers(0, 3, 5000).astype(numpy.int64)
     for cub in (fake.cuda.cub, None):

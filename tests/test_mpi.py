@@ -31,7 +31,7 @@ def test_a_receive_buffer_of_the_wrong_kind_is_refused(method, bad):
     of the words asked: anything else is refused, naming it, before MPI
     writes anything (one rank: MPI_COMM_SELF)."""
     from mpi4py import MPI
-    from chainer_vgc import transport
+    from chainer_vgc.chainermn import transport
     with pytest.raises(ValueError, match='into'):
         transport.allgatherv(MPI.COMM_SELF,
                              numpy.arange(5, dtype=numpy.uint32),

@@ -21,15 +21,15 @@ from hypothesis import strategies as st
 import numpy
 import pytest
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.gap import bits_to_words
 from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
-from chainer_vgc import exchange
+from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import GradientCompressor
-from chainer_vgc import native
-from chainer_vgc import native_gap
+from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.backends.native import gap as native_gap
 from chainer_vgc import WireFormatError
 from wire_messages import random_message
 
@@ -469,7 +469,8 @@ def test_default_threads_divide_the_cores(monkeypatch):
 
 
 def test_omp_num_threads_is_respected():
-    code = ('from chainer_vgc import native; print(native.num_threads())')
+    code = ('from chainer_vgc.backends.native import bindings; '
+            'print(bindings.num_threads())')
     env = dict(os.environ, OMP_NUM_THREADS='3')
     out = subprocess.run([sys.executable, '-c', code], env=env, check=True,
                          capture_output=True, text=True).stdout
@@ -479,8 +480,8 @@ def test_omp_num_threads_is_respected():
 def test_trainer_step_identical_on_both_backends():
     """One Chainer model, two optimizer steps through SimulatedWorkers on
     each backend: the parameters end identical."""
-    from chainer_vgc.models import MLP
-    from chainer_vgc.simulation import SimulatedWorkers
+    from chainer_vgc.harness.models import MLP
+    from chainer_vgc.harness.simulation import SimulatedWorkers
     import chainer.links as L
     results = []
     for b in ('numpy', 'native'):

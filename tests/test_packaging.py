@@ -5,7 +5,7 @@ import subprocess
 import sys
 import zipfile
 
-from chainer_vgc import native
+from chainer_vgc.backends.native import bindings as native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +26,7 @@ def test_wheel_ships_kernel_sources_and_finds_them(tmp_path):
         assert 'chainer_vgc/kernel_src/' + name in names, name
     assert 'chainer_vgc/rules/vgc.py' in names
     out = subprocess.run(
-        [sys.executable, '-c', 'import chainer_vgc.kernels as k; '
+        [sys.executable, '-c', 'import chainer_vgc.backends.cuda.kernels as k; '
          'print(k.source_dir()); print(len(k.source()))'],
         cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(site)),
         check=True, capture_output=True, text=True, timeout=120).stdout

@@ -1,11 +1,11 @@
 """Pinned (page-locked) host memory stays bounded (issue 36, item 5).
 
-The whole-model decode (``chainer_vgc.device_decode.mean``) stages every
+The whole-model decode (``chainer_vgc.backends.cuda.decode.mean``) stages every
 rank's message in one host buffer and uploads it each step; the upload's
 size changes from step to step.  CuPy's pinned pool reuses a freed block
 only for the same size, so a new pinned buffer a step would pin more host
 memory step after step.  The buffer is a
-:class:`chainer_vgc.backend.HostStaging` kept on the compressor: it grows
+:class:`chainer_vgc.backends.arrays.HostStaging` kept on the compressor: it grows
 geometrically, a bounded number of times, and is otherwise reused.
 
 Here: the class itself (growth, bounds, views, the fallback without
@@ -23,8 +23,8 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc import backend
-from chainer_vgc import exchange
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.exchange import mean as exchange
 
 from reference import assert_bitwise
 

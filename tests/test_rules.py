@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import chainer_vgc
 from chainer_vgc import GradientCompressor
 from chainer_vgc import create_rule
-from chainer_vgc.backend import state_dtype
+from chainer_vgc.backends.arrays import state_dtype
 
 from reference import ref_floor_log2
 from reference import ref_quantize

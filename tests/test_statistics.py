@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chainer_vgc.models import MLP
-from chainer_vgc.models import VGG
+from chainer_vgc.harness.models import MLP
+from chainer_vgc.harness.models import VGG
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import UncoveredParameterError
 from chainer_vgc.statistics import bruteforce_sqsum

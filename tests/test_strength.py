@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc import exchange
+from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import extensions
-from chainer_vgc import multi_node_optimizer
-from chainer_vgc import transport
+from chainer_vgc.chainermn import multi_node_optimizer
+from chainer_vgc.chainermn import transport
 
 import reference
 

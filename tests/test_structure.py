@@ -8,9 +8,11 @@ importing it:
 * no module imports another module's private (``_name``) names, except
   between modules of one subpackage (``chainer_vgc.codec.*`` share theirs);
   nor does a test, benchmark or example use a private name of
-  ``chainer_vgc.codec`` or ``chainer_vgc.kernels``;
-* every module has at most 400 lines, except the ones in
-  :data:`OVER_400`, which may only shrink;
+  ``chainer_vgc.codec`` or ``chainer_vgc.backends.cuda.kernels``;
+* no module passes :data:`MAX_LINES` (600): over about that, or with a
+  class of more than one job, a module is a smell (issue 37: the old hard
+  limit of 400 split files by size, not by concept; a module that grows
+  past it is cut along a concept, never only to be shorter);
 * the core imports neither Chainer nor MPI (a fresh interpreter);
 * setup.cfg ships every package.
 """
@@ -27,20 +29,17 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = 'chainer_vgc'
-MAX_LINES = 400
-
-#: modules over MAX_LINES today: {path: lines}.  A listed module may not
-#: grow; one that is back under the limit must be removed from here.
-OVER_400 = {}
+MAX_LINES = 600
 
 #: imports of another module's private names that exist today:
 #: (importer, owner module, name).  May only shrink.
 KNOWN_PRIVATE_IMPORTS = set()
 
 #: the chainer-free core: imports neither Chainer nor MPI
-CORE = ('chainer_vgc', 'chainer_vgc.codec', 'chainer_vgc.kernels',
-        'chainer_vgc.rules', 'chainer_vgc.compressor', 'chainer_vgc.exchange',
-        'chainer_vgc.transport')
+CORE = ('chainer_vgc', 'chainer_vgc.codec',
+        'chainer_vgc.backends.cuda.kernels', 'chainer_vgc.rules',
+        'chainer_vgc.compressor', 'chainer_vgc.exchange.mean',
+        'chainer_vgc.chainermn.transport')
 FORBIDDEN = ('chainer', 'chainermn', 'mpi4py')
 
 
@@ -211,9 +210,9 @@ def test_kernels_is_below_codec():
     (codec builds on it) and defines no wire-format constant."""
     modules = package_modules()
     graph = import_graph(modules)
-    assert not [m for m in graph['chainer_vgc.kernels']
+    assert not [m for m in graph['chainer_vgc.backends.cuda.kernels']
                 if m.startswith('chainer_vgc.codec')]
-    tree = parse(modules['chainer_vgc.kernels'])
+    tree = parse(modules['chainer_vgc.backends.cuda.kernels'])
     constants = {t.id for n in tree.body if isinstance(n, ast.Assign)
                  for t in n.targets if isinstance(t, ast.Name)}
     codec_constants = {t.id for n in parse(
@@ -327,7 +326,8 @@ def test_scripts_use_no_private_codec_or_kernels_names():
     for path in _scripts():
         for owner, name, line in private_uses('__main__', parse(path),
                                               modules):
-            if owner.startswith(('chainer_vgc.codec', 'chainer_vgc.kernels')):
+            if owner.startswith(('chainer_vgc.codec',
+                                 'chainer_vgc.backends.cuda.kernels')):
                 bad.append('{}:{}: {}.{}'.format(
                     os.path.relpath(path, ROOT), line, owner, name))
     assert not bad
@@ -347,18 +347,11 @@ def _line_counts():
     return counts
 
 
-def test_modules_have_at_most_400_lines():
+def test_no_module_is_over_the_line_guideline():
     counts = _line_counts()
-    over = {p: n for p, n in counts.items()
-            if n > MAX_LINES and p not in OVER_400}
-    assert not over, 'modules over {} lines: {}'.format(MAX_LINES, over)
-    grown = {p: (OVER_400[p], counts[p]) for p in OVER_400
-             if p in counts and counts[p] > OVER_400[p]}
-    assert not grown, 'OVER_400 modules grew (recorded, now): {}'.format(
-        grown)
-    done = sorted(p for p in OVER_400 if counts.get(p, 0) <= MAX_LINES)
-    assert not done, 'now at most {} lines (or gone): remove from ' \
-        'OVER_400: {}'.format(MAX_LINES, done)
+    over = {p: n for p, n in counts.items() if n > MAX_LINES}
+    assert not over, 'modules over {} lines (cut them along a concept): ' \
+        '{}'.format(MAX_LINES, over)
 
 
 # ---- (d) the core imports neither Chainer nor MPI ---------------------------

@@ -1,7 +1,7 @@
 """The wire-format constants that chainer_vgc.codec and the C++/CUDA sources
 both define agree: the ``#define VGC_...`` lines of kernels/vgc_numerics.cuh
 (the CuPy kernels' source) and of the native backend's sources
-(kernels/vgc_host.cpp and its headers, chainer_vgc.native.SOURCES) are parsed
+(kernels/vgc_host.cpp and its headers, chainer_vgc.backends.native.bindings.SOURCES) are parsed
 and compared with codec by :func:`chainer_vgc.codec.check_kernel_constants`;
 the native backend compares its compiled constants at load
 (tests/test_native.py)."""
@@ -13,8 +13,8 @@ import pytest
 
 from chainer_vgc import codec
 from chainer_vgc.codec.c_defines import c_int
-from chainer_vgc import kernels
-from chainer_vgc import native
+from chainer_vgc.backends.cuda import kernels
+from chainer_vgc.backends.native import bindings as native
 
 
 def _replace_define(text, name, value):
@@ -111,7 +111,7 @@ def test_c_integer_expressions(expr, value):
 
 
 def test_wire_constants_are_defined_once():
-    """chainer_vgc.kernels (device primitives; codec builds on it) holds no
+    """chainer_vgc.backends.cuda.kernels (device primitives; codec builds on it) holds no
     copy of the wire-format constants: they live in chainer_vgc.codec."""
     for name in dir(codec.constants):
         if name.isupper():

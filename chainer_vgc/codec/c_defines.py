@@ -95,7 +95,7 @@ def c_int(expr):
 def check_kernel_constants(source_text, names=KERNEL_CONSTANTS):
     """Check the ``#define VGC_...`` lines of a C++/CUDA source against
     codec: ``source_text`` (``kernels/vgc_numerics.cuh``, as
-    :func:`chainer_vgc.kernels.source` reads it, for the default ``names``)
+    :func:`chainer_vgc.backends.cuda.kernels.source` reads it, for the default ``names``)
     must define each of ``names`` (keys of :data:`C_CONSTANTS`) as an
     integer constant expression equal to codec's value, every time it
     defines it.

@@ -20,14 +20,14 @@ have one encoding (:func:`gap_body`).  No limit on the tensor size; at most
 2**32 - 1 elements per group.
 
 The body is built by :func:`gap_body`: the NumPy reference here, or on the
-device (CuPy input) by the kernels of :mod:`chainer_vgc.kernels`
+device (CuPy input) by the kernels of :mod:`chainer_vgc.backends.cuda.kernels`
 (:func:`device_gap_body`); the native backend produces the same words.
 """
 
 import numpy
 
-from chainer_vgc import backend
-from chainer_vgc import kernels
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, GAP_ESCAPE, GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS,
     GAP_RESTARTS, GAP_RESTART_CODES, GAP_RESTART_WORDS, GAP_SIGN_ONLY,
@@ -295,7 +295,7 @@ def device_gap_body(index, nibbles, k, sign_only):
     Rice parameter ``k``.
 
     NumPy input: :func:`gap_body`, the reference.  CuPy input (the arrays
-    of ``chainer_vgc.backend``'s array module): built on the device by three
+    of ``chainer_vgc.backends.arrays``'s array module): built on the device by three
     kernels and one scan, reading back one scalar (the total code bit count,
     which sizes the body):
 

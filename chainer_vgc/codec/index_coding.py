@@ -5,7 +5,7 @@ asked for or, with ``'auto'``, shorter."""
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.codec.constants import (
     CODINGS, FMT_GAP, GAP_PARAM_WORDS, HEADER_WORDS, INDEX_BITS, MAX_COUNT,
     MAX_INDEX)

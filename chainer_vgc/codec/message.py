@@ -7,8 +7,8 @@ re-encodes runs of small groups as one FMT_GAP group."""
 
 import numpy
 
-from chainer_vgc import backend
-from chainer_vgc import kernels
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_INDEXED, FMT_POW2, GAP_PARAM_WORDS, GAP_SPAN_SHIFT,
     HEADER_WORDS, INDEX_BITS, MAGIC, MAX_COUNT, MAX_GAP_SPAN,

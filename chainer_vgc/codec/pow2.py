@@ -11,8 +11,8 @@ FMT_GAP groups the device adds from (pow2 words and int64 indices).
 
 import numpy
 
-from chainer_vgc import backend
-from chainer_vgc import kernels
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_INDEXED, FMT_POW2, INDEX_BITS, LOG2_ZERO, MAX_D, MAX_INDEX)
 from chainer_vgc.codec.header import (

@@ -5,7 +5,7 @@ value = ``sign * level * scale``."""
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.codec.constants import (
     FMT_QSGD, MAX_QSGD_BUCKET, QSGD_OFFSET_BITS, QSGD_RECORD_WORDS)
 from chainer_vgc.codec.header import (

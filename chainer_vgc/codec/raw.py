@@ -6,7 +6,7 @@ out on decode for alignment)."""
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.codec.constants import FMT_RAW, RAW_DENSE, RAW_FLOAT64
 from chainer_vgc.codec.header import (
     Group, WireFormat, WireFormatError, check_finite, check_index, where)

@@ -3,19 +3,19 @@
 A rule is the method: its state, its declared hyperparameters and its
 ``compress``, in plain NumPy (and CuPy).  The wire formats are the codec's
 (:data:`chainer_vgc.codec.FORMATS`); a backend's faster step for a rule is
-registered with :func:`chainer_vgc.fast_paths.register`.
+registered with :func:`chainer_vgc.backends.registry.register`.
 
 A rule turns one parameter's minibatch gradient (and, for the variance-based
 rules, the per-sample sum of squares) plus its own per-parameter state into
 the elements to send, as a :class:`chainer_vgc.codec.Group`.  Rules see flat
-(1-D) arrays; state arrays are in :func:`chainer_vgc.backend.state_dtype`.
+(1-D) arrays; state arrays are in :func:`chainer_vgc.backends.arrays.state_dtype`.
 """
 
 import copy
 import math
 import numbers
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 
 
@@ -78,7 +78,7 @@ class CompressionRule(object):
     def count(self, grad, sqsum, state):
         """How many elements :meth:`compress` would send now, without
         changing ``state`` (None: this rule cannot tell; a dense fallback,
-        :mod:`chainer_vgc.fallback`, then needs one that can)."""
+        :mod:`chainer_vgc.exchange.fallback`, then needs one that can)."""
         return None
 
     def __repr__(self):

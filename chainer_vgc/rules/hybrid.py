@@ -24,9 +24,9 @@ and what receivers add agree.
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.rules import base
 
 

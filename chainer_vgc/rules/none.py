@@ -1,7 +1,7 @@
 """No compression, the paper's Table 1 baseline: every element is sent
 exactly (dense FMT_RAW group)."""
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.rules import base
 

@@ -16,7 +16,7 @@ import json
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.rules import base
 

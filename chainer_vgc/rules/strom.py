@@ -11,9 +11,9 @@ FMT_POW2 group (:func:`chainer_vgc.codec.pow2_sign_group`).
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.rules import base
 
 

@@ -23,9 +23,9 @@ then sum of gradients = sum sent + r exactly up to float rounding.
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.rules import base
 
 

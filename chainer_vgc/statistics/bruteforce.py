@@ -26,7 +26,7 @@ from chainer.functions.noise import zoneout as _zoneout
 from chainer.functions.normalization import batch_normalization as _bn
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.statistics.graph import _functions_of
 
 

@@ -39,7 +39,7 @@ the ``vgc_sum_squares`` ReductionKernel.
 
 import numpy
 
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 
 #: the Gram formulation is used up to this many positions per example
 #: (measured on the 2-core machine, one thread: at P = 4 it took 0.04 s
@@ -246,7 +246,7 @@ def accumulate(xp, acc, first, work, write):
 def sum_squares(xp, g, out=None):
     """sum over axis 0 of g**2 without a temporary of g's size: NumPy's
     einsum; on the GPU the ``vgc_sum_squares`` ReductionKernel
-    (:mod:`chainer_vgc.kernels`; CuPy's einsum would make two transposed
+    (:mod:`chainer_vgc.backends.cuda.kernels`; CuPy's einsum would make two transposed
     copies of g).  The GPU adds the examples in another order than NumPy,
     so the last bits of the statistics may differ between devices.
     ``out``: written in place (and returned)."""

@@ -46,7 +46,7 @@ from chainer.functions.normalization import batch_normalization as _bn
 from chainer.utils import conv as conv_utils
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.statistics import contraction
 from chainer_vgc.statistics.im2col import im2col
 from chainer_vgc.statistics.uses import _as

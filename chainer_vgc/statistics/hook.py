@@ -40,7 +40,7 @@ import contextlib
 import chainer
 from chainer import backend as chainer_backend
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc.params import model_params
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
 from chainer_vgc.statistics.contraction import Workspace
@@ -229,7 +229,7 @@ class PerSampleSquares(chainer.FunctionHook):
         parameter has data on one device and one state dtype (else
         None: each sum is its own array).  The reductions write into
         them, and a compressor on the GPU then reads the sums in place
-        instead of gathering them (:mod:`chainer_vgc.device_step`)."""
+        instead of gathering them (:mod:`chainer_vgc.backends.cuda.compress`)."""
         arrays = [p.array for p in self.params]
         if not arrays or any(a is None for a in arrays):
             return None

@@ -11,8 +11,8 @@ products (Linear, convolutions) take the faster exact formulations of
 :mod:`~chainer_vgc.statistics.contraction` instead, tested against these.
 """
 
-from chainer_vgc import backend
-from chainer_vgc import kernels
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.statistics import contraction
 
 

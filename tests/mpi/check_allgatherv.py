@@ -6,7 +6,7 @@ import sys
 import numpy
 from mpi4py import MPI
 
-from chainer_vgc import transport
+from chainer_vgc.chainermn import transport
 
 
 def main():

@@ -355,7 +355,7 @@ def main():
                 f.write(why)
         last = mode == 'last-exchange-error'
         if mode != 'main-error' and world.rank == bad:
-            from chainer_vgc import step as step_module
+            from chainer_vgc.exchange import run as step_module
             real, calls = step_module.run_exchange, []
 
             def failing(*args, **kwds):

@@ -1,4 +1,4 @@
-"""Run under mpiexec: the dense fallback (chainer_vgc.fallback).  A step
+"""Run under mpiexec: the dense fallback (chainer_vgc.exchange.fallback).  A step
 predicted slower compressed is sent dense as a warm-up step is (every
 gradient allreduced, every residual as it was): the run equals, bit for
 bit, an oracle of two communicators, 'vgc' for the compressed steps and

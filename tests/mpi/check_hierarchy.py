@@ -15,7 +15,7 @@ import numpy
 from mpi4py import MPI
 
 import chainer_vgc
-from chainer_vgc.node_transfer import node_mean
+from chainer_vgc.nodes.transfer import node_mean
 from chainer_vgc.params import model_params
 from chainer_vgc.statistics import PerSampleSquares
 

@@ -23,7 +23,7 @@ import chainer.links as L
 import numpy
 
 import chainer_vgc
-from chainer_vgc.models import MLP
+from chainer_vgc.harness.models import MLP
 
 from topk_rule import TopK
 

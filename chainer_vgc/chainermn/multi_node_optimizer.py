@@ -7,14 +7,14 @@ data-parallel run do with compression?  Same semantics as ChainerMN's
 rank 0; later updates average gradients through the communicator), so
 ``StandardUpdater`` + ``Trainer`` code works unchanged.  The compressor's
 residual state is part of the optimizer's serialized state (trainer
-snapshots).  Double buffering is :mod:`chainer_vgc.double_buffering`.
+snapshots).  Double buffering is :mod:`chainer_vgc.chainermn.double_buffering`.
 """
 
 import chainer
 import numpy
 
-from chainer_vgc import backend
-from chainer_vgc.communicator import VGCCommunicator
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.chainermn.communicator import VGCCommunicator
 from chainer_vgc.rules.base import float32_update
 
 
@@ -80,7 +80,7 @@ class VGCMultiNodeOptimizer(object):
 
     @property
     def method_state(self):
-        """The target's :class:`~chainer_vgc.method_state.MethodState`
+        """The target's :class:`~chainer_vgc.exchange.state.MethodState`
         (the communicator keeps one per model)."""
         return self.communicator.state(self.target)
 

@@ -31,7 +31,7 @@ class SkippedStep(Exception):
 
 class DenseStep(Exception):
     """Every rank's counts predict the compressed exchange slower than
-    a dense allreduce (:mod:`chainer_vgc.fallback`): raised at the first
+    a dense allreduce (:mod:`chainer_vgc.exchange.fallback`): raised at the first
     agreement, before any state moves; the step is sent dense.
     ``choice``: the prediction."""
 

@@ -5,20 +5,20 @@ and nothing else?  :class:`Collectives` is a ChainerMN communicator (on
 ChainerMN's ``MpiCommunicatorBase``) that knows no method and no model
 state: the allgatherv of the compressed messages (paper Sec. 4.3: every
 worker sends its elements to every other worker;
-:mod:`chainer_vgc.transport`), small object allgathers for the checks
+:mod:`chainer_vgc.chainermn.transport`), small object allgathers for the checks
 every rank must agree on, the dense group's allreduce (ChainerMN's naive
 mean, or one float16 allreduce as ChainerMN's ``allreduce_grad_dtype``),
 and rank 0's parameters to every rank.  Device arrays travel through host
 memory unless ``cuda_aware_mpi``.
 
-:class:`~chainer_vgc.communicator.VGCCommunicator` is one; a background
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` is one; a background
 exchange (double buffering) runs on a second one over a duplicate of the
 MPI communicator, so that its collectives never mix with the main thread's.
 """
 
 import weakref
 
-from chainer_vgc import mpi_support
+from chainer_vgc.chainermn import mpi_support
 
 # ChainerMN loads mpi4py.MPI, which needs an MPI library: without one, fail
 # here with an error that says how to get it
@@ -28,9 +28,9 @@ import chainer  # NOQA: E402
 from chainermn.communicators import mpi_communicator_base  # NOQA: E402
 import numpy  # NOQA: E402
 
-from chainer_vgc import backend  # NOQA: E402
+from chainer_vgc.backends import arrays as backend  # NOQA: E402
 from chainer_vgc import extensions  # NOQA: E402
-from chainer_vgc import transport  # NOQA: E402
+from chainer_vgc.chainermn import transport  # NOQA: E402
 
 
 class Collectives(mpi_communicator_base.MpiCommunicatorBase):
@@ -93,7 +93,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
     def allgatherv_words(self, message, into=None):
         """Every rank's uint32 message, in rank order: (blocks, counts);
         received into ``into(words)``'s buffer where given
-        (:mod:`chainer_vgc.transport`)."""
+        (:mod:`chainer_vgc.chainermn.transport`)."""
         return transport.allgatherv(self.mpi_comm, message,
                                     method=self.allgatherv_method,
                                     chunk_words=self.chunk_words, into=into)

@@ -19,12 +19,12 @@ whole model; each tensor's state is a view), and a step is:
    one copy per tensor for tensors over 2 MiB: 70 launches a step for 35
    tensors of 2.9 MB);
 2. the rule's select pass over the whole arena (``vgc_model_*`` in
-   :data:`chainer_vgc.kernels.SPECS`): the next state into the other pair
+   :data:`chainer_vgc.backends.cuda.kernels.SPECS`): the next state into the other pair
    of arenas, the input and overflow checks as per-tensor flags, and for
    vgc each tensor's largest selected ``|r|`` (for e_k, Sec. 4.2);
 3. vgc only: which selected elements e_k can represent;
 4. one scan of the elements sent, in place on the int64 ``ok``
-   (:func:`chainer_vgc.kernels.scan`: CUB's, two launches; without CUB
+   (:func:`chainer_vgc.backends.cuda.kernels.scan`: CUB's, two launches; without CUB
    ``cupy.cumsum``, whose launches grow with the model's size);
 5. the layout, one thread: each tensor's FMT_POW2 group header and place;
 6. the write pass: each element's word (Sec. 4.2) at its place, and the
@@ -55,10 +55,10 @@ per-tensor CuPy kernels.
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.header import f32_bits
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules import Strom

@@ -29,7 +29,7 @@ import time
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import costmodel
 
 Choice = collections.namedtuple('Choice', ['dense', 'compressed_s',

@@ -5,13 +5,13 @@ compressed data parallelism, and where does each part live?  A
 :class:`VGCCommunicator` is ChainerMN's communicator interface over three
 rooms:
 
-- the bytes: it *is* a :class:`~chainer_vgc.collectives.Collectives` (the
+- the bytes: it *is* a :class:`~chainer_vgc.chainermn.collectives.Collectives` (the
   allgatherv of the messages, the dense allreduce, ``bcast_data``);
-- the method: one :class:`~chainer_vgc.method_state.MethodState` per model
+- the method: one :class:`~chainer_vgc.exchange.state.MethodState` per model
   (rule, residuals, dense group, warm-up, ramp, totals), made from this
   communicator's settings the first time the model is exchanged, saved by
-  :mod:`chainer_vgc.snapshot`;
-- the step: :func:`chainer_vgc.step.exchange_async` (now, or on a
+  :mod:`chainer_vgc.exchange.snapshot`;
+- the step: :func:`chainer_vgc.exchange.run.exchange_async` (now, or on a
   background thread for double buffering) returns a handle whose
   ``wait()`` gives the result.
 
@@ -24,11 +24,11 @@ attributes a run reads (``totals``, ``last``, ``skipped``,
 import gc
 import weakref
 
-from chainer_vgc import snapshot
-from chainer_vgc import step
-from chainer_vgc import transport
-from chainer_vgc.collectives import Collectives
-from chainer_vgc.method_state import MethodState
+from chainer_vgc.exchange import snapshot
+from chainer_vgc.exchange import run as step
+from chainer_vgc.chainermn import transport
+from chainer_vgc.chainermn.collectives import Collectives
+from chainer_vgc.exchange.state import MethodState
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 
 
@@ -84,8 +84,8 @@ class VGCCommunicator(Collectives):
         dense_fallback: None (off), or a step predicted faster dense (Sec.
             5, from this step's counts) is sent dense, as a warm-up step:
             True (the link measured at the first exchange), a bandwidth
-            (``'1Gbit'``), or :class:`~chainer_vgc.fallback.DenseFallback`
-            arguments (a dict) or object; see :mod:`chainer_vgc.fallback`.
+            (``'1Gbit'``), or :class:`~chainer_vgc.exchange.fallback.DenseFallback`
+            arguments (a dict) or object; see :mod:`chainer_vgc.exchange.fallback`.
         **hyperparams: the rule's (``alpha``, ``zeta``, ``tau``, ``bits``,
             ``bucket``, ``seed``, ``quantize``, ...), with a method name.
 
@@ -127,7 +127,7 @@ class VGCCommunicator(Collectives):
                         '(None: the ranks)')
 
     #: the method state's class, and the exchange's function (see
-    #: :func:`chainer_vgc.step.exchange_async`'s ``run``): the
+    #: :func:`chainer_vgc.exchange.run.exchange_async`'s ``run``): the
     #: hierarchical communicator has its own
     _State = MethodState
     _run = None
@@ -164,13 +164,13 @@ class VGCCommunicator(Collectives):
 
     # -- the method's state, one per model ------------------------------------
     def state(self, model):
-        """The :class:`~chainer_vgc.method_state.MethodState` of ``model``
+        """The :class:`~chainer_vgc.exchange.state.MethodState` of ``model``
         (made from this communicator's settings at the first call; the
         first model gets the one made, and checked, on construction).
         While two or more models are alive on this communicator, each
         reports under its own name: the trainer's, else its
         :attr:`MethodState.label
-        <chainer_vgc.method_state.MethodState.label>`; a model that comes
+        <chainer_vgc.exchange.state.MethodState.label>`; a model that comes
         after the last one was dropped (a sweep) reports ``vgc/...``."""
         st = self._states.get(model)
         if st is None:
@@ -194,7 +194,7 @@ class VGCCommunicator(Collectives):
     def setup(self, model):
         """Build ``model``'s compressor and check that every rank has the
         same model and settings (see :meth:`MethodState.setup
-        <chainer_vgc.method_state.MethodState.setup>`)."""
+        <chainer_vgc.exchange.state.MethodState.setup>`)."""
         self._current = self.state(model)
         self._current.setup(model, self)
 
@@ -222,7 +222,7 @@ class VGCCommunicator(Collectives):
     def set_loss_scale(self, loss_scale):
         """The loss scale S of the coming multi_node_mean_grad (Chainer's
         ``optimizer.loss_scaling()``; None: none): see
-        :func:`chainer_vgc.step.exchange_async`."""
+        :func:`chainer_vgc.exchange.run.exchange_async`."""
         self._loss_scale = loss_scale
 
     # -- the step ------------------------------------------------------------
@@ -236,7 +236,7 @@ class VGCCommunicator(Collectives):
     def exchange(self, model, zero_fill=False, sqsums=None, loss_scale=None,
                  uncovered=None, state=None):
         """One exchange, now: ``param.grad`` becomes the mean over the
-        ranks; returns its :class:`~chainer_vgc.step.ExchangeResult`.  See
+        ranks; returns its :class:`~chainer_vgc.exchange.run.ExchangeResult`.  See
         :meth:`exchange_async`."""
         return self.exchange_async(model, zero_fill, sqsums, loss_scale,
                                    uncovered, state).wait()
@@ -245,11 +245,11 @@ class VGCCommunicator(Collectives):
                        loss_scale=None, uncovered=None, state=None,
                        background=False, collectives=None):
         """Start one exchange of ``model``'s gradients; returns an
-        :class:`~chainer_vgc.step.ExchangeHandle` (``handle.wait()``: the
+        :class:`~chainer_vgc.exchange.run.ExchangeHandle` (``handle.wait()``: the
         mean is in ``param.grad``, the result is returned and its totals
         become the state's).
 
-        ``state``: the :class:`~chainer_vgc.method_state.MethodState` to
+        ``state``: the :class:`~chainer_vgc.exchange.state.MethodState` to
         use (default: ``model``'s); ``uncovered``: the names this step's
         statistics did not cover (default: those of the last backward
         through :meth:`statistics`); ``background``: run on a thread, on
@@ -257,7 +257,7 @@ class VGCCommunicator(Collectives):
         communicator's own, made at the first such call: collective).  A
         background exchange first waits for the one in flight on the same
         collectives or of the same state; see
-        :func:`chainer_vgc.step.exchange_async` for the rest."""
+        :func:`chainer_vgc.exchange.run.exchange_async` for the rest."""
         if state is None:
             state = self.state(model)
         if uncovered is None:
@@ -301,7 +301,7 @@ class VGCCommunicator(Collectives):
     def serialize_state(self, model, serializer, state=None):
         """Save or load ``model``'s method state (residuals, totals, the
         rule's own state) with ``serializer``: see
-        :func:`chainer_vgc.snapshot.serialize`."""
+        :func:`chainer_vgc.exchange.snapshot.serialize`."""
         if state is None:
             state = self.state(model)
         self._current = state

@@ -1,18 +1,18 @@
 """The native CPU backend's fast paths for the rules that ship.
 
 The question this module answers: which fused C++ pass
-(:mod:`chainer_vgc.native`, ``kernels/``) runs each shipped rule on the
+(:mod:`chainer_vgc.backends.native.bindings`, ``kernels/``) runs each shipped rule on the
 CPU, for the wire format its settings choose, and how large can its group
-be?  Each factory returns a :data:`~chainer_vgc.fast_paths.FastPath`
+be?  Each factory returns a :data:`~chainer_vgc.backends.registry.FastPath`
 bound to one rule object, registered with
-:func:`chainer_vgc.fast_paths.register` on import.  The passes equal the
+:func:`chainer_vgc.backends.registry.register` on import.  The passes equal the
 rules' NumPy steps bit for bit (``tests/test_native.py``).
 """
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import fast_paths
-from chainer_vgc import native
+from chainer_vgc.backends import registry as fast_paths
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import Hybrid
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules import QSGD

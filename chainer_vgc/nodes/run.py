@@ -16,16 +16,16 @@ So, on every rank:
    quantized as the flat exchange would, Sec. 4.2);
 2. inside the node, one dense reduce-scatter (``Alltoallv``, then the sum
    in local-rank order): each local rank holds its node's g and s of the
-   parameters it owns (:func:`chainer_vgc.node_transfer.
+   parameters it owns (:func:`chainer_vgc.nodes.transfer.
    reduce_to_owners`);
-3. each local rank runs the flat exchange (:func:`chainer_vgc.step.
+3. each local rank runs the flat exchange (:func:`chainer_vgc.exchange.run.
    exchange_groups`) on its shard, with its shard's residuals, among the
    ranks of the same local index on the q = p/k nodes: allgatherv of the
    compressed group, allreduce of the dense group.  The ranks agree on
    faults over every rank (one small allgather, as the flat exchange),
    so a non-finite gradient anywhere skips the step everywhere;
 4. inside the node, an allgather of the shards' means
-   (:func:`chainer_vgc.node_transfer.gather_means`).
+   (:func:`chainer_vgc.nodes.transfer.gather_means`).
 
 The result is VGC with q workers of batch kB, bit for bit
 (tests/mpi/check_hierarchy.py).  Reported: the flat figures over the q
@@ -37,12 +37,12 @@ node).
 import time
 
 from chainer_vgc import extensions
-from chainer_vgc import faults
-from chainer_vgc import node_layout
-from chainer_vgc import node_transfer
-from chainer_vgc import step
-from chainer_vgc.method_state import MethodState
-from chainer_vgc.method_state import initialized_params
+from chainer_vgc.exchange import faults
+from chainer_vgc.nodes import layout as node_layout
+from chainer_vgc.nodes import transfer as node_transfer
+from chainer_vgc.exchange import run as step
+from chainer_vgc.exchange.state import MethodState
+from chainer_vgc.exchange.state import initialized_params
 from chainer_vgc.params import model_params
 
 
@@ -61,7 +61,7 @@ class ShardView(object):
 
 
 class NodeMethodState(MethodState):
-    """A :class:`~chainer_vgc.method_state.MethodState` whose compressor
+    """A :class:`~chainer_vgc.exchange.state.MethodState` whose compressor
     holds the residuals of this rank's shard only; the dense group and the
     need for statistics are those of the whole model."""
 
@@ -124,7 +124,7 @@ class NodeMethodState(MethodState):
 def run_node_exchange(collectives, state, model, zero_fill, sqsums,
                       loss_scale, uncovered, totals):
     """The hierarchical exchange (see the module's steps); same arguments
-    and result as :func:`chainer_vgc.step.run_exchange`, ``collectives``
+    and result as :func:`chainer_vgc.exchange.run.run_exchange`, ``collectives``
     being a hierarchical communicator (or its duplicate)."""
     layout = collectives.layout
     state.note_uncovered(uncovered, collectives)

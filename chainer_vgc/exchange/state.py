@@ -11,8 +11,8 @@ group, the warm-up and the alpha ramp, the run totals and the figures of
 the last exchange.
 
 It moves no bytes: the communicator does
-(:mod:`chainer_vgc.collectives`), one exchange is
-:mod:`chainer_vgc.step`'s, and snapshots are :mod:`chainer_vgc.snapshot`'s.
+(:mod:`chainer_vgc.chainermn.collectives`), one exchange is
+:mod:`chainer_vgc.exchange.run`'s, and snapshots are :mod:`chainer_vgc.exchange.snapshot`'s.
 The checks that every rank agrees are handed the communicator's
 collectives.
 """
@@ -22,11 +22,11 @@ import warnings
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import extensions
-from chainer_vgc import fallback
-from chainer_vgc import groups
-from chainer_vgc import native
+from chainer_vgc.exchange import fallback
+from chainer_vgc.exchange import settings as groups
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
 from chainer_vgc.rules import CompressionRule
@@ -47,7 +47,7 @@ class MethodState(object):
 
     ``exclude``, ``min_size``, ``warmup``, ``alpha_ramp``, ``dense_dtype``,
     ``uncovered``, ``max_memory`` and ``resume_other_method`` are as in
-    :class:`~chainer_vgc.communicator.VGCCommunicator`.  Every argument is
+    :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`.  Every argument is
     checked here, on construction.
     """
 
@@ -60,7 +60,7 @@ class MethodState(object):
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
                              "'dense', got {!r}".format(uncovered))
         self.base_rule = groups.make_rule(method, hyperparams)
-        #: None, or the :class:`~chainer_vgc.fallback.DenseFallback`
+        #: None, or the :class:`~chainer_vgc.exchange.fallback.DenseFallback`
         self.fallback = fallback.make(dense_fallback)
         self.dense_fallback = dense_fallback
         if self.fallback is not None and \
@@ -140,7 +140,7 @@ class MethodState(object):
 
     def dense_group(self, model):
         """Names of ``model``'s initialized parameters exchanged densely
-        (allreduce): see :func:`chainer_vgc.groups.dense_group`."""
+        (allreduce): see :func:`chainer_vgc.exchange.settings.dense_group`."""
         return groups.dense_group(model, self.rule, self.exclude,
                                   self.min_size, self.uncovered_dense)
 

@@ -14,9 +14,9 @@ import json
 import chainer
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import extensions
-from chainer_vgc.multi_node_optimizer import VGCMultiNodeOptimizer
+from chainer_vgc.chainermn.multi_node_optimizer import VGCMultiNodeOptimizer
 
 
 class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):

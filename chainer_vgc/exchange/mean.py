@@ -7,7 +7,7 @@ step runs one way (paper Sec. 4.3):
 1. this worker's gradients (:func:`local_gradients`; missing ones as zeros
    with ``zero_fill``), divided by the loss scale (:func:`unscaled`), go to
    the compressor, which makes one uint32 message;
-2. the transport (an allgatherv, :mod:`chainer_vgc.transport`) gives every
+2. the transport (an allgatherv, :mod:`chainer_vgc.chainermn.transport`) gives every
    rank every rank's message; nothing is re-compressed;
 3. every message is decoded and the messages are summed in rank order
    (indices may overlap), then multiplied by 1/p as ChainerMN's naive
@@ -16,7 +16,7 @@ step runs one way (paper Sec. 4.3):
    backend's one fused call, equal to it bit for bit).
 
 On a GPU the whole model is decoded at once where it can be
-(:mod:`chainer_vgc.device_decode`): the messages' structure is checked on
+(:mod:`chainer_vgc.backends.cuda.decode`): the messages' structure is checked on
 the host (:func:`validate_messages` with ``codes=False``), the messages go
 up as received in one copy, and the device decodes and checks the
 gap-coded groups (FMT_GAP) from their restart points and sums the
@@ -29,8 +29,8 @@ tensor on the device.  A dense group (method
 tree, MPI's recursive-doubling order, so that 2^k ranks reproduce a dense
 allreduce bit for bit.
 
-No MPI here: :class:`~chainer_vgc.communicator.VGCCommunicator` and the
-one-process :class:`~chainer_vgc.simulation.SimulatedWorkers` call the same
+No MPI here: :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` and the
+one-process :class:`~chainer_vgc.harness.simulation.SimulatedWorkers` call the same
 functions in the same rank order, which is why the simulation matches an
 ``mpiexec`` run bit for bit.
 """
@@ -39,11 +39,11 @@ import functools
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import device_decode
-from chainer_vgc import kernels
-from chainer_vgc import native
+from chainer_vgc.backends.cuda import decode as device_decode
+from chainer_vgc.backends.cuda import kernels
+from chainer_vgc.backends.native import bindings as native
 
 
 # -- this worker: what goes into the compressor ----------------------------
@@ -244,11 +244,11 @@ def validate_messages(blocks, compressor, dtypes, table=False, codes=True):
     does (the native decoder's walk where it applies: same checks, no
     output); returns the elements each carries, and with ``table`` also
     the group table that walk read (None without the native backend; see
-    :func:`chainer_vgc.device_decode.group_rows`).  A fault raises
+    :func:`chainer_vgc.backends.cuda.decode.group_rows`).  A fault raises
     :class:`~chainer_vgc.codec.WireFormatError` as the reference names
     it.  ``codes=False`` (with the native backend): the FMT_GAP groups'
     codes are left unchecked, for the device decode, which checks them
-    (:func:`chainer_vgc.device_decode.mean`); a message refused even so
+    (:func:`chainer_vgc.backends.cuda.decode.mean`); a message refused even so
     is checked in full, which names the fault."""
     sizes = compressor.sizes
     sdts = [backend.state_dtype(d) for d in dtypes]
@@ -272,9 +272,9 @@ def validate_messages(blocks, compressor, dtypes, table=False, codes=True):
 
 def receive_into(compressor, params, grads, size):
     """Where MPI should receive this step's ``size`` messages
-    (:func:`chainer_vgc.transport.allgatherv`'s ``into``): for parameters
+    (:func:`chainer_vgc.chainermn.transport.allgatherv`'s ``into``): for parameters
     on a GPU that the whole-model decode takes, the buffer it uploads from
-    (:func:`chainer_vgc.device_decode.receive_into`); else None, a new host
+    (:func:`chainer_vgc.backends.cuda.decode.receive_into`); else None, a new host
     array."""
     if not _on_device(params) or not device_decode.applies(
             [None] * size, compressor, params, grads, False):
@@ -297,7 +297,7 @@ def _on_device(params):
 def upload_blocks(blocks, xp, like, staging=None):
     """Every rank's message on ``like``'s device with one host-to-device
     copy (through one pinned buffer: ``staging``'s, a
-    :class:`~chainer_vgc.backend.HostStaging` kept from step to step, or a
+    :class:`~chainer_vgc.backends.arrays.HostStaging` kept from step to step, or a
     new one); returns a device view per block."""
     sizes = [int(b.size) for b in blocks]
     staging = staging or backend.HostStaging()
@@ -365,7 +365,7 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
 # -- the dense rank-order tree ---------------------------------------------
 def _tree_sum(per_rank):
     """Pairwise sums of per-rank lists of arrays in rank order (MPI's
-    recursive doubling), added with :func:`chainer_vgc.kernels.add_into`."""
+    recursive doubling), added with :func:`chainer_vgc.backends.cuda.kernels.add_into`."""
     while len(per_rank) > 1:
         nxt = [[kernels.add_into(a.copy(), b)
                 for a, b in zip(per_rank[k], per_rank[k + 1])]

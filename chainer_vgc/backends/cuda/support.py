@@ -17,7 +17,7 @@ naming this interpreter's fix, instead of a failure deep inside a kernel
 launch.
 
 NVRTC is the runtime compiler that builds the kernels of
-:mod:`chainer_vgc.kernels` on their first call.  Neither CuPy wheel bundles
+:mod:`chainer_vgc.backends.cuda.kernels` on their first call.  Neither CuPy wheel bundles
 it.  CuPy 13 does not look for it in the NVIDIA wheel: it loads
 ``libnvrtc.so.12`` by name.  CuPy 14 looks for it through ``cuda-pathfinder``
 (site-packages first).  :func:`preload_nvrtc` loads the wheel's library for
@@ -26,7 +26,7 @@ another) into the process (``RTLD_GLOBAL``), so that CuPy finds it loaded
 already; call it before the first kernel is compiled.  :func:`find_nvrtc`
 only locates it.
 
-``python -m chainer_vgc.cuda_support`` prints :func:`status`.
+``python -m chainer_vgc.backends.cuda.support`` prints :func:`status`.
 """
 
 import ctypes

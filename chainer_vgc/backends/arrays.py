@@ -13,7 +13,7 @@ except Exception:  # ImportError, or a CUDA library missing at import
 else:
     # NVRTC from its wheel before CuPy compiles anything (CuPy's own
     # kernels included); a no-op where the wheel is absent
-    from chainer_vgc import cuda_support as _cuda_support
+    from chainer_vgc.backends.cuda import support as _cuda_support
     _cuda_support.preload_nvrtc()
 
 

@@ -11,7 +11,7 @@ descriptor per (rank, tensor) (body offset, count, kind, e_k, scale),
 the bodies as they were sent, each rank's groups (items), and a row per
 gap-coded group (FMT_GAP: where its body is, its codes, its index
 space) go up in one copy, from a host buffer kept from step to step
-(:class:`~chainer_vgc.backend.HostStaging`: pinned memory that grows a
+(:class:`~chainer_vgc.backends.arrays.HostStaging`: pinned memory that grows a
 few times, then stays); nothing on the host is per block or per code.
 Then ``vgc_model_gap_expand`` decodes the blocks of
 :data:`~chainer_vgc.codec.GAP_RESTART_CODES` codes, one thread each from
@@ -26,17 +26,17 @@ of the reference), and ``vgc_model_finish`` writes the means.  Only
 then are the flags read: a flagged message leaves every gradient as it
 was (:data:`REFUSED`); else each ``param.grad`` becomes a view of one
 new array a dtype.  The means equal
-:func:`chainer_vgc.exchange.sum_messages` + ``write_mean`` bit for bit
+:func:`chainer_vgc.exchange.mean.sum_messages` + ``write_mean`` bit for bit
 (``tests/test_device_step.py``, ``tests/test_device_decode_checks.py``).
 Applies when every parameter has a gradient, the tensors have at most
 2**28 elements and no message carries FMT_QSGD; otherwise
-:mod:`chainer_vgc.exchange` decodes tensor by tensor."""
+:mod:`chainer_vgc.exchange.mean` decodes tensor by tensor."""
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.message import walk
 
 #: words of a (rank, tensor) descriptor, int64 of a FMT_GAP group's row
@@ -65,7 +65,7 @@ def group_rows(blocks, sizes):
     """The group table of validated host messages (int64 [groups, 8]:
     message, tensor id, format, count, a, b, the body's first word in the
     message, span), as the native validation returns it
-    (:func:`chainer_vgc.native.decode_mean` with ``table``); here from
+    (:func:`chainer_vgc.backends.native.bindings.decode_mean` with ``table``); here from
     :func:`~chainer_vgc.codec.message.walk`, a Python step per group, for
     the NumPy backend."""
     rows = []
@@ -164,7 +164,7 @@ def _dtype_groups(params, sizes):
 
 def upload_staging(compressor, name='_upload_staging'):
     """The compressor's host buffer for the upload, kept from step to step
-    (:class:`chainer_vgc.backend.HostStaging`: the upload's size changes
+    (:class:`chainer_vgc.backends.arrays.HostStaging`: the upload's size changes
     every step, and a new pinned buffer a step would pin more memory each
     step); ``name``: another one (the tensor-by-tensor fallback's, which
     copies from the first)."""
@@ -202,7 +202,7 @@ def _gap_room(groups):
 
 
 def receive_into(compressor, params, ranks):
-    """For :func:`chainer_vgc.transport.allgatherv`'s ``into``: MPI
+    """For :func:`chainer_vgc.chainermn.transport.allgatherv`'s ``into``: MPI
     receives the ``ranks`` messages straight into the upload's buffer,
     after the room the tables and descriptors take and with room after
     them for the FMT_GAP groups' rows (at most a group a tensor a rank),

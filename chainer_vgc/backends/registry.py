@@ -11,7 +11,7 @@ must give the same message and state as the rule, bit for bit (the tests
 compare them).
 
 The native CPU backend registers the paths of the rules that ship in
-:mod:`chainer_vgc.native_paths`; a rule of your own is one file, and its
+:mod:`chainer_vgc.backends.native.paths`; a rule of your own is one file, and its
 native path one more (``register('native', MyRule, factory)``).
 """
 
@@ -23,7 +23,7 @@ import collections
 #:   reads ``state``, writes the next state into ``new_state`` (same keys)
 #:   and the group into ``out`` (a uint32 array of at least ``max_words``
 #:   words), returning ``(words, elements, flags)``
-#:   (:mod:`chainer_vgc.native`);
+#:   (:mod:`chainer_vgc.backends.native.bindings`);
 #: - ``max_words(size, dtype)``: the most words a group of a tensor of
 #:   ``size`` elements of ``dtype`` can take (header included);
 #: - ``checks_inputs``: whether ``compress`` checks its inputs (finite

@@ -4,8 +4,8 @@ The question this module answers: given a method and the controls
 (``exclude``, ``min_size``, ``warmup``, ``alpha_ramp``, ``dense_dtype``),
 which rule runs, are the settings valid, and which of a model's parameters
 go to the dense group (exchanged uncompressed, as ChainerMN's allreduce)
-rather than to the rule?  :class:`~chainer_vgc.communicator.VGCCommunicator`
-and the one-process :class:`~chainer_vgc.simulation.SimulatedWorkers` make
+rather than to the rule?  :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`
+and the one-process :class:`~chainer_vgc.harness.simulation.SimulatedWorkers` make
 and check their settings here, the same way; nothing here needs MPI.
 """
 

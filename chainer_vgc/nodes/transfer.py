@@ -6,7 +6,7 @@ gradients into the node's g and s, and the shards' means back into every
 rank's ``param.grad``?  By point-to-point messages between the ranks of
 the node (``layout.intra_comm``, shared memory on a real node), straight
 from and into the arrays: each parameter's gradient (and sum of squares)
-goes to the local rank that owns it (:func:`chainer_vgc.node_layout.
+goes to the local rank that owns it (:func:`chainer_vgc.nodes.layout.
 owners`), which sums the k parts in local-rank order (:func:`node_mean`,
 the one definition); the owner's mean goes back to the k - 1 others.  A
 small allgather first tells every rank which ranks have which gradient.
@@ -15,7 +15,7 @@ Device arrays travel through host memory.
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 
 
 def node_mean(parts, divisor):

@@ -16,9 +16,9 @@ import warnings
 import chainer
 import numpy
 
-from chainer_vgc.method_state import hyperparams_record
-from chainer_vgc.method_state import initialized_params
-from chainer_vgc.method_state import plain_json
+from chainer_vgc.exchange.state import hyperparams_record
+from chainer_vgc.exchange.state import initialized_params
+from chainer_vgc.exchange.state import plain_json
 from chainer_vgc.params import model_params
 from chainer_vgc.rules import RULES
 from chainer_vgc.rules import create_rule
@@ -28,7 +28,7 @@ FORMAT = 2
 
 
 def serialize(state, model, serializer, ranks, layout=None):
-    """Save or load ``state`` (a :class:`~chainer_vgc.method_state.
+    """Save or load ``state`` (a :class:`~chainer_vgc.exchange.state.
     MethodState`) for ``model`` in a run of ``ranks`` ranks.
 
     Saving runs no collective (a snapshot taken on one rank only cannot

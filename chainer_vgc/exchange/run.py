@@ -7,13 +7,13 @@ from this rank's gradients to ``param.grad`` = the mean over the ranks?
 1. the parameters the statistics left uncovered join the dense group
    (``uncovered='dense'``), and every rank checks that it has the same
    model and settings (:meth:`MethodState.setup
-   <chainer_vgc.method_state.MethodState.setup>`);
+   <chainer_vgc.exchange.state.MethodState.setup>`);
 2. the compressed group: this worker's gradients, unscaled, to the rule
    and one uint32 message (:class:`~chainer_vgc.compressor.
    GradientCompressor`; a rank whose gradients are not finite makes every
    rank skip the step), the allgatherv, every message decoded and summed
    in rank order times 1/p into ``param.grad``
-   (:func:`chainer_vgc.exchange.mean_gradients`);
+   (:func:`chainer_vgc.exchange.mean.mean_gradients`);
 3. the dense group (and, during the warm-up, every parameter): allreduce;
 4. the figures (:mod:`chainer_vgc.extensions`).
 
@@ -31,12 +31,12 @@ import time
 import chainer
 import numpy
 
-from chainer_vgc import backend
-from chainer_vgc import exchange
+from chainer_vgc.backends import arrays as backend
+from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import extensions
-from chainer_vgc import fallback
-from chainer_vgc import faults
-from chainer_vgc.faults import SkippedStep
+from chainer_vgc.exchange import fallback
+from chainer_vgc.exchange import faults
+from chainer_vgc.exchange.faults import SkippedStep
 
 
 class ExchangeResult(object):
@@ -51,7 +51,7 @@ class ExchangeResult(object):
         self.figures = {}
         self.skipped = False
         self.timing = {}
-        #: the dense fallback's :class:`~chainer_vgc.fallback.Choice`
+        #: the dense fallback's :class:`~chainer_vgc.exchange.fallback.Choice`
         #: (None without one)
         self.choice = None
 
@@ -200,7 +200,7 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
     collectives must then be the background ones, and its device work is
     ordered after the work queued so far on the current stream).
     ``run``: the exchange itself (default :func:`run_exchange`; the
-    hierarchical one is :func:`chainer_vgc.node_step.run_node_exchange`),
+    hierarchical one is :func:`chainer_vgc.nodes.run.run_node_exchange`),
     called with this function's arguments and a copy of the totals."""
     if run is None:
         run = run_exchange

@@ -3,11 +3,11 @@
 The question this module answers: what does a job on nodes of several GPUs
 hold to run VGC between nodes only (issue 27)?  A
 :class:`HierarchicalCommunicator` is a
-:class:`~chainer_vgc.communicator.VGCCommunicator` over all the ranks,
-with a :class:`~chainer_vgc.node_layout.NodeLayout` (the ranks of each
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` over all the ranks,
+with a :class:`~chainer_vgc.nodes.layout.NodeLayout` (the ranks of each
 node, found by MPI's shared-memory split) and, for the ranks of its local
-index on the other nodes, :class:`~chainer_vgc.collectives.Collectives`
-(``inter``).  Its exchange is :func:`chainer_vgc.node_step.
+index on the other nodes, :class:`~chainer_vgc.chainermn.collectives.Collectives`
+(``inter``).  Its exchange is :func:`chainer_vgc.nodes.run.
 run_node_exchange`: a dense reduce-scatter inside the node, VGC on each
 shard between nodes, an allgather inside the node, as ChainerMN's
 ``two_dimensional`` communicator does for dense allreduce.  Because VGC's
@@ -17,18 +17,18 @@ kB.  ``create_communicator(..., hierarchy='node')`` makes one.
 
 import weakref
 
-from chainer_vgc import node_step
-from chainer_vgc import snapshot
-from chainer_vgc.collectives import Collectives
-from chainer_vgc.collectives import free_mpi_comm
-from chainer_vgc.communicator import VGCCommunicator
-from chainer_vgc.node_layout import NodeLayout
+from chainer_vgc.nodes import run as node_step
+from chainer_vgc.exchange import snapshot
+from chainer_vgc.chainermn.collectives import Collectives
+from chainer_vgc.chainermn.collectives import free_mpi_comm
+from chainer_vgc.chainermn.communicator import VGCCommunicator
+from chainer_vgc.nodes.layout import NodeLayout
 
 
 class NodeCollectives(Collectives):
     """Collectives over every rank with the node ``layout`` and the
     ``inter`` collectives of this rank's local index: what
-    :func:`~chainer_vgc.node_step.run_node_exchange` runs on (a
+    :func:`~chainer_vgc.nodes.run.run_node_exchange` runs on (a
     :class:`HierarchicalCommunicator` or its duplicate, for a background
     exchange)."""
 
@@ -56,14 +56,14 @@ def _free_node(mpi_comm, layout):
 
 
 class HierarchicalCommunicator(VGCCommunicator):
-    """A :class:`~chainer_vgc.communicator.VGCCommunicator` whose nodes of
+    """A :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` whose nodes of
     k ranks each act as one VGC worker of batch kB (see the module).
 
     Args:
         mpi_comm: an mpi4py communicator.
         ranks_per_node: None (MPI's shared-memory split finds the nodes) or
             k: ranks ``n*k .. n*k+k-1`` form node n (to emulate nodes).
-        **kwargs: as :class:`~chainer_vgc.communicator.VGCCommunicator`.
+        **kwargs: as :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`.
 
     Every rule, dense groups, warm-up, loss scaling, non-finite skips and
     double buffering work as in the flat communicator; the residuals of
@@ -104,7 +104,7 @@ class HierarchicalCommunicator(VGCCommunicator):
 
     def serialize_state(self, model, serializer, state=None):
         """As :meth:`VGCCommunicator.serialize_state
-        <chainer_vgc.communicator.VGCCommunicator.serialize_state>`, with
+        <chainer_vgc.chainermn.communicator.VGCCommunicator.serialize_state>`, with
         this rank's shard and the layout recorded (a snapshot of another
         layout, or of another local rank, is refused)."""
         if state is None:

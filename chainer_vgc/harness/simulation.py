@@ -5,9 +5,9 @@ In synchronous data parallelism every worker holds the same parameters, so
 one model suffices: each step, every simulated worker runs forward/backward
 on its own minibatch with its own compressor (its own residual state), and
 the workers' messages are combined exactly as
-:class:`~chainer_vgc.communicator.VGCCommunicator` combines the messages it
-gathers (the same functions of :mod:`chainer_vgc.exchange`, same rank
-order; settings and groups from :mod:`chainer_vgc.groups`, figures from
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` combines the messages it
+gathers (the same functions of :mod:`chainer_vgc.exchange.mean`, same rank
+order; settings and groups from :mod:`chainer_vgc.exchange.settings`, figures from
 :mod:`chainer_vgc.extensions`), then one optimizer update is applied.  As
 with ChainerMN's multi-node optimizer, the first step only "broadcasts" (no
 update).  ``tests/test_examples.py`` checks that this gives the same
@@ -17,9 +17,9 @@ ChainerMN or MPI.
 
 import time
 
-from chainer_vgc import exchange
+from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import extensions
-from chainer_vgc import groups
+from chainer_vgc.exchange import settings as groups
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules.base import float32_update

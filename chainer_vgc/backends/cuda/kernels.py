@@ -22,7 +22,7 @@ import os
 
 import numpy
 
-from chainer_vgc import backend
+from chainer_vgc.backends import arrays as backend
 
 KernelSpec = collections.namedtuple(
     'KernelSpec', ['in_params', 'out_params', 'operation'])
@@ -79,7 +79,7 @@ SPECS = collections.OrderedDict([
     ('vgc_gap_values', KernelSpec(
         'raw N nibbles, int64 count, bool sign_only', 'uint32 word',
         'word = vgc_gap_value_word(nibbles, count, sign_only, i)')),
-    # The whole-model step (issue 25; chainer_vgc.device_step): every
+    # The whole-model step (issue 25; chainer_vgc.backends.cuda.compress): every
     # tensor of a dtype group in one launch, laid end to end (offsets:
     # n_tensors + 1 element offsets; active: the tensors with a gradient
     # this step).  The select passes write the next state into r2, v2, and
@@ -146,7 +146,7 @@ SPECS = collections.OrderedDict([
         'vgc_model_none_write(i, vgc_to<typename vgc_state<G>::type>(g), '
         'offsets, n_tensors, base, msg, flags)')),
     # decode + mean of every rank's message, one thread per element of
-    # the model (chainer_vgc.device_decode)
+    # the model (chainer_vgc.backends.cuda.decode)
     ('vgc_model_decode_mean', KernelSpec(
         'raw uint32 buf, raw uint64 gaps, raw int64 offsets, raw int64 tids, '
         'int32 n_local, int32 n_tensors, int32 ranks, bool dense, '
@@ -171,7 +171,7 @@ SPECS = collections.OrderedDict([
         'mean = vgc_model_finish<D>(i, acc, acc_at, offsets, tids, n_local, '
         'rescaled, inv, rescale, k16)')),
     # FMT_GAP bodies decoded and checked on the device, one thread per
-    # block of codes from its restart point (chainer_vgc.device_decode)
+    # block of codes from its restart point (chainer_vgc.backends.cuda.decode)
     ('vgc_model_gap_expand', KernelSpec(
         'raw uint32 buf, raw int64 starts, raw int64 groups, '
         'int32 n_groups', 'int32 done, raw uint64 out, raw uint32 errs',
@@ -233,7 +233,9 @@ _SOURCE_NAME = 'vgc_numerics.cuh'
 
 def source_dir():
     """Directory that holds the CUDA sources (installed or source tree)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    # the package's folder (this file is chainer_vgc/backends/cuda/...)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
     candidates = [os.path.join(here, 'kernel_src'),
                   os.path.join(os.path.dirname(here), 'kernels')]
     for path in candidates:
@@ -260,9 +262,9 @@ def get_kernel(name):
     Checks the CuPy version first and loads NVRTC of CuPy's CUDA major from
     its NVIDIA wheel where it is installed (``nvidia-cuda-nvrtc-cu12`` for
     CuPy 13, ``nvidia-cuda-nvrtc`` 13 for CuPy 14;
-    :mod:`chainer_vgc.cuda_support`)."""
+    :mod:`chainer_vgc.backends.cuda.support`)."""
     import cupy
-    from chainer_vgc import cuda_support
+    from chainer_vgc.backends.cuda import support as cuda_support
     cuda_support.check_cupy(cupy)
     cuda_support.preload_nvrtc()
     if name in REDUCTION_SPECS:

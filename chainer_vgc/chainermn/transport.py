@@ -2,7 +2,7 @@
 
 The question this module answers: how do the ranks' compressed messages
 reach every rank?  (What is done with them there is
-:mod:`chainer_vgc.exchange`'s question.)
+:mod:`chainer_vgc.exchange.mean`'s question.)
 
 Each rank contributes one block of 32-bit words (its compressed message);
 every rank receives all blocks in rank order.  Two implementations with the

@@ -28,7 +28,7 @@ import threading
 
 import numpy
 
-from chainer_vgc import kernels
+from chainer_vgc.backends.cuda import kernels
 
 #: the sources the library is built from (hash compiled in by setup.py,
 #: whose NATIVE_SOURCES names the same files in the same order):
@@ -69,8 +69,10 @@ ISAS = {'baseline': '_vgc_native', 'avx2': '_vgc_native_avx2'}
 
 
 def library_path(isa='baseline'):
-    """Path of the compiled library of ``isa`` next to this file, or None."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """Path of the compiled library of ``isa`` in the package's folder
+    (``chainer_vgc/``, where setup.py builds it), or None."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(here, ISAS[isa] + suffix)
         if os.path.isfile(path):
