@@ -21,11 +21,9 @@ from chainer_vgc.backends import arrays as _backend
 from chainer_vgc import codec
 from chainer_vgc.backends.cuda import compress as device_step
 from chainer_vgc.backends import registry as fast_paths
-from chainer_vgc.exchange import faults
+from chainer_vgc import faults
 from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.backends.native import gap as native_gap
-# (registers the native backend's fast paths)
-from chainer_vgc.backends.native import paths as native_paths  # NOQA: F401
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
 

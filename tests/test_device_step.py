@@ -11,10 +11,10 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
-from chainer_vgc.exchange.faults import SkippedStep
+from chainer_vgc.faults import SkippedStep
 from chainer_vgc.backends.cuda import compress as device_step
 from chainer_vgc.exchange import mean as exchange
-from chainer_vgc.exchange import faults
+from chainer_vgc import faults
 
 from reference import assert_bitwise
 from test_gpu_path import _FakeModel

@@ -8,7 +8,7 @@ import pytest
 from chainer_vgc import codec
 from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import GradientCompressor
-from chainer_vgc.exchange.faults import NONFINITE, OK, OVERFLOW, SkippedStep
+from chainer_vgc.faults import NONFINITE, OK, OVERFLOW, SkippedStep
 
 BACKENDS = ['numpy', 'native']
 

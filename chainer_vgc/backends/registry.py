@@ -1,4 +1,4 @@
-"""Fast paths: a backend's fused step for a rule, registered by the backend.
+"""Fast paths: a backend's fused step for a rule, registered by the rule.
 
 The question this module answers: which compiled step, if any, replaces a
 rule's readable :meth:`~chainer_vgc.rules.CompressionRule.compress` on a
@@ -10,9 +10,15 @@ to the rule's own ``compress`` when nothing is registered.  A fast path
 must give the same message and state as the rule, bit for bit (the tests
 compare them).
 
-The native CPU backend registers the paths of the rules that ship in
-:mod:`chainer_vgc.backends.native.paths`; a rule of your own is one file, and its
-native path one more (``register('native', MyRule, factory)``).
+One dispatch for every backend: each shipped rule's module registers its
+paths next to the rule (``chainer_vgc/rules/vgc.py`` ...): for
+``'native'`` a factory of a :data:`FastPath` over the native backend's
+fused pass (:mod:`chainer_vgc.backends.native.bindings`), for ``'cuda'``
+a factory of the name of the whole-model GPU step that runs the rule
+(:func:`chainer_vgc.backends.cuda.compress.kind_of`).  A rule of your own
+registers its own the same way (``register('native', MyRule,
+factory)``); nothing here names a rule, so the backends sit below the
+rules.
 """
 
 import collections

@@ -35,8 +35,8 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import extensions
 from chainer_vgc.exchange import fallback
-from chainer_vgc.exchange import faults
-from chainer_vgc.exchange.faults import SkippedStep
+from chainer_vgc import faults
+from chainer_vgc.faults import SkippedStep
 
 
 class ExchangeResult(object):

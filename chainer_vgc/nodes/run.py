@@ -37,7 +37,7 @@ node).
 import time
 
 from chainer_vgc import extensions
-from chainer_vgc.exchange import faults
+from chainer_vgc import faults
 from chainer_vgc.nodes import layout as node_layout
 from chainer_vgc.nodes import transfer as node_transfer
 from chainer_vgc.exchange import run as step

@@ -168,3 +168,11 @@ def float32_update(optimizer, rule):
     if rule.exchange != 'allreduce' and hasattr(optimizer,
                                                 'use_fp32_update'):
         optimizer.use_fp32_update()
+
+
+def raw_max_words(size, dtype, indexed):
+    """The most words of a FMT_RAW group of a tensor of ``size`` elements
+    of ``dtype`` (values in its state dtype): header, index words (unless
+    dense), values; a fast path's ``max_words``."""
+    value_words = backend.state_dtype(dtype).itemsize // 4
+    return codec.HEADER_WORDS + (size if indexed else 0) + size * value_words

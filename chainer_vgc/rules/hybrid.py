@@ -26,7 +26,9 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
+from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -87,3 +89,22 @@ class Hybrid(base.CompressionRule):
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
                                      state['r'].dtype,
                                      coding=self.index_coding)
+
+
+def _native_path(rule):
+    """Fig. "Hybrid" on the native CPU backend: one fused pass; FMT_POW2 /
+    FMT_GAP sign words."""
+    coding = rule.index_coding
+
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        return native.compress_hybrid(
+            ws, tensor_id, grad, sqsum, state['r'], state['v'],
+            new_state['r'], new_state['v'], rule.alpha, rule.zeta, rule.tau,
+            out, coding=coding)
+    return registry.FastPath(
+        compress, lambda size, dtype: codec.pow2_max_words(size, coding),
+        True)
+
+
+registry.register('native', Hybrid, _native_path)
+registry.register('cuda', Hybrid, lambda rule: 'hybrid')

@@ -3,6 +3,8 @@ exactly (dense FMT_RAW group)."""
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
+from chainer_vgc.backends import registry
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -19,3 +21,17 @@ class NoCompression(base.CompressionRule):
             return None
         values = grad.astype(backend.state_dtype(grad.dtype), copy=False)
         return codec.raw_group(tensor_id, None, values, grad.size)
+
+
+def _native_path(rule):
+    """No compression on the native CPU backend: one copy into a dense
+    FMT_RAW group."""
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        return native.compress_none(ws, tensor_id, grad, out)
+    return registry.FastPath(
+        compress, lambda size, dtype: base.raw_max_words(size, dtype, False),
+        True)
+
+
+registry.register('native', NoCompression, _native_path)
+registry.register('cuda', NoCompression, lambda rule: 'none')

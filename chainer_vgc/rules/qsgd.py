@@ -18,6 +18,8 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
+from chainer_vgc.backends import registry
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -144,3 +146,23 @@ def bucket_sq(sq):
     for off in range(SUM_PIECE, sq.shape[1], SUM_PIECE):
         total = total + sq[:, off:off + SUM_PIECE].sum(axis=1)
     return total
+
+
+def _native_path(rule):
+    """QSGD on the native CPU backend: two passes (bucket norms, then
+    levels); FMT_QSGD.  The uniform draws come from the rule's own
+    generator, so the inputs are checked before any tensor (the generator
+    must not draw on a fault).  No whole-model GPU step."""
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        u = rule.uniform_draws(grad.size, backend.state_dtype(grad.dtype))
+        return native.compress_qsgd(ws, tensor_id, grad, u, rule.bucket,
+                                    rule.levels, out)
+
+    def max_words(size, dtype):
+        buckets = -(-size // rule.bucket)
+        return (codec.HEADER_WORDS + codec.QSGD_RECORD_WORDS * buckets
+                + size)
+    return registry.FastPath(compress, max_words, False)
+
+
+registry.register('native', QSGD, _native_path)

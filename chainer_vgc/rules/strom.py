@@ -13,7 +13,9 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
+from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -58,3 +60,21 @@ class Strom(base.CompressionRule):
         return codec.pow2_sign_group(tensor_id, sign, self.tau,
                                      state['r'].dtype,
                                      coding=self.index_coding)
+
+
+def _native_path(rule):
+    """Strom's threshold on the native CPU backend: one fused pass;
+    FMT_POW2 / FMT_GAP sign words."""
+    coding = rule.index_coding
+
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        return native.compress_strom(ws, tensor_id, grad, state['r'],
+                                     new_state['r'], rule.tau, out,
+                                     coding=coding)
+    return registry.FastPath(
+        compress, lambda size, dtype: codec.pow2_max_words(size, coding),
+        True)
+
+
+registry.register('native', Strom, _native_path)
+registry.register('cuda', Strom, lambda rule: 'strom')

@@ -25,7 +25,9 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
+from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
+from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -121,3 +123,25 @@ class VGC(base.CompressionRule):
             return None
         return codec.pow2_best_group(tensor_id, words[ok], sent, e_k, 1.0,
                                      r.size, coding=self.coding)
+
+
+def _native_path(rule):
+    """Fig. "Basic" on the native CPU backend: one fused pass; FMT_POW2 /
+    FMT_GAP words, or FMT_RAW with quantization off."""
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        return native.compress_vgc(
+            ws, tensor_id, grad, sqsum, state['r'], state['v'],
+            new_state['r'], new_state['v'], rule.alpha, rule.zeta,
+            rule.quantize, rule.keep_unrepresentable, out,
+            coding=rule.coding)
+
+    def max_words(size, dtype):
+        if rule.quantize:
+            return codec.pow2_max_words(size, rule.coding)
+        return base.raw_max_words(size, dtype, True)
+    return registry.FastPath(compress, max_words, True)
+
+
+registry.register('native', VGC, _native_path)
+# the whole-model GPU step (backends/cuda/compress.py), quantized only
+registry.register('cuda', VGC, lambda rule: 'vgc' if rule.quantize else None)

@@ -58,11 +58,8 @@ import numpy
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.header import f32_bits
+from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.rules import Hybrid
-from chainer_vgc.rules import NoCompression
-from chainer_vgc.rules import Strom
-from chainer_vgc.rules import VGC
 
 #: the download covers the last step's message times SLACK, and at least
 #: MIN_SLACK words more (a longer message takes a second copy)
@@ -99,15 +96,11 @@ def _span(arrays, size):
 
 
 def kind_of(rule):
-    """'vgc', 'hybrid', 'strom' or None: which whole-model step, if any,
-    runs ``rule`` (its own class: a subclass may override the step)."""
-    for cls, kind in ((VGC, 'vgc'), (Hybrid, 'hybrid'), (Strom, 'strom'),
-                      (NoCompression, 'none')):
-        if type(rule) is cls:
-            if kind == 'vgc' and not rule.quantize:
-                return None
-            return kind
-    return None
+    """'vgc', 'hybrid', 'strom', 'none' or None: which whole-model step, if
+    any, runs ``rule``, as its rule's module registered it
+    (``registry.register('cuda', TheRule, factory)``, factory(rule) -> the
+    kind or None; a subclass that overrides ``compress`` runs its own)."""
+    return registry.find('cuda', rule)
 
 
 def find(compressor, grads):
