@@ -128,12 +128,20 @@ class MethodState(object):
         """Whether the next exchange needs the per-sample statistics."""
         return self.needs_sqsum_after(self.totals['steps'])
 
+    def model_groups(self):
+        """``(names, dense)``: the parameters of the whole model this state
+        exchanges and its dense group (names None before the first
+        exchange); a node's state answers for the whole model, not its
+        shard (:class:`chainer_vgc.nodes.run.NodeMethodState`)."""
+        return self.names, self.dense
+
     def needs_sqsum_after(self, steps):
         """Whether an exchange that starts when ``steps`` exchanges have
         completed may need the per-sample statistics (not during the
         warm-up, nor for a rule that does not use them, nor when every
-        parameter is dense)."""
-        names, dense = self.names, self.dense
+        parameter of the model is dense): the one place this is
+        decided, for flat and node runs alike."""
+        names, dense = self.model_groups()
         everything_dense = names is not None and len(dense) == len(names)
         return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
                 and steps >= self.warmup and not everything_dense)

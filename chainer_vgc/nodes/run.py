@@ -80,12 +80,12 @@ class NodeMethodState(MethodState):
         return super(NodeMethodState, self).dense_group(whole) & \
             model.names
 
-    def needs_sqsum_after(self, steps):
+    def model_groups(self):
+        """The whole model's names and dense group (every shard's), once
+        set up; before, as a flat state."""
         if self.whole is None:
-            return super(NodeMethodState, self).needs_sqsum_after(steps)
-        names, dense = self.whole
-        return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
-                and steps >= self.warmup and len(dense) < len(names))
+            return super(NodeMethodState, self).model_groups()
+        return self.whole
 
     @property
     def compressed_elements(self):
