@@ -92,14 +92,13 @@ def _split(x):
     return x & 0xFFFFFFFF, x >> 32
 
 
-def _descriptors(rows, sizes, p, starts):
+def _descriptors(rows, bounds, p, starts):
     """(descriptors uint32 [ranks, tensors, DESC_WORDS], the FMT_GAP rows,
     each one's first element in the expanded array, elements expanded)
     from the group table ``rows``, the messages starting at words
-    ``starts`` of the upload: NumPy over the whole table, no Python step
-    per group."""
-    n = len(sizes)
-    bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    ``starts`` of the upload (``bounds``: the model's tensor offsets, end
+    to end): NumPy over the whole table, no Python step per group."""
+    n = len(bounds) - 1
     desc = numpy.zeros((p, n, DESC_WORDS), numpy.uint32)
     msg, tid, fmt, count, a, b, off, span = rows.T
     lo, hi = _split(starts[msg] + off)  # the body's word in the upload
@@ -195,10 +194,9 @@ def _prefix(params, sizes, ranks):
     return groups, bounds, acc_at, head, ranks * n * DESC_WORDS
 
 
-def _gap_room(groups):
-    """Words after the messages for ``groups`` FMT_GAP rows and their
-    block starts (int64, after a word of padding at most)."""
-    return 2 + 2 * (groups + 1 + GAP_ROW * groups)
+def _gap_words(groups):
+    """Words of ``groups`` FMT_GAP rows and their block starts (int64)."""
+    return 2 * (groups + 1 + GAP_ROW * groups)
 
 
 def receive_into(compressor, params, ranks):
@@ -212,7 +210,7 @@ def receive_into(compressor, params, ranks):
     at = head + d_words
 
     def into(words):
-        room = _gap_room(ranks * n)
+        room = 2 + _gap_words(ranks * n)  # (a word of padding at most)
         return upload_staging(compressor).view(
             at + words + room, numpy.uint32)[at:at + words]
     return into
@@ -261,7 +259,7 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     n_gap = int((rows[:, 2] == codec.FMT_GAP).sum())
     tail = head + d_words + int(lens.sum())
     tail += tail % 2 if n_gap else 0  # (int64 from here)
-    total = tail + (2 * (n_gap + 1 + GAP_ROW * n_gap) if n_gap else 0)
+    total = tail + (_gap_words(n_gap) if n_gap else 0)
     staging = upload_staging(compressor)
     staged = staging.view(total, numpy.uint32)
     buf_host = staged[head:]  # the words the descriptors count from
@@ -278,7 +276,7 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
             if p else numpy.zeros(0, numpy.int64)
         for blk, at in zip(blocks, starts):  # a copy a message
             buf_host[at:at + blk.size] = blk
-    desc, gap, first, expanded = _descriptors(rows, sizes, p, starts)
+    desc, gap, first, expanded = _descriptors(rows, bounds, p, starts)
     items, per, counts = _items(rows, p, n)
     pos = 0
     for tab in [tab for _, _, tab in groups] + [bounds, acc_at, items]:
