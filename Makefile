@@ -3,8 +3,9 @@
 # Two stacks (docs/stacks.md), each in its own venv:
 #   np2 (the default): Python 3.12, NumPy 2.5, cupy-cuda13x 14;
 #   np1 (pinned):      Python 3.11, numpy 1.23.5, cupy-cuda12x 13.
-# `make test` runs the whole suite on both (`make -k test`: the second even
-# when the first fails); `make test STACKS=np2` on one.
+# `make test` runs the whole suite on np2 and what depends on the stack on
+# np1 (`make -k test`: the second even when the first fails); `make test
+# STACKS=np2` on one.
 # `make demo` runs on STACK (np2 unless given: make demo STACK=np1).
 STACK ?= np2
 STACKS ?= np2 np1
@@ -85,12 +86,15 @@ test: $(if $(filter np2,$(STACKS)),docs) $(addprefix test-,$(STACKS))
 
 # TEST_WORKERS pytest-xdist workers (the multi-rank tests run one after the
 # other on one of them, the rest beside; 0: no workers); one BLAS thread
-# per process, as make demo
+# per process, as make demo.  The whole suite on np2; on np1 the tests
+# marked `stack` (what depends on NumPy, the native build or the installed
+# packages: docs/contributing.md); TEST_SELECT_np1= runs all there too.
 TEST_WORKERS ?= 2
+TEST_SELECT_np1 ?= -m stack
 test-%: .venv-%/.native
-	@echo "== make test: STACK=$* ($$(.venv-$*/bin/python -c 'import sys, numpy; print("Python %d.%d.%d" % sys.version_info[:3], "numpy", numpy.__version__)'))"
+	@echo "== make test: STACK=$* ($$(.venv-$*/bin/python -c 'import sys, numpy; print("Python %d.%d.%d" % sys.version_info[:3], "numpy", numpy.__version__)'))$(if $(TEST_SELECT_$*), tests: $(TEST_SELECT_$*))"
 	OPENBLAS_NUM_THREADS=1 .venv-$*/bin/python -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
+		-n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TEST_SELECT_$*) tests
 
 # the documentation site: docs/ (MyST Markdown pages, API pages made by
 # autodoc from the docstrings) into build/docs/index.html, with the np2

@@ -59,6 +59,17 @@ MPI_ENV = {'MPIR_CVAR_CH4_NETMOD': 'ofi', 'FI_PROVIDER': 'tcp',
            'MPIR_CVAR_NOLOCAL': '1'}
 #: with nodes: TCP between them, MPICH's shared memory inside each
 NODE_MPI_ENV = {'MPIR_CVAR_CH4_NETMOD': 'ofi', 'FI_PROVIDER': 'tcp'}
+
+
+def blas_threads():
+    """One BLAS thread per rank (OPENBLAS_NUM_THREADS=1), unless the caller
+    set OPENBLAS_NUM_THREADS: with more ranks than cores, NumPy 2's default
+    of one OpenBLAS thread per core measured vgc at 3.7x dense instead of
+    4.9x at 1 Gbit/s, p = 4 (docs/stacks.md)."""
+    return {'OPENBLAS_NUM_THREADS':
+            os.environ.get('OPENBLAS_NUM_THREADS') or '1'}
+
+
 #: the method suffix that asks for create_communicator(hierarchy='node')
 NODE = '-node'
 
@@ -255,6 +266,7 @@ class Plan(object):
                 '{}:{}'.format(self.hostname(i), n)
                 for i in range(len(self.hosts)))]
             script_args = script_args + ['--ranks-per-node', n]
+        env = dict(env, **blas_threads())
         for i, ns in enumerate(self.hosts):
             if i:
                 cmd.append(':')

@@ -859,7 +859,7 @@ def profile_vgg(ctx):
         update()
         dev, wall, n = ctx.timed_steps(lambda k: update(), steps)
         times[method] = (dev, wall)
-        hooked = getattr(opt, '_stats', None) is not None
+        hooked = opt.communicator.statistics_hook(opt.target) is not None
         say('| vgg {} | {:.4f} | {:.4f} | {} |'.format(
             method, dev, wall, 'yes' if hooked else 'no'))
         profs[method] = ctx.instrumented(lambda k: update(), 2, 0,

@@ -2,9 +2,13 @@
 
 The question this module answers: how much did the ranks send, compared
 with a dense allreduce, and how do Chainer trainers see it?  The arithmetic
-(:func:`step_figures`, :func:`report_step`, :func:`new_totals`,
-:func:`run_summary`) is shared by
-:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` and the one-process
+is here only: :func:`figures` computes a step's figures from its counts
+for flat runs (:func:`step_figures` counts the messages) and hierarchical
+ones (``chainer_vgc.nodes.run`` sums a node's counts first),
+:func:`record` adds them to the run totals and reports them,
+:func:`run_summary` sums up the run.  It is shared by
+:class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`, the
+hierarchical communicator and the one-process
 :class:`~chainer_vgc.harness.simulation.SimulatedWorkers`; it needs no MPI.
 
 Every step the communicator reports, with ``chainer.reporter``, figures
@@ -36,57 +40,72 @@ REPORT_KEYS = ['vgc/compression', 'vgc/density', 'vgc/bytes',
 
 
 # -- one step ---------------------------------------------------------------
-def step_figures(blocks, n_params, elements=None, param_bytes=None,
-                 size=None, dense_elements=0, dense_wire=0.0,
-                 n_compressed=None):
-    """Figures of one exchange, the same on every rank.
+def figures(n_params, workers, sent, message_bytes, wire, dense_elements=0.0,
+            param_bytes=None, ranks=None, n_compressed=None):
+    """Figures of one exchange from its counts, the same on every rank; the
+    one place where they are computed, for flat runs (:func:`step_figures`)
+    and hierarchical ones (``chainer_vgc.nodes.run.report_node_step``).
 
-    ``vgc/compression``: parameters / average elements sent per rank (the
-    paper's definition), over all parameters (a dense group's elements
-    count as sent); ``vgc/density``: its inverse; ``vgc/bytes``: bytes each
-    rank sends on the wire, on average: (p - 1) / p of all messages with the
-    ring, plus ``dense_wire`` for the dense group's allreduce;
-    ``vgc/skipped``: 0 (an exchange took place; a skipped step reports 1);
-    ``vgc/bits_per_element``: 32 x the messages' words / the elements they
-    carry (when they carry any).
-    With a dense group (``n_compressed`` < ``n_params``), also
+    ``workers``: the workers whose messages were exchanged (the ranks, or
+    the nodes); ``sent``: the elements their messages carried, together;
+    ``message_bytes``: the bytes of those messages; ``wire``: the bytes
+    each rank sends on the wire, on average; ``dense_elements``: elements
+    of the dense group over all workers; ``ranks``: the MPI ranks (default
+    ``workers``), for what a dense ring allreduce would send,
+    2 (ranks - 1) / ranks * ``param_bytes`` per rank (Sec. 5;
+    ``param_bytes`` = sum of size * itemsize, default 4 N).
+
+    ``vgc/compression``: parameters / average elements sent per worker
+    (the paper's definition), over all parameters (a dense group's
+    elements count as sent); ``vgc/density``: its inverse;
+    ``vgc/bytes``: ``wire``; ``vgc/skipped``: 0 (an exchange took place; a
+    skipped step reports 1); ``vgc/bits_per_element``: 8 x
+    ``message_bytes`` / ``sent`` (when the messages carry any).  With a
+    dense group (``n_compressed`` < ``n_params``), also
     ``vgc/dense_fraction`` (of the parameters) and, when some parameters
     are compressed, ``vgc/compression_compressed`` (that group alone).
-    Keys with '_' feed the run totals, with ``dense_bytes`` what a dense
-    ring allreduce of the gradients in their own dtypes would send per
-    rank, 2 (p - 1) / p * ``param_bytes`` (Sec. 5; ``param_bytes`` = sum of
-    size * itemsize, default 4 N).  ``dense_elements``: elements of the
-    dense group over all ranks; ``size``: the number of ranks (default:
-    len(blocks)).
-    """
+    Keys with '_' feed the run totals (:func:`record`)."""
     if param_bytes is None:
         param_bytes = 4 * n_params
-    p = size or len(blocks)
-    if elements is None:
-        elements = [codec.message_count(b) for b in blocks]
-    sent = sum(elements)
-    total_bytes = 4 * sum(int(b.size) for b in blocks)
-    per_rank = (sent + dense_elements) / p
-    wire = (p - 1) * total_bytes / p + dense_wire
-    figures = {
-        'vgc/compression': n_params / per_rank if per_rank else float('inf'),
-        'vgc/density': per_rank / n_params if n_params else 0.0,
+    ranks = ranks or workers
+    per_worker = (sent + dense_elements) / workers
+    out = {
+        'vgc/compression': (n_params / per_worker if per_worker
+                            else float('inf')),
+        'vgc/density': per_worker / n_params if n_params else 0.0,
         'vgc/bytes': wire,
         'vgc/skipped': 0.0,  # an exchange took place
         '_elements': sent + dense_elements,
         '_bytes': wire,
-        '_dense_bytes': 2 * (p - 1) * param_bytes / p,
-        '_message_bits': 8.0 * total_bytes,
+        '_dense_bytes': 2 * (ranks - 1) * param_bytes / ranks,
+        '_message_bits': 8.0 * message_bytes,
         '_message_elements': float(sent),
     }
     if sent:
-        figures['vgc/bits_per_element'] = 8.0 * total_bytes / sent
+        out['vgc/bits_per_element'] = 8.0 * message_bytes / sent
     if n_compressed is not None and n_compressed < n_params:
-        figures['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
+        out['vgc/dense_fraction'] = (n_params - n_compressed) / n_params
         if n_compressed:  # (none during a warm-up)
-            figures['vgc/compression_compressed'] = (
-                n_compressed * p / sent if sent else float('inf'))
-    return figures
+            out['vgc/compression_compressed'] = (
+                n_compressed * workers / sent if sent else float('inf'))
+    return out
+
+
+def step_figures(blocks, n_params, elements=None, param_bytes=None,
+                 size=None, dense_elements=0, dense_wire=0.0,
+                 n_compressed=None):
+    """:func:`figures` of one flat exchange of the messages ``blocks``
+    (one per rank, ``size`` ranks, default len(blocks)), sent with the
+    ring allgatherv: each rank sends (p - 1) / p of all messages, plus
+    ``dense_wire`` for the dense group's allreduce.  ``elements``: per
+    message, when already counted."""
+    p = size or len(blocks)
+    if elements is None:
+        elements = [codec.message_count(b) for b in blocks]
+    total_bytes = 4 * sum(int(b.size) for b in blocks)
+    return figures(n_params, p, sum(elements), total_bytes,
+                   (p - 1) * total_bytes / p + dense_wire,
+                   dense_elements, param_bytes, p, n_compressed)
 
 
 def new_totals():
@@ -100,15 +119,10 @@ def new_totals():
             'message_elements': 0.0}
 
 
-def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
-                observer=None, label=None, extra=None, **dense):
-    """Add one exchange to ``totals``, report its figures with
-    ``chainer.reporter`` (:func:`report`: ``observer``, ``label``) and
-    return them (``elements``: per message, when already counted;
-    ``param_bytes`` and ``dense``: see :func:`step_figures`; ``extra``:
-    more figures, '_' keys adding to the totals too)."""
-    figures = step_figures(blocks, n_params, elements, param_bytes, **dense)
-    figures.update(extra or {})
+def record(figures, n_params, totals, observer=None, label=None):
+    """Add one exchange's ``figures`` to ``totals`` (its '_' keys, one
+    step, ``n_params`` parameters), report them with ``chainer.reporter``
+    (:func:`report`: ``observer``, ``label``) and return them."""
     for key, value in figures.items():
         if key.startswith('_'):  # (totals of older snapshots lack some)
             totals[key[1:]] = totals.get(key[1:], 0.0) + value
@@ -116,6 +130,17 @@ def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
     totals['param_elements'] += n_params
     report(figures, observer, label)
     return figures
+
+
+def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
+                observer=None, label=None, extra=None, **dense):
+    """:func:`record` the :func:`step_figures` of one flat exchange
+    (``elements``: per message, when already counted; ``param_bytes`` and
+    ``dense``: see :func:`step_figures`; ``extra``: more figures, '_' keys
+    adding to the totals too)."""
+    out = step_figures(blocks, n_params, elements, param_bytes, **dense)
+    out.update(extra or {})
+    return record(out, n_params, totals, observer, label)
 
 
 def report(figures, observer=None, label=None):

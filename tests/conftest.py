@@ -10,6 +10,39 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile('vgc')
 
 
+def xdist_groups(item):
+    """The names of the ``xdist_group`` marks on ``item``."""
+    return sorted({str(m.args[0] if m.args else m.kwargs.get('name',
+                                                              'default'))
+                   for m in item.iter_markers('xdist_group')})
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The long runs first (see below).  ``--dist loadgroup``: a test marked ``xdist_group('mpiexec')`` (the
+    multi-rank runs, which oversubscribe the cores) runs on the worker of
+    its group, one after the other.  pytest-xdist 3.8 tags the test ids
+    with their group by setting ``item._nodeid``, which pytest 9 no longer
+    reads (its ids live in ``item._id``): every test ran on any worker, two
+    mpiexec jobs at once.  This hook tags them where pytest 9 reads."""
+    # the long runs first (the mpiexec group, one after the other on one
+    # worker, and tests marked `long`), so that the rest runs beside them
+    # instead of after them
+    items.sort(key=lambda i: not (xdist_groups(i) or
+                                  i.get_closest_marker('long')))
+    if not getattr(config.option, 'loadgroup', False):
+        return
+    for item in items:
+        names = xdist_groups(item)
+        if names and '@' not in item.nodeid:
+            tagged = '{}@{}'.format(item.nodeid, '_'.join(names))
+            if hasattr(item, '_id'):  # (pytest 9: a structured id)
+                from _pytest.nodeid import coerce_node_id
+                item._id = coerce_node_id(tagged)
+            else:
+                item._nodeid = tagged
+
+
 @pytest.fixture(scope='session')
 def host_kernels(tmp_path_factory):
     """The kernels of kernels/vgc_numerics.cuh, compiled for the CPU."""

@@ -194,7 +194,8 @@ def test_node_plan_shares_a_namespace_link_and_host_name_per_node():
         env = {seg[i + 1]: seg[i + 2] for i, w in enumerate(seg)
                if w == '-env'}
         assert env == dict(bench_network.NODE_MPI_ENV,
-                           FI_TCP_IFACE='vb{}'.format(n))
+                           FI_TCP_IFACE='vb{}'.format(n),
+                           OPENBLAS_NUM_THREADS='1')
         assert 'MPIR_CVAR_NOLOCAL' not in env
         k = seg.index('ip')
         assert seg[k:k + 10] == [
@@ -211,6 +212,21 @@ def test_flat_plan_keeps_one_host_per_rank_and_nolocal():
     assert '-launcher' not in cmd and 'unshare' not in cmd
     assert ' '.join(cmd).count('-env MPIR_CVAR_NOLOCAL 1') == 2
     assert '--ranks-per-node' not in cmd
+
+
+def test_every_rank_gets_one_blas_thread_unless_the_caller_chose(
+        monkeypatch):
+    """The command as the README prints it (no OPENBLAS_NUM_THREADS) gives
+    each rank one BLAS thread; a value the caller set is kept."""
+    monkeypatch.delenv('OPENBLAS_NUM_THREADS', raising=False)
+    for plan in (bench_network.Plan(2, tag=6),
+                 bench_network.Plan(4, ranks_per_node=2, tag=6)):
+        text = ' '.join(plan.mpiexec('mpiexec', 'python', []))
+        assert text.count('-env OPENBLAS_NUM_THREADS 1 ') == 2, text
+    monkeypatch.setenv('OPENBLAS_NUM_THREADS', '3')
+    text = ' '.join(bench_network.Plan(2, tag=6).mpiexec('mpiexec', 'py',
+                                                         []))
+    assert text.count('-env OPENBLAS_NUM_THREADS 3 ') == 2, text
 
 
 def test_the_shell_sets_the_host_name_and_runs_the_command_unchanged():

@@ -15,6 +15,10 @@ import numpy
 import pytest
 from packaging.requirements import Requirement
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 try:
     import cupy
 except Exception as e:  # ImportError, or a CUDA library missing at import

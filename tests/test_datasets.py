@@ -13,6 +13,10 @@ from chainer_vgc.harness import datasets
 from fashion_files import fake_package
 from fashion_files import write_idx
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.parametrize('ndim', [1, 3])
 def test_loads_what_was_written(tmp_path, ndim):

@@ -4,6 +4,10 @@ The host validates each received message's structure only (headers,
 lengths, value padding, value tables: ``native.decode_mean(...,
 gap_codes=False)``); ``vgc_model_gap_expand`` decodes every block of codes
 from its restart point with the exact checks of the sequential decoder
+
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
 (``vgc_gap_decode``) and the block's end against the next restart entry,
 and flags the message otherwise.  The oracle is the reference decoder,
 :func:`chainer_vgc.codec.unpack`: for messages with corrupted FMT_GAP

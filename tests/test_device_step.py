@@ -20,6 +20,10 @@ from reference import assert_bitwise
 from test_gpu_path import _FakeModel
 from test_gpu_path import param
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
 METHODS = [
     ('vgc', dict(alpha=1.0)),

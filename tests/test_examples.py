@@ -31,6 +31,7 @@ def example(n, script, *args, expect):
                   timeout=400)
 
 
+@pytest.mark.stack  # (Chainer trains on this stack's NumPy, with MPI)
 def test_train_mnist_smoke(tmp_path):
     out = str(tmp_path)
     proc = example(2, 'train_mnist.py', '--iterations', 10, '--unit', 32,

@@ -8,6 +8,10 @@ import pytest
 import fake_cupy
 from fake_cupy import DeviceArray, FakeCupy
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 
 @pytest.fixture
 def xp():

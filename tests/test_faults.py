@@ -10,6 +10,10 @@ from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import GradientCompressor
 from chainer_vgc.faults import NONFINITE, OK, OVERFLOW, SkippedStep
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 BACKENDS = ['numpy', 'native']
 
 

@@ -15,6 +15,10 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
 from chainer_vgc.backends.native import bindings as native
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 @pytest.fixture(params=[1, 3, 5])
 def chunks(request):
     before = native.num_threads()

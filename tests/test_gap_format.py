@@ -63,6 +63,10 @@ from reference import rice_k
 from reference import split_index
 from reference import to_words  # NOQA: F401
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 FMT_POW2 = 1
 FMT_GAP = 4
 MAGIC = 0x31434756

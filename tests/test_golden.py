@@ -7,6 +7,10 @@ import pytest
 
 import golden_messages as golden
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.parametrize('backend', ['numpy', 'native'])
 @pytest.mark.parametrize('k', range(len(golden.CASES)))

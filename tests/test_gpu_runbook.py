@@ -26,6 +26,7 @@ STEPS = ['venv', 'imports', 'profile', 'gpu_check', 'train/none',
 
 
 @pytest.mark.install
+@pytest.mark.long
 @pytest.mark.skipif(sys.version_info[:2] != (3, 12),
                     reason="the runbook's wheels are for CPython 3.12 (the "
                            'np2 stack, as on the GPU machine)')

@@ -26,6 +26,10 @@ import textwrap
 import pytest
 from packaging.requirements import Requirement
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: what the mpi4py wheel (>= 4) raises without an MPI library, and what an
@@ -238,6 +242,7 @@ def _copy_tree(dst):
 
 
 @pytest.mark.install
+@pytest.mark.long
 @pytest.mark.skipif(os.environ.get('VGC_SKIP_INSTALL') == '1',
                     reason='VGC_SKIP_INSTALL=1')
 def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):

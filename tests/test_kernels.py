@@ -24,6 +24,10 @@ from chainer_vgc.rules import VGC
 from reference import assert_bitwise
 from reference import edge_values
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 F16, F32, F64 = numpy.float16, numpy.float32, numpy.float64
 
 

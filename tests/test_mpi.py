@@ -2,10 +2,12 @@
 hang fails the test instead of stalling CI)."""
 
 import os
+import subprocess
 
 import numpy
 import pytest
 
+import conftest
 from mpirun import run
 from mpirun import run_ok
 
@@ -13,11 +15,83 @@ from mpirun import run_ok
 # after the other, on one worker, beside the single-process tests
 pytestmark = pytest.mark.xdist_group('mpiexec')
 
+#: the checks that share one launch per world size (tests/mpi/
+#: check_suite.py): the test's name -> its script with arguments, and the
+#: line that script prints when every check passed.  Separate launches
+#: remain where a test needs the job to abort or fail, a thread level of
+#: its own, a fresh process (resume) or a long run of its own.
+SUITE = {
+    'test_communicator': ('communicator', 'communicator OK at p={p}'),
+    'test_nonfinite_steps_and_loss_scaling': ('nonfinite:scaling',
+                                              'nonfinite OK at p={p}'),
+    'test_residuals_per_name_and_snapshot_records': ('state',
+                                                     'state OK at p={p}'),
+    'test_rule_objects_dense_groups_and_warmup': ('groups',
+                                                  'groups OK at p={p}'),
+    'test_strength_against_independent_oracles': ('strength',
+                                                  'strength OK at p={p}'),
+    'test_double_buffering_equals_a_one_step_delayed_loop': (
+        'double_buffering:oracle', 'double buffering OK at p={p}'),
+    'test_dense_fallback': ('fallback', 'fallback OK at p={p}'),
+    'test_hierarchical_exchange_equals_flat_run_of_node_workers': (
+        'hierarchy:{k}', 'hierarchy OK at p={p}'),
+}
+_launched = {}
 
-@pytest.mark.parametrize('p', [1, 2, 3, 4, 5, 6, 7, 8])
-def test_ring_and_mpi_allgatherv_match_mpi(p):
-    run_ok(p, 'check_allgatherv.py', 12 if p > 4 else 25,
-           expect='allgatherv OK')
+
+def _spec(item):
+    """(world size, script spec) of a collected SUITE test, else None."""
+    if item.module.__name__ != __name__ or item.originalname not in SUITE:
+        return None
+    params = item.callspec.params
+    return params['p'], SUITE[item.originalname][0].format(**params)
+
+
+def check_in_suite(request):
+    """Runs this test's script in the one launch at its world size (made
+    at the first such test, with the scripts of every selected SUITE test
+    at that size, in SUITE's order) and asserts that its part printed its
+    OK line; a failure in another script fails only the tests whose line
+    is missing."""
+    p, spec = _spec(request.node)
+    if p not in _launched:
+        specs = sorted({(list(SUITE).index(i.originalname), _spec(i)[1])
+                        for i in request.session.items
+                        if _spec(i) and _spec(i)[0] == p})
+        try:
+            _launched[p] = run(p, 'check_suite.py', *(s for _, s in specs),
+                               timeout=600)[0]
+        except subprocess.TimeoutExpired as e:  # (fails each, once)
+            _launched[p] = e
+    proc = _launched[p]
+    if isinstance(proc, subprocess.TimeoutExpired):
+        pytest.fail('the launch at p={} timed out: {}'.format(p, proc))
+    out = proc.stdout
+    head = '== {}\n'.format(spec.replace(':', ' '))
+    assert head in out, ('{} did not run: '.format(spec)
+                         + out[-3000:] + proc.stderr[-3000:])
+    part = out[out.index(head) + len(head):].split('\n== ')[0]
+    expect = SUITE[request.node.originalname][1].format(p=p)
+    assert expect in part, part[-3000:] + proc.stderr[-3000:]
+
+
+def test_multi_rank_tests_run_on_the_worker_of_their_group(request):
+    """Under ``--dist loadgroup`` (make test) this module's tests carry
+    their xdist group in their id, so the scheduler sends them all to one
+    worker (tests/conftest.py)."""
+    assert 'mpiexec' in conftest.xdist_groups(request.node)
+    if getattr(request.config.option, 'loadgroup', False):  # (a worker's)
+        assert request.node.nodeid.endswith('@mpiexec'), request.node.nodeid
+
+
+@pytest.mark.parametrize('world,sizes', [(4, [1, 2, 3, 4]),
+                                         (8, [5, 6, 7, 8])])
+def test_ring_and_mpi_allgatherv_match_mpi(world, sizes):
+    """p = 1 ... 8 ranks, each size on a sub-communicator of one launch."""
+    proc = run_ok(world, 'check_allgatherv.py', 12 if world > 4 else 25,
+                  *sizes, expect='allgatherv OK')
+    for p in sizes:
+        assert 'cases at p={}\n'.format(p) in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize('method', ['ring', 'mpi'])
@@ -38,33 +112,31 @@ def test_a_receive_buffer_of_the_wrong_kind_is_refused(method, bad):
                              method=method, into=bad)
 
 
+@pytest.mark.stack  # (MPI's buffers on this stack's NumPy)
 @pytest.mark.parametrize('p', [2, 4])
-def test_communicator(p):
-    run_ok(p, 'check_communicator.py', expect='communicator OK at p={}'
-           .format(p))
+def test_communicator(request, p):
+    check_in_suite(request)
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_nonfinite_steps_and_loss_scaling(p):
+def test_nonfinite_steps_and_loss_scaling(request, p):
     """'none' passes NaN through as naive does; compressing methods skip a
     step with a NaN/Inf on any rank collectively (residuals untouched,
     gradients NaN, vgc/skipped, no abort, ValueError in debug mode); loss
     scaling is undone before the rule (a static power-of-two scale gives
     the unscaled run exactly); float16 with dynamic loss scaling trains to
     within 0.03 of float32, with a provoked overflow skipped."""
-    run_ok(p, 'check_nonfinite.py', 'scaling',
-           expect='nonfinite OK at p={}'.format(p))
+    check_in_suite(request)
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_residuals_per_name_and_snapshot_records(p):
+def test_residuals_per_name_and_snapshot_records(request, p):
     """A branch initialized mid-run starts fresh while the other residuals
     are kept; a snapshot saved on rank 0 only runs no collective and
     changes nothing; a snapshot of another method, hyperparameter, model
     or rank count is refused with an error naming both settings, unless
     resume_other_method=True (fresh residuals, a warning)."""
-    run_ok(p, 'check_state.py', expect='state OK at p={}'.format(p),
-           timeout=120)
+    check_in_suite(request)
 
 
 def test_exception_on_one_rank_ends_the_job(tmp_path):
@@ -82,59 +154,57 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
         'deliberate failure on rank 2'
 
 
-@pytest.mark.parametrize('p,method', [(2, 'vgc'), (2, 'qsgd'),
-                                      (2, 'hybrid'), (4, 'vgc'),
-                                      (2, 'topk'), (2, 'vgc-groups'),
-                                      (2, 'vgc+db'), (4, 'vgc-groups+db'),
-                                      (2, 'qsgd+db'), (2, 'hybrid+f16'),
-                                      (2, 'vgc+db+f16')])
-def test_snapshot_resume_is_bit_identical(tmp_path, p, method):
-    """Parameters and the communicator's run totals (in params_*.npz).
-    'topk': a rule object defined in the test script, not the package;
-    'vgc-groups': vgc with a warm-up ending after the snapshot, an
-    excluded parameter and a min_size dense group; '+db': with double
-    buffering (the snapshot holds the mean in flight); '+f16': a float16
-    model, updated in float32 (the snapshot holds the float32 master
-    weights, which Chainer's own serialization leaves out)."""
-    out = str(tmp_path)
-    for mode in ('straight', 'half', 'resume'):
-        run_ok(p, 'check_resume.py', mode, 20, out, method,
-               expect='resume run OK')
-    for r in range(p):
-        straight = numpy.load(os.path.join(out, 'params_straight_rank{}.npz'
-                                           .format(r)))
-        resumed = numpy.load(os.path.join(out, 'params_resume_rank{}.npz'
-                                          .format(r)))
-        half = numpy.load(os.path.join(out, 'params_half_rank{}.npz'
-                                       .format(r)))
-        assert sorted(straight.files) == sorted(resumed.files)
-        for k in straight.files:
-            assert (straight[k] == resumed[k]).all(), (r, k)
-        assert any((straight[k] != half[k]).any() for k in straight.files)
+#: the methods of the resume test, per world size: 'topk' a rule object
+#: defined in the test script, not the package; 'vgc-groups' vgc with a
+#: warm-up ending after the snapshot, an excluded parameter and a min_size
+#: dense group; '+db' with double buffering (the snapshot holds the mean in
+#: flight); '+f16' a float16 model, updated in float32 (the snapshot holds
+#: the float32 master weights, which Chainer's own serialization leaves out)
+RESUMED = {2: ['vgc', 'qsgd', 'hybrid', 'topk', 'vgc-groups', 'vgc+db',
+               'qsgd+db', 'hybrid+f16', 'vgc+db+f16'],
+           4: ['vgc', 'vgc-groups+db']}
 
 
-@pytest.mark.parametrize('method', ['vgc+db', 'vgc'])
-def test_snapshot_saved_twice_resumes_bit_identical(tmp_path, method):
-    """A snapshot loaded and saved again at once, before any update (issue
-    24, finding 2): with double buffering the mean loaded, not yet
-    applied, is saved again, so resuming from the second snapshot equals
-    the uninterrupted run bit for bit."""
-    out = str(tmp_path)
-    for mode in ('straight', 'half', 'resave', 'resume-resaved'):
-        run_ok(2, 'check_resume.py', mode, 20, out, method,
-               expect='resume run OK')
-    for r in range(2):
-        straight = numpy.load(os.path.join(out, 'params_straight_rank{}.npz'
-                                           .format(r)))
-        resumed = numpy.load(os.path.join(
-            out, 'params_resume-resaved_rank{}.npz'.format(r)))
-        assert sorted(straight.files) == sorted(resumed.files)
-        for k in straight.files:
-            assert (straight[k] == resumed[k]).all(), (r, k)
+def _params(out, method, mode, rank):
+    return numpy.load(os.path.join(out, method, 'params_{}_rank{}.npz'
+                                   .format(mode, rank)))
+
+
+@pytest.mark.parametrize('p', sorted(RESUMED))
+def test_snapshot_resume_is_bit_identical(tmp_path, p):
+    """Parameters and the communicator's run totals (in params_*.npz) of a
+    run resumed in a new process from a snapshot at half time equal the
+    uninterrupted run, for every method of RESUMED.  At p = 2 also a
+    snapshot loaded and saved again at once, before any update (issue 24,
+    finding 2): with double buffering the mean loaded, not yet applied, is
+    saved again, so resuming from the second snapshot equals the
+    uninterrupted run too.  Three launches (straight and half; resume and
+    resave; resume the resaved), each running every method."""
+    out, methods = str(tmp_path), RESUMED[p]
+    launches = [('straight,half', 2), ('resume,resave', 2),
+                ('resume-resaved', 1)] if p == 2 else \
+        [('straight,half', 2), ('resume', 1)]
+    for modes, runs in launches:
+        run_ok(p, 'check_resume.py', modes, 20, out, ','.join(methods),
+               expect='resume runs OK: {}'.format(runs * len(methods)))
+    compared = 0
+    for method in methods:
+        for r in range(p):
+            straight = _params(out, method, 'straight', r)
+            half = _params(out, method, 'half', r)
+            assert any((straight[k] != half[k]).any() for k in straight.files)
+            for mode in ('resume', 'resume-resaved')[:1 + (p == 2)]:
+                resumed = _params(out, method, mode, r)
+                assert sorted(straight.files) == sorted(resumed.files)
+                for k in straight.files:
+                    assert (straight[k] == resumed[k]).all(), (method, mode,
+                                                               r, k)
+                compared += 1
+    assert compared == p * len(methods) * (1 + (p == 2))
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_rule_objects_dense_groups_and_warmup(p):
+def test_rule_objects_dense_groups_and_warmup(request, p):
     """A rule defined outside the package trains through
     create_communicator and reports compression; exclude (names,
     predicates) and min_size send parameters through ChainerMN's naive
@@ -143,11 +213,11 @@ def test_rule_objects_dense_groups_and_warmup(p):
     warmup=K equals 'none' for K updates, then compresses; float16 dense
     group within float16 rounding at half the bytes; bad arguments raise
     naming them."""
-    run_ok(p, 'check_groups.py', expect='groups OK at p={}'.format(p))
+    check_in_suite(request)
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_strength_against_independent_oracles(p):
+def test_strength_against_independent_oracles(request, p):
     """tests/mpi/check_strength.py: vgc/bytes, the totals and the bytes
     each rank really sends against the ring algorithm and the messages;
     vgc/compression against the elements of the messages; the mean against
@@ -155,18 +225,17 @@ def test_strength_against_independent_oracles(p):
     the default ring; ranks with different hyperparameters fail at the
     first step naming them, on every rank; zero_fill=False with a branch
     on some ranks only gives every rank the oracle's mean."""
-    run_ok(p, 'check_strength.py', expect='strength OK at p={}'.format(p))
+    check_in_suite(request)
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_double_buffering_equals_a_one_step_delayed_loop(p):
+def test_double_buffering_equals_a_one_step_delayed_loop(request, p):
     """``double_buffering=True``: parameters, residuals and totals equal,
     bit for bit, a synchronous loop that applies step t-1's mean at step t
     (every rule, a dense group with a warm-up, float16 with dynamic loss
     scaling and a provoked overflow skipped coherently); figures reported
     are those of the applied exchange; a parameter set change broadcasts."""
-    run_ok(p, 'check_double_buffering.py', 'oracle',
-           expect='double buffering OK at p={}'.format(p), timeout=240)
+    check_in_suite(request)
 
 
 def test_double_buffering_needs_thread_multiple():
@@ -186,13 +255,14 @@ def test_user_finalize_waits_for_the_exchange_in_flight():
     assert 'after finalizing' not in out, out[-3000:]
 
 
-def test_thousands_of_double_buffered_optimizers_come_and_go():
-    """5,000 double-buffered optimizers made and dropped in one process
+def test_live_communicators_stay_bounded_while_optimizers_come_and_go():
+    """300 double-buffered optimizers made and dropped in one process
     (issue 24, finding 3): dropped, closed or ended by a ``with`` block,
     on one communicator or on their own; each frees its duplicate MPI
-    communicator (MPICH runs out after about 2,000 kept)."""
-    run_ok(2, 'check_double_buffering.py', 'lifecycle', 5000,
-           expect='lifecycle OK: 5000 optimizers', timeout=600)
+    communicator, so the slots MPI hands out stop growing (MPICH runs out
+    after about 2,000 kept; tests/mpi/check_double_buffering.py)."""
+    run_ok(2, 'check_double_buffering.py', 'lifecycle', 300,
+           expect='lifecycle OK: 300 optimizers', timeout=240)
 
 
 @pytest.mark.parametrize('mode', ['exchange-error', 'main-error',
@@ -212,21 +282,20 @@ def test_double_buffering_error_ends_the_job(tmp_path, mode):
 
 
 @pytest.mark.parametrize('p,k', [(2, 2), (4, 2), (4, 1), (8, 4)])
-def test_hierarchical_exchange_equals_flat_run_of_node_workers(p, k):
+def test_hierarchical_exchange_equals_flat_run_of_node_workers(request, p,
+                                                               k):
     """hierarchy='node' with nodes of k emulated ranks: every rule, a dense
     group, warm-up, loss scaling, a non-finite step and background
     exchanges give, bit for bit, the flat run of p/k workers fed their
     nodes' g and s; the node's g and s equal those of one batch of kB."""
-    run_ok(p, 'check_hierarchy.py', k, expect='hierarchy OK at p={}'
-           .format(p), timeout=180)
+    check_in_suite(request)
 
 
 @pytest.mark.parametrize('p', [2, 4])
-def test_dense_fallback(p):
+def test_dense_fallback(request, p):
     """Steps predicted slower compressed (Sec. 5, this step's counts,
     emulated workers) are sent dense as warm-up steps: bit for bit the
     run of 'vgc' on the other steps and 'none' on these; a tiny c
     against 1024 workers is a warm-up of every step; hierarchical
     shards and the measured link agree on every rank."""
-    run_ok(p, 'check_fallback.py', expect='fallback OK at p={}'.format(p),
-           timeout=180)
+    check_in_suite(request)

@@ -5,7 +5,13 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from chainer_vgc.backends.native import bindings as native
+
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

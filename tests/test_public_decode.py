@@ -16,6 +16,10 @@ import golden_messages as golden
 from test_native import _corrupt
 from wire_messages import random_message
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 
 def _pair(method='vgc', **kw):
     return [GradientCompressor(method, list('abcde'), golden.SHAPES,

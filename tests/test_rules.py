@@ -15,6 +15,10 @@ from chainer_vgc.backends.arrays import state_dtype
 from reference import ref_floor_log2
 from reference import ref_quantize
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 DTYPES = [numpy.float16, numpy.float32, numpy.float64]
 
 

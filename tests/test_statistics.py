@@ -18,6 +18,10 @@ from chainer_vgc.statistics import bruteforce_sqsum
 from chainer_vgc.statistics import model_params
 import reference
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 RTOL = {numpy.float64: 1e-5, numpy.float32: 1e-3}
 
 

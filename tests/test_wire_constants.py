@@ -16,6 +16,10 @@ from chainer_vgc.codec.c_defines import c_int
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.backends.native import bindings as native
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 
 def _replace_define(text, name, value):
     """``text`` with ``#define name ...`` given ``value`` (once)."""

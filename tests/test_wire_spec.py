@@ -13,6 +13,10 @@ import spec_decoder
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 
+# on both stacks (make test): its results depend on NumPy, the native
+# build or the installed packages (docs/contributing.md)
+pytestmark = pytest.mark.stack
+
 SIZES = [int(numpy.prod(s)) for s in golden_messages.SHAPES]
 DTYPES = golden_messages.DTYPES
 

@@ -214,6 +214,18 @@ class VGCCommunicator(Collectives):
         self._hooks[model] = hook
         return hook
 
+    def statistics_hook(self, model):
+        """The hook :meth:`statistics` keeps for ``model`` (None before the
+        first backward with statistics): the one place it is held, for
+        this communicator's optimizers and exchanges alike."""
+        return self._hooks.get(model)
+
+    def uncovered_names(self, model):
+        """Names of ``model``'s parameters that the statistics of its last
+        backward could not cover (``()`` before any)."""
+        return tuple(getattr(self._hooks.get(model), 'uncovered_names', ())
+                     or ())
+
     def set_sqsums(self, sqsums):
         """Per-sample sums of squares for the next multi_node_mean_grad,
         aligned with ``model_params(model)``."""
@@ -261,8 +273,7 @@ class VGCCommunicator(Collectives):
         if state is None:
             state = self.state(model)
         if uncovered is None:
-            uncovered = getattr(self._hooks.get(model), 'uncovered_names',
-                                ())
+            uncovered = self.uncovered_names(model)
         self._current = state
         if background:
             if collectives is None:

@@ -42,7 +42,7 @@ class VGCMultiNodeOptimizer(object):
 
     #: attributes of the wrapper itself (everything else is forwarded)
     _OWN = ('communicator', 'actual_optimizer', 'zero_fill', 'target_params',
-            '_first_update_done', '_resumed', '_stats')
+            '_first_update_done', '_resumed')
 
     def __init__(self, actual_optimizer, communicator, zero_fill=True):
         if not isinstance(communicator, VGCCommunicator):
@@ -57,8 +57,6 @@ class VGCMultiNodeOptimizer(object):
         self.target_params = []
         self._first_update_done = False
         self._resumed = False
-        #: the per-sample statistics hook of the target (ours)
-        self._stats = None
         float32_update(actual_optimizer, communicator.base_rule)
 
     def __getattr__(self, name):
@@ -86,7 +84,7 @@ class VGCMultiNodeOptimizer(object):
 
     def _uncovered(self):
         """What the last backward's statistics left uncovered."""
-        return tuple(getattr(self._stats, 'uncovered_names', ()) or ())
+        return self.communicator.uncovered_names(self.target)
 
     def update(self, lossfun=None, *args, **kwds):
         target = self.target
@@ -130,9 +128,10 @@ class VGCMultiNodeOptimizer(object):
             loss.backward(loss_scale=scale)
             return None
         batch, loss_fn = _batch_of(lossfun, args, kwds)
-        self._stats = self.method_state.statistics(self.target, self._stats)
-        return self._stats.backward(loss, loss_fn=loss_fn, batch=batch,
-                                    loss_scale=scale)
+        # (the communicator holds the hook: one per model, in one place)
+        hook = self.communicator.statistics(self.target)
+        return hook.backward(loss, loss_fn=loss_fn, batch=batch,
+                             loss_scale=scale)
 
     def _broadcast_now(self, target):
         """ChainerMN's rule (broadcast while the parameter set changes),

@@ -209,37 +209,13 @@ def report_node_step(collectives, done, intra_bytes, totals, model, label,
     sums = [sum(col) for col in zip(*layout.intra_comm.allgather(mine))]
     sent, wire, n_dense, dense_wire, n_params, n_comp, pbytes, intra, \
         dense_shards = sums
-    per_node = (sent + n_dense * q) / q
     inter = (q - 1) * wire / q + dense_wire  # each node sends
-    p = q * k
-    figures = {
-        'vgc/compression': n_params / per_node if per_node else
-        float('inf'),
-        'vgc/density': per_node / n_params if n_params else 0.0,
-        'vgc/bytes': inter / k,
-        'vgc/inter_node_bytes': inter,
-        'vgc/intra_node_bytes': intra / k,
-        'vgc/skipped': 0.0,
-        '_elements': sent + n_dense * q,
-        '_bytes': inter / k,
-        '_dense_bytes': 2.0 * (p - 1) * pbytes / p,
-        '_message_bits': 8.0 * wire,
-        '_message_elements': sent,
-    }
-    if sent:
-        figures['vgc/bits_per_element'] = 8.0 * wire / sent
-    if n_comp < n_params:
-        figures['vgc/dense_fraction'] = (n_params - n_comp) / n_params
-        if n_comp:
-            figures['vgc/compression_compressed'] = (
-                n_comp * q / sent if sent else float('inf'))
+    figures = extensions.figures(
+        n_params, q, sent, wire, inter / k, dense_elements=n_dense * q,
+        param_bytes=pbytes, ranks=q * k, n_compressed=n_comp)
+    figures['vgc/inter_node_bytes'] = inter
+    figures['vgc/intra_node_bytes'] = intra / k
     if choice is not None:
         figures['vgc/dense_steps'] = figures['_dense_steps'] = \
             dense_shards / k
-    for key, value in figures.items():
-        if key.startswith('_'):
-            totals[key[1:]] = totals.get(key[1:], 0.0) + value
-    totals['steps'] += 1
-    totals['param_elements'] += n_params
-    extensions.report(figures, model, label)
-    return figures
+    return extensions.record(figures, n_params, totals, model, label)

@@ -285,19 +285,33 @@ def check_user_finalize():
         print('finalized with an exchange in flight OK', flush=True)
 
 
+def _probe_handle():
+    """The handle MPI gives a new communicator now (freed at once): MPI
+    reuses the slots of freed communicators, so while none leak the probes
+    stay among the handles seen before; each leaked one takes a new slot."""
+    probe = world.Dup()
+    handle = probe.py2f()
+    probe.Free()
+    return handle
+
+
 def check_lifecycle(n):
     """``n`` double-buffered optimizers made and dropped in one process
     (issue 24, finding 3), each after a background exchange (its
     duplicate MPI communicator exists): dropped, closed, or ended by a
     ``with`` block, on one communicator or on a communicator of their own
     (the communicator's own duplicate, of ``exchange_async(...,
-    background=True)``, goes with it).  MPI runs out after about 2,000
-    communicators that are never freed."""
+    background=True)``, goes with it).  The live MPI communicators stay
+    bounded: after the first tenth, a probe communicator made after each
+    garbage collection takes no slot the first tenth did not use (each
+    cycle leaking a duplicate would take ``n`` new ones; MPICH runs out
+    after about 2,000)."""
     import gc
     # (Strom's rule and no backward: zero gradients, zero_fill; what is
     # checked is the duplicates' life, not the means)
     shared = chainer_vgc.create_communicator('strom', world, tau=0.01)
     model = make(numpy.float32)
+    first, later = set(), []
     for i in range(n):
         own, how = i % 2, (i // 2) % 3  # (half on communicators of their own)
         comm = shared if not own else chainer_vgc.create_communicator(
@@ -318,8 +332,17 @@ def check_lifecycle(n):
             elif own:  # and the communicator's own duplicate
                 comm.exchange_async(model, True, background=True).wait()
         del opt, comm
-        if i % 500 == 0:
+        if i % 6 == 5:  # (every way, own and shared, once)
             gc.collect()
+            if i < n // 10:
+                first.add(_probe_handle())
+            else:
+                later.append(_probe_handle())
+    new = set(later) - first
+    assert first and len(later) >= 10, (first, later)
+    assert len(new) <= 1, ('live MPI communicators grow: {} new slots in '
+                           '{} probes after the first {} optimizers'.format(
+                               len(new), len(later), n // 10))
     if world.rank == 0:
         print('lifecycle OK: {} optimizers'.format(n))
 

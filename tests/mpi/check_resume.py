@@ -1,16 +1,21 @@
 """Run under mpiexec: trainer runs for the resume test.
 
-    check_resume.py straight N OUT   # N iterations, save params
-    check_resume.py half N OUT       # N/2 iterations, per-rank snapshot
-    check_resume.py resume N OUT     # new process: load snapshot, go to N
-    check_resume.py resave N OUT     # load the snapshot, save it again at
-                                     # once (no update between)
-    check_resume.py resume-resaved N OUT  # load that one, go to N
+    check_resume.py MODES N OUT METHODS
 
-An optional METHOD after OUT ('vgc', 'qsgd', ..., 'vgc+db' with double
-buffering, 'hybrid+f16' a float16 model).
+runs, one after the other in this process, every mode of the
+comma-separated MODES for every method of the comma-separated METHODS
+('vgc', 'qsgd', ..., 'vgc+db' with double buffering, 'hybrid+f16' a float16
+model), each a fresh model, communicator and trainer:
 
-Each rank writes OUT/params_<mode>_rank<r>.npz.
+    straight        # N iterations, save params
+    half            # N/2 iterations, per-rank snapshot
+    resume          # (a new process) load the snapshot, go to N
+    resave          # load the snapshot, save it again at once (no update
+                    # between)
+    resume-resaved  # (a new process) load that one, go to N
+
+Each rank writes OUT/METHOD/params_<mode>_rank<r>.npz; rank 0 prints
+'resume runs OK: K' after the K runs.
 """
 
 import os
@@ -20,6 +25,7 @@ import chainer
 from chainer import training
 from chainer.training import extensions
 import chainer.links as L
+from mpi4py import MPI
 import numpy
 
 import chainer_vgc
@@ -29,8 +35,17 @@ from topk_rule import TopK
 
 
 def main():
-    mode, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    method = sys.argv[4] if len(sys.argv) > 4 else 'vgc'
+    modes, n, out = sys.argv[1].split(','), int(sys.argv[2]), sys.argv[3]
+    methods = sys.argv[4].split(',')
+    for method in methods:
+        os.makedirs(os.path.join(out, method), exist_ok=True)
+        for mode in modes:
+            run(mode, n, os.path.join(out, method), method)
+    if MPI.COMM_WORLD.rank == 0:
+        print('resume runs OK: {}'.format(len(methods) * len(modes)))
+
+
+def run(mode, n, out, method):
     # 'METHOD+db': with double buffering (the snapshot holds the mean in
     # flight, which the resumed run applies first)
     # 'METHOD+f16': a float16 model (updated in float32: the snapshot holds
@@ -46,7 +61,7 @@ def main():
         method = TopK(0.2)  # a rule object from outside the package
     comm = chainer_vgc.create_communicator(
         'vgc' if method == 'vgc-groups' else method, **kw)
-    numpy.random.seed(0)
+    numpy.random.seed(0)  # (the same initial model in every run)
     with chainer.using_config('dtype', dtype):
         model = L.Classifier(MLP((12,), 3))
     opt = chainer_vgc.create_multi_node_optimizer(
@@ -70,9 +85,7 @@ def main():
     resaved = os.path.join(out, 'resaved_rank{}'.format(comm.rank))
     if mode == 'resave':  # (the updater: model, optimizer, iterator)
         chainer.serializers.save_npz(resaved, updater)
-        if comm.rank == 0:
-            print('resume run OK: resaved at iteration {}'.format(
-                updater.iteration))
+        opt.close()
         return
     if mode == 'resume-resaved':
         chainer.serializers.load_npz(resaved, updater)
@@ -81,9 +94,7 @@ def main():
         mode, comm.rank)), totals=numpy.array([comm.totals[k] for k in
                                                sorted(comm.totals)]),
         **{name: p.array for name, p in model.namedparams()})
-    if comm.rank == 0:
-        print('resume run OK: {} to iteration {}'.format(
-            mode, updater.iteration))
+    opt.close()  # (the next run starts with no exchange in flight)
 
 
 if __name__ == '__main__':
