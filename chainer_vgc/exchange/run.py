@@ -232,8 +232,8 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
     state.note_uncovered(uncovered, collectives)
     state.setup(model, collectives)
     result = ExchangeResult(totals)
-    done = exchange_groups(collectives, state, model, zero_fill, sqsums,
-                           loss_scale, result)
+    done = exchange_parameters(collectives, state, model, zero_fill,
+                               sqsums, loss_scale, result)
     if done is not None:
         result.figures = extensions.report_step(
             done.blocks, done.n_params, totals, done.elements,
@@ -246,8 +246,8 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
 
 
 
-class Groups(object):
-    """What :func:`exchange_groups` sent: the compressed group's
+class Sent(object):
+    """What :func:`exchange_parameters` sent: the compressed group's
     ``blocks`` (every rank's message) and ``elements`` (per message), the
     dense group's ``n_dense`` elements per rank and ``dense_wire`` bytes
     per rank, and the sizes ``n_params``, ``n_compressed`` (elements)
@@ -263,11 +263,11 @@ class Groups(object):
                                for _, p in compressed + dense)
 
 
-def exchange_groups(collectives, state, model, zero_fill, sqsums, loss_scale,
-                    result, agree_on=None):
+def exchange_parameters(collectives, state, model, zero_fill, sqsums,
+                        loss_scale, result, agree_on=None):
     """Both groups of one set-up exchange: the compressed group's
     allgatherv, then the dense group's allreduce (every parameter's during
-    the warm-up).  Returns :class:`Groups`, or None when a rank's
+    the warm-up).  Returns :class:`Sent`, or None when a rank's
     gradients were not finite (the step is skipped, reported, and
     ``param.grad`` is NaN).  ``agree_on``: see :func:`_compressed_mean`."""
     compressed, dense = state.split(model, result.totals['steps'])
@@ -290,7 +290,7 @@ def exchange_groups(collectives, state, model, zero_fill, sqsums, loss_scale,
             blocks, elements = out
     n_dense, dense_wire = collectives.dense_mean(
         [p for _, p in dense], zero_fill, state.dense_dtype)
-    return Groups(compressed, dense, blocks, elements, n_dense, dense_wire)
+    return Sent(compressed, dense, blocks, elements, n_dense, dense_wire)
 
 
 def nan_grads(params):

@@ -128,7 +128,7 @@ class MethodState(object):
         """Whether the next exchange needs the per-sample statistics."""
         return self.needs_sqsum_after(self.totals['steps'])
 
-    def model_groups(self):
+    def names_and_dense(self):
         """``(names, dense)``: the parameters of the whole model this state
         exchanges and its dense group (names None before the first
         exchange); a node's state answers for the whole model, not its
@@ -141,7 +141,7 @@ class MethodState(object):
         warm-up, nor for a rule that does not use them, nor when every
         parameter of the model is dense): the one place this is
         decided, for flat and node runs alike."""
-        names, dense = self.model_groups()
+        names, dense = self.names_and_dense()
         everything_dense = names is not None and len(dense) == len(names)
         return (self.rule.needs_sqsum and self.rule.exchange != 'allreduce'
                 and steps >= self.warmup and not everything_dense)

@@ -19,7 +19,7 @@ So, on every rank:
    parameters it owns (:func:`chainer_vgc.nodes.transfer.
    reduce_to_owners`);
 3. each local rank runs the flat exchange (:func:`chainer_vgc.exchange.run.
-   exchange_groups`) on its shard, with its shard's residuals, among the
+   exchange_parameters`) on its shard, with its shard's residuals, among the
    ranks of the same local index on the q = p/k nodes: allgatherv of the
    compressed group, allreduce of the dense group.  The ranks agree on
    faults over every rank (one small allgather, as the flat exchange),
@@ -80,11 +80,11 @@ class NodeMethodState(MethodState):
         return super(NodeMethodState, self).dense_group(whole) & \
             model.names
 
-    def model_groups(self):
+    def names_and_dense(self):
         """The whole model's names and dense group (every shard's), once
         set up; before, as a flat state."""
         if self.whole is None:
-            return super(NodeMethodState, self).model_groups()
+            return super(NodeMethodState, self).names_and_dense()
         return self.whole
 
     @property
@@ -169,13 +169,13 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
                        result, state, model)
             done = None
         else:
-            done = step.exchange_groups(collectives.inter, state,
+            done = step.exchange_parameters(collectives.inter, state,
+                                            state.view, zero_fill, view_s,
+                                            loss_scale, result, agree_on)
+    else:
+        done = step.exchange_parameters(collectives.inter, state,
                                         state.view, zero_fill, view_s,
                                         loss_scale, result, agree_on)
-    else:
-        done = step.exchange_groups(collectives.inter, state, state.view,
-                                    zero_fill, view_s, loss_scale, result,
-                                    agree_on)
     t2 = time.perf_counter()
     if done is None:  # skipped on every rank
         step.nan_grads(params)
