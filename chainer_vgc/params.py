@@ -1,8 +1,12 @@
 """Which parameters, in which order: the one parameter order every part of
 chainer-vgc uses (the statistics, the communicator's messages, the
 simulation, the examples), so that every worker lists a model's parameters
-identically without exchanging names.
+identically without exchanging names; and how an error or a warning names
+several of them (:func:`some_of`).
 """
+
+#: how many names an error or a warning lists before '... and N more'
+SHOWN = 3
 
 
 def model_params(link):
@@ -10,3 +14,14 @@ def model_params(link):
     (the same on every worker)."""
     pairs = sorted(link.namedparams(), key=lambda kv: kv[0])
     return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+def some_of(names, shown=SHOWN):
+    """``names`` for a message: all of them up to ``shown``, else the first
+    ``shown`` and how many more ('/a, /b, /c and 93 more'), so that an
+    error about a large model stays readable."""
+    names = [str(n) for n in names]
+    if len(names) <= shown:
+        return ', '.join(names)
+    return '{} and {} more'.format(', '.join(names[:shown]),
+                                   len(names) - shown)

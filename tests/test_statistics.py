@@ -373,8 +373,35 @@ def test_bad_arguments_and_batch_axis_mismatch():
     with pytest.raises(ValueError, match='max_memory'):
         PerSampleSquares(lin, max_memory=0)
     x = numpy.ones((6, 3), numpy.float32)
-    with pytest.raises(ValueError, match='not a multiple of the batch size 4'):
+    with pytest.raises(ValueError, match='not a multiple of the batch size '
+                       '4') as info:
         PerSampleSquares(lin, batch_size=4).backward(F.sum(lin(x)))
+    # (where the fix goes: the option and the call that takes it)
+    assert "create_communicator(..., exclude=['/W'])" in str(info.value)
+    assert 'batch_size=' in str(info.value)
+
+
+def test_uncovered_error_names_the_option_the_call_and_a_few_names():
+    """Many uncovered parameters (an LSTM's): the error lists three with a
+    count, names the option and the call that takes it, and keeps every
+    name in ``.names``; the 'dense' warning lists as few."""
+    from chainer_vgc.params import some_of
+    assert some_of(['/a', '/b']) == '/a, /b'
+    assert some_of(['/a', '/b', '/c', '/d', '/e']) == '/a, /b, /c and 2 more'
+    with chainer.using_config('dtype', numpy.float32):
+        model = L.NStepLSTM(2, 3, 4, 0.0)
+    xs = [numpy.ones((n, 3), numpy.float32) for n in (2, 3)]
+    _, _, ys = model(None, None, xs)
+    loss = F.sum(F.concat(ys, axis=0))
+    with pytest.raises(UncoveredParameterError) as info:
+        PerSampleSquares(model, batch_size=2).backward(loss)
+    text = str(info.value)
+    names, _ = model_params(model)
+    assert sorted(info.value.names) == sorted(names) and len(names) == 32
+    assert 'for 32 parameter(s)' in text and 'and 29 more' in text
+    assert "chainer_vgc.create_communicator(..., uncovered='dense')" in text
+    assert sum(n in text for n in names) == 3, text
+    assert len(text) < 900, len(text)
 
 
 def test_float16_parameters_give_float32_sums():

@@ -29,6 +29,7 @@ from chainer_vgc.exchange import settings as groups
 from chainer_vgc.backends.native import bindings as native
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
+from chainer_vgc.params import some_of
 from chainer_vgc.rules import CompressionRule
 
 #: ``uncovered``: what to do with parameters the statistics do not cover
@@ -204,9 +205,10 @@ class MethodState(object):
         # a new set: the main thread may be reading the old one
         self.uncovered_dense = self.uncovered_dense | new
         warnings.warn(
-            "chainer_vgc: per-sample statistics do not cover {}; with "
-            "uncovered='dense' they are sent uncompressed (dense "
-            'allreduce)'.format(sorted(new)))
+            "chainer_vgc: per-sample statistics do not cover {} "
+            "parameter(s): {}; with uncovered='dense' they are sent "
+            'uncompressed (dense allreduce)'.format(len(new),
+                                                    some_of(sorted(new))))
 
     def commit(self, totals, last, skipped, timing):
         """A completed exchange's totals and figures become the state's."""

@@ -92,17 +92,25 @@ def _check_rows(fn, name, b, batch_ids):
     rows = node.shape[0] if len(node.shape) else 0
     where = '{} (input of {} for parameter {})'.format(
         tuple(node.shape), type(fn).__name__, name)
+    fix = ('The statistics need the examples on the first axis of every '
+           'input; rows that are tokens of variable-length examples '
+           '(concatenated sequences) are not supported yet. Send the '
+           'parameter dense: chainer_vgc.create_communicator(..., '
+           "exclude=['{}']). Where you call PerSampleSquares yourself, "
+           'pass backward(..., batch=(x, ...)) or PerSampleSquares(..., '
+           'batch_size=n); with create_multi_node_optimizer the batch is '
+           "the arrays given to update() (Chainer's StandardUpdater "
+           'passes the minibatch)'.format(name))
     if rows == 0 or rows % b:
         raise ValueError(
             '{}: {} rows on the example axis, not a multiple of the '
-            'batch size {}; pass batch=/batch_size= and keep the batch '
-            'axis first'.format(where, rows, b))
+            'batch size {}. {}'.format(where, rows, b, fix))
     if rows != b and not _example_major(node, b):
         raise ValueError(
             '{}: {} rows for {} examples, and they do not come from an '
             'example-major reshape of the batch (e.g. a concatenation or '
-            'a time-major layout); per-example contributions are '
-            'undefined'.format(where, rows, b))
+            'a time-major layout): per-example contributions are '
+            'undefined. {}'.format(where, rows, b, fix))
     if (batch_ids and node.creator_node is None and node.data is not None
             and not _derived_from(node.data, batch_ids)):
         raise ValueError(

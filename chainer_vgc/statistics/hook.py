@@ -42,6 +42,7 @@ from chainer import backend as chainer_backend
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.params import model_params
+from chainer_vgc.params import some_of
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
 from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics.graph import _array_ids
@@ -61,7 +62,12 @@ _NOTHING = contextlib.nullcontext()
 
 
 class UncoveredParameterError(ValueError):
-    """Parameters consumed by functions PerSampleSquares cannot handle."""
+    """Parameters consumed by functions PerSampleSquares cannot handle;
+    ``names``: all of them (the message lists a few)."""
+
+    def __init__(self, message, names=()):
+        super(UncoveredParameterError, self).__init__(message)
+        self.names = list(names)
 
 
 class _Pass(object):
@@ -258,17 +264,25 @@ class PerSampleSquares(chainer.FunctionHook):
                     loss_scale):
         """{index: sum} of the uncovered parameters, or the error their
         ``uncovered`` mode asks for."""
-        listing = ', '.join('{} (used by {})'.format(
+        listing = some_of(['{} (used by {})'.format(
             self.names[i], ', '.join(sorted({type(fn).__name__
                                              for fn, _ in uses[i]})))
-            for i in uncovered)
+            for i in uncovered])
         if self.uncovered == 'error':
             raise UncoveredParameterError(
-                'per-sample statistics are not implemented for: {}. Use '
-                "uncovered='dense' (send them uncompressed, with a dense "
-                "allreduce), uncovered='bruteforce' (exact, one backward "
-                'pass per example) or exclude these parameters'.format(
-                    listing))
+                'per-sample statistics are not implemented for {} '
+                'parameter(s): {}. Say what happens to them with the '
+                "communicator's option: chainer_vgc.create_communicator(..., "
+                "uncovered='dense') sends them uncompressed (a dense "
+                "allreduce), uncovered='bruteforce' computes them exactly, "
+                'one backward pass per example (not with dropout or batch '
+                'normalization in training mode), or '
+                'create_communicator(..., exclude=[...]) sends the names you '
+                'give dense from the start (PerSampleSquares(model, '
+                'uncovered=...) where you call the hook yourself; every '
+                'name: the exception\'s .names)'.format(len(uncovered),
+                                                        listing),
+                names=[self.names[i] for i in uncovered])
         sums = _uncovered_sqsums([self.params[i] for i in uncovered],
                                  listing, functions, loss_fn, batch, loss,
                                  loss_scale)
