@@ -486,29 +486,31 @@ def resume(args, comm, trainer):
 
 # -- the summary --------------------------------------------------------------
 
-def controls(comm):
-    """The communicator's dense group and warm-up settings that differ from
-    the defaults, as plain values (for the summary)."""
+def controls(state):
+    """A model's dense group and warm-up settings (``state``:
+    ``comm.state(model)``) that differ from the defaults, as plain values
+    (for the summary)."""
     out = {}
-    if comm.exclude:
+    if state.exclude:
         out['exclude'] = [e if isinstance(e, str) else repr(e)
-                          for e in comm.exclude]
-    if comm.min_size:
-        out['min_size'] = comm.min_size
-    if comm.uncovered != 'error':
-        out['uncovered'] = comm.uncovered
-    if comm.warmup:
-        out['warmup'] = comm.warmup
-    if comm.alpha_ramp is not None:
-        out['alpha_ramp'] = list(comm.alpha_ramp)
-    if comm.dense_dtype is not None:
-        out['dense_dtype'] = str(comm.dense_dtype)
+                          for e in state.exclude]
+    if state.min_size:
+        out['min_size'] = state.min_size
+    if state.uncovered != 'error':
+        out['uncovered'] = state.uncovered
+    if state.warmup:
+        out['warmup'] = state.warmup
+    if state.alpha_ramp is not None:
+        out['alpha_ramp'] = list(state.alpha_ramp)
+    if state.dense_dtype is not None:
+        out['dense_dtype'] = str(state.dense_dtype)
     return out
 
 
-def compressed_group_summary(comm, n_params):
-    """The compressed group's figures over the run, from the communicator's
-    totals: {} when every exchange compressed every parameter or none was
+def compressed_group_summary(state, workers, n_params):
+    """The compressed group's figures over the run, from a model's totals
+    (``state``: ``comm.state(model)``; ``workers``: the workers its
+    exchange averages over): {} when every exchange compressed every parameter or none was
     ever compressed (``none``), else ``compressed_parameters``,
     ``dense_fraction`` (of the parameters, after the warm-up),
     ``compressed_exchanges`` (after the warm-up) and
@@ -517,13 +519,12 @@ def compressed_group_summary(comm, n_params):
     ended in the warm-up).  Assumes the dense group did not change after
     the warm-up (exclusions and sizes are fixed; parameters are all
     initialized before training)."""
-    tot = comm.totals
+    tot = state.totals
     steps = int(tot['steps'])
-    n_c = comm.compressed_elements
-    workers = comm.workers or comm.size  # (hierarchy='node': the nodes)
-    if not steps or not n_c or (n_c == n_params and not comm.warmup):
+    n_c = state.compressed_elements
+    if not steps or not n_c or (n_c == n_params and not state.warmup):
         return {}
-    warm = min(comm.warmup, steps)
+    warm = min(state.warmup, steps)
     exchanges = steps - warm
     # every rank sends its whole gradient in a warm-up exchange, and the
     # dense group's in the others
@@ -548,9 +549,10 @@ def final_report(evaluator, trainer, comm, args):
     if wait is not None:  # double buffering: the last exchange, counted
         wait()
     result = evaluator(trainer)
-    summary = run_summary(comm.totals, comm.compressor,
-                          comm.workers or comm.size)
     model = optimizer.target
+    state = comm.state(model)  # (the model's state: totals, settings)
+    workers = state.workers or comm.size  # (hierarchy='node': the nodes)
+    summary = run_summary(state.totals, state.compressor, workers)
     n_params = sum(p.size for p in model.params() if p.array is not None)
     report = {
         'method': args.method, 'hyperparameters': rule_kwargs(args),
@@ -562,13 +564,13 @@ def final_report(evaluator, trainer, comm, args):
         'dense_allreduce_bytes_per_rank': summary['vgc/dense_bytes'],
         'bits_per_element': summary.get('vgc/total_bits_per_element'),
         'parameters': n_params,
-        'exchanges': int(comm.totals['steps']),
-        'controls': controls(comm),
+        'exchanges': int(state.totals['steps']),
+        'controls': controls(state),
     }
     if getattr(args, 'double_buffering', False):
         report['controls'] = dict(report['controls'] or {},
                                   double_buffering=True)
-    report.update(compressed_group_summary(comm, n_params))
+    report.update(compressed_group_summary(state, workers, n_params))
     return report
 
 

@@ -92,6 +92,13 @@ class VGCCommunicator(Collectives):
     The compressed group goes through the allgatherv (ring by default); the
     dense group through MPI allreduce, after it.  Every argument is checked
     on every rank before any exchange.
+
+    A model's state (its rule, residuals, dense group, totals, figures)
+    is ``comm.state(model)``: one per model, so that two models (a GAN's
+    generator and discriminator) share a communicator.  The attributes
+    below (``comm.totals``, ``comm.compressor``, ``comm.warmup``, ...)
+    are those of the model exchanged last, for one-model scripts written
+    as for ChainerMN; the package itself reads ``state(model)``.
     """
 
     totals = _of_state('totals', 'running totals since construction')
