@@ -340,6 +340,22 @@ class GradientCompressor(object):
         return faults.overflow(key, self.names[i], _backend.state_dtype(
             self.dtypes[i]), unchanged=True)
 
+    def memory(self):
+        """Bytes this compressor holds, by role: ``residuals`` (the rule's
+        state, e.g. VGC's r and v), ``spare_residuals`` (the native
+        backend's second set: each step writes the next state there and
+        swaps it in only when no tensor faulted, so that a NaN gradient or
+        an overflow leaves the state untouched) and ``message`` (the native
+        backend's buffer, sized for the largest message the settings
+        allow).  What ``benchmarks/bench_memory.py`` reports."""
+        def held(states):
+            return sum(int(a.nbytes) for st in states if st
+                       for a in st.values())
+        return {'residuals': held(self.states),
+                'spare_residuals': held(self._spares),
+                'message': (0 if self._buffer is None else
+                            int(self._buffer.nbytes))}
+
     def decode_buffer(self, i):
         """A flat array of parameter i's size in its state dtype, allocated
         on first use and reused: where the native decoder writes the sum it

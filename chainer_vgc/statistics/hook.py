@@ -217,7 +217,9 @@ class PerSampleSquares(chainer.FunctionHook):
                 current.results[i] = _combined_sqsum(
                     use_list, b, self.max_memory, current.out(i), self.work)
         finally:
-            self._pass = None
+            # (the function nodes of the uses hold the graph, and with it
+            # the activations they retain: drop them with the pass)
+            self._pass, self._uses = None, {}
         for i, p in enumerate(self.params):
             if i in brute:
                 self.sqsums[i] = brute[i]
@@ -228,6 +230,23 @@ class PerSampleSquares(chainer.FunctionHook):
                 self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
                     p.dtype))
         return self.sqsums
+
+    def memory(self):
+        """Bytes this hook holds after a backward, by role: ``sums`` (the
+        per-sample sums of squares s of the parameters, one array end to
+        end; a new one each backward, since an exchange may still read the
+        last) and ``workspace`` (the buffers kept between passes, bounded
+        by ``max_memory``: :class:`~chainer_vgc.statistics.contraction.
+        Workspace`)."""
+        seen, sums = set(), 0
+        for a in self.sqsums or ():
+            if a is None:
+                continue
+            base = a.base if a.base is not None else a
+            if id(base) not in seen:
+                seen.add(id(base))
+                sums += int(base.nbytes)
+        return {'sums': sums, 'workspace': int(self.work.nbytes)}
 
     def _arena_views(self):
         """Where this backward's sums go: views of one new array, the
