@@ -3,7 +3,8 @@
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_memory.py [--model ...]
 
-For each model, two fresh processes train it for a few steps through
+For each model, two fresh processes train it for a few exchanges (after
+the first update, which broadcasts the parameters as ChainerMN's does) through
 ``create_communicator`` + ``create_multi_node_optimizer`` (one rank, the
 whole exchange included; Momentum SGD): one with ``'none'``, one with
 ``'vgc'`` (alpha = 2).  Printed per model: the parameter bytes, each run's
@@ -88,7 +89,7 @@ def child(name, method, steps):
     opt = chainer_vgc.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(0.01), comm).setup(model)
     before = tracemalloc.get_traced_memory()[0]
-    for _ in range(steps):
+    for _ in range(1 + steps):  # (the first update broadcasts, as ChainerMN's)
         opt.update(model, x, t)
     held, peak = tracemalloc.get_traced_memory()
     out = {'params': int(sum(p.size * p.dtype.itemsize
@@ -145,9 +146,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--model', nargs='*', choices=MODELS,
                     default=list(MODELS))
-    ap.add_argument('--steps', type=int, default=3)
+    ap.add_argument('--steps', type=int, default=3,
+                    help='exchanges after the first update (>= 1)')
     ap.add_argument('--child', nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error('--steps must be at least 1 (an exchange)')
     if args.child:
         name, method, steps = args.child
         return child(name, method, int(steps))

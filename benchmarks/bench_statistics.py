@@ -12,6 +12,11 @@ per model:
   28x28x1 input, no dropout, batch 32);
 * ``vgg-full``: the App. D VGG at full width, batch 64, 28x28x1 (the GPU
   runbook's setting);
+* ``vgg-cifar``: the App. D VGG at full width with its dropout, batch 16
+  of 32x32x3 (the shape of ChainerMN's CIFAR example's VGG);
+* ``resnet50``: ``BottleneckResNet``, ResNet-50's shape (bottleneck
+  blocks, batch normalization everywhere, stride-2 1x1 projections),
+  batch 4 of 224x224x3, 1000 classes (ChainerMN's ImageNet example);
 * ``dcgan``: a DCGAN-shaped generator (Linear, three stride-2
   Deconvolution2D with BatchNormalization) and discriminator (seven
   Convolution2D with BatchNormalization), updated in turn as in ChainerMN's
@@ -39,6 +44,7 @@ import chainer
 import chainer.functions as F
 import numpy
 
+from chainer_vgc.harness.models import BottleneckResNet
 from chainer_vgc.harness.models import DCGANDiscriminator
 from chainer_vgc.harness.models import DCGANGenerator
 from chainer_vgc.harness.models import MLP
@@ -48,7 +54,7 @@ from chainer_vgc.statistics import PerSampleSquares
 
 from bench_common import machine
 
-MODELS = ('mlp', 'vgg', 'vgg-full', 'dcgan')
+MODELS = ('mlp', 'vgg', 'vgg-full', 'vgg-cifar', 'resnet50', 'dcgan')
 
 
 class _Classifier(object):
@@ -114,14 +120,20 @@ class _GAN(object):
 def build(name, device, max_memory, rng):
     if name == 'dcgan':
         return _GAN(16, device, max_memory, rng)
+    n_class = 10
     if name == 'mlp':
         net, shape, b = MLP((200, 200), 10), (784,), 32
+    elif name == 'vgg-cifar':
+        net, shape, b = VGG(10, width=1.0, dropout=True), (3, 32, 32), 16
+    elif name == 'resnet50':
+        n_class = 1000
+        net, shape, b = BottleneckResNet(n_class), (3, 224, 224), 4
     else:
         full = name == 'vgg-full'
         net = VGG(10, width=1.0 if full else 0.125, dropout=False)
         shape, b = (1, 28, 28), 64 if full else 32
     x = rng.normal(size=(b,) + shape).astype(numpy.float32)
-    t = rng.integers(0, 10, b).astype(numpy.int32)
+    t = rng.integers(0, n_class, b).astype(numpy.int32)
     return _Classifier(net, x, t, device, max_memory)
 
 

@@ -4,6 +4,9 @@ benchmarks/bench_memory.py reports), and that the statistics do not keep
 the last backward's graph alive between steps."""
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import chainer
@@ -76,3 +79,21 @@ def test_the_statistics_drop_the_graph_after_the_backward():
         gc.collect()
         assert node() is None
     assert chainer.config.train
+
+
+def test_the_benchmark_accounts_for_the_extra_memory():
+    """benchmarks/bench_memory.py on the demo's MLP, one step: every role
+    printed, and what vgc holds beyond 'none' is those roles within a
+    tenth of the parameter bytes ('other')."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, 'benchmarks', 'bench_memory.py'),
+         '--model', 'mlp', '--steps', '1'], check=True, capture_output=True,
+        text=True, timeout=300).stdout
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()
+            if ln.startswith('  ')}
+    for role in ('residuals', 'spare', 'message', 'sums', 'workspace',
+                 'other'):
+        assert role in rows, out
+    assert float(rows['residuals'][3].rstrip('x')) == 2.0, out
+    assert abs(float(rows['other'][3].rstrip('x'))) < 0.1, out

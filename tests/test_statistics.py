@@ -267,6 +267,39 @@ def test_vgg_appendix_d_against_per_example_slices():
                                       atol=1e-12 * abs(w).max(),
                                       err_msg=name)
 
+def test_bottleneck_resnet_against_per_example_slices():
+    """ResNet-50's shape (issue 38), small: bottleneck blocks with batch
+    normalization everywhere, identity shortcuts and stride-2 1x1
+    projections, a 7x7 stride-2 stem, max and average pooling; every
+    parameter's sums equal the per-example slices."""
+    from chainer_vgc.harness.models import BottleneckResNet
+    rng = numpy.random.default_rng(5)
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(5)
+        model = BottleneckResNet(10, width=1 / 16, blocks=(2, 1))
+        x = _data(rng, numpy.float64, 3, 3, 32, 32)
+        t = rng.integers(0, 10, 3).astype(numpy.int32)
+        model(x)
+        names, params = model_params(model)
+        oracle = SliceOracle()
+        with oracle:
+            F.softmax_cross_entropy(model(x), t).backward()
+        want = oracle.sums(params)
+        model.cleargrads()
+        got = PerSampleSquares(model).backward(
+            F.softmax_cross_entropy(model(x), t), batch=(x, t))
+    # the stem's conv and BN (3), 3 blocks of 3 convs and 3 BNs (9 each),
+    # a projection and its BN (3) in the first block of each stage (it
+    # changes the shape), the classifier (2)
+    assert sum('project' in n for n in names) == 6
+    assert len(names) == 3 + 9 * 3 + 3 * 2 + 2, names
+    for name, g, w in zip(names, got, want):
+        assert w is not None, name
+        numpy.testing.assert_allclose(g, w, rtol=1e-5,
+                                      atol=1e-12 * abs(w).max(),
+                                      err_msg=name)
+
+
 
 def test_batch_normalization_slices_add_up_to_batch_gradient(dtype):
     """The documented BN definition: slices of the batch gradient.  Their

@@ -159,3 +159,68 @@ class DCGANDiscriminator(chainer.Chain):
                 h = getattr(self, 'bn{}'.format(k))(h)
             h = F.leaky_relu(h)
         return self.fc(h)
+
+
+class Bottleneck(chainer.Chain):
+    """ResNet-50's block: a 1x1 convolution that reduces the channels (with
+    the block's stride), a 3x3 one, a 1x1 one that expands them, batch
+    normalization after each, and a shortcut that is the input, or a
+    strided 1x1 convolution with batch normalization where the shape
+    changes."""
+
+    def __init__(self, in_channels, mid, out_channels, stride):
+        super(Bottleneck, self).__init__()
+        with self.init_scope():
+            self.reduce = L.Convolution2D(in_channels, mid, 1, stride, 0,
+                                          nobias=True)
+            self.bn_reduce = L.BatchNormalization(mid)
+            self.conv = L.Convolution2D(mid, mid, 3, 1, 1, nobias=True)
+            self.bn_conv = L.BatchNormalization(mid)
+            self.expand = L.Convolution2D(mid, out_channels, 1, 1, 0,
+                                          nobias=True)
+            self.bn_expand = L.BatchNormalization(out_channels)
+            if stride != 1 or in_channels != out_channels:
+                self.project = L.Convolution2D(in_channels, out_channels, 1,
+                                               stride, 0, nobias=True)
+                self.bn_project = L.BatchNormalization(out_channels)
+
+    def forward(self, x):
+        h = F.relu(self.bn_reduce(self.reduce(x)))
+        h = F.relu(self.bn_conv(self.conv(h)))
+        h = self.bn_expand(self.expand(h))
+        shortcut = (self.bn_project(self.project(x))
+                    if hasattr(self, 'project') else x)
+        return F.relu(h + shortcut)
+
+
+class BottleneckResNet(chainer.Chain):
+    """A network of ResNet-50's shape (He et al. 2016, Table 1): a 7x7
+    stride-2 convolution and 3x3 max pooling, stages of (3, 4, 6, 3)
+    bottleneck blocks of 64, 128, 256 and 512 middle channels (times
+    ``width``) expanding four times, the later stages starting with a
+    stride of 2; global average pooling and a linear classifier.  At
+    width 1, 25.6M parameters for 1000 classes."""
+
+    def __init__(self, n_class=1000, width=1.0, blocks=(3, 4, 6, 3)):
+        super(BottleneckResNet, self).__init__()
+        base = max(1, int(64 * width))
+        with self.init_scope():
+            self.stem = L.Convolution2D(3, base, 7, 2, 3, nobias=True)
+            self.bn_stem = L.BatchNormalization(base)
+            self.stages = chainer.ChainList()
+            channels = base
+            for k, n in enumerate(blocks):
+                mid = base * 2 ** k
+                for j in range(n):
+                    self.stages.append(Bottleneck(
+                        channels, mid, 4 * mid,
+                        2 if j == 0 and k > 0 else 1))
+                    channels = 4 * mid
+            self.fc = L.Linear(channels, n_class)
+
+    def forward(self, x):
+        h = F.relu(self.bn_stem(self.stem(x)))
+        h = F.max_pooling_2d(h, 3, 2, 1)
+        for block in self.stages:
+            h = block(h)
+        return self.fc(F.average(h, axis=(2, 3)))
