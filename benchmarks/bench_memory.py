@@ -27,9 +27,10 @@ and the extra split by role, from ``GradientCompressor.memory()`` and
   step's temporaries on top (the ``peak`` columns).
 
 Models: ``mlp`` (the demo's 784-200-200-10, batch 32), ``vgg`` (the App. D
-VGG at full width, 32x32x3, batch 16) and ``resnet50`` (Chainer's
-``ResNet50Layers`` without pretrained weights, 224x224x3, batch 4: the
-ChainerMN imagenet example's network).  Figures and the reading:
+VGG at full width, 32x32x3, batch 16) and ``resnet50``
+(``BottleneckResNet``: ResNet-50's shape, 224x224x3, batch 4, as
+``bench_statistics.py --model resnet50``: the ChainerMN ImageNet example's
+network).  Figures and the reading:
 docs/benchmarks.md ("Memory").
 """
 
@@ -47,11 +48,9 @@ ROLES = ('residuals', 'spare', 'message', 'sums', 'workspace')
 
 def build(name):
     """(model, x, t) of one named setting, seeded."""
-    import chainer
-    import chainer.functions as F
     import chainer.links as L
     import numpy
-    from chainer_vgc.harness.models import MLP, VGG
+    from chainer_vgc.harness.models import MLP, VGG, BottleneckResNet
     numpy.random.seed(0)
     rng = numpy.random.default_rng(0)
     if name == 'mlp':
@@ -63,16 +62,7 @@ def build(name):
         x = rng.random((16, 3, 32, 32), numpy.float32)
         t = rng.integers(0, 10, 16).astype(numpy.int32)
     else:
-        class ResNet(chainer.Chain):
-            def __init__(self):
-                super(ResNet, self).__init__()
-                with self.init_scope():
-                    self.net = L.ResNet50Layers(pretrained_model=None)
-
-            def forward(self, x, t):
-                h = self.net(x, layers=['fc6'])['fc6']
-                return F.softmax_cross_entropy(h, t)
-        model = ResNet()
+        model = L.Classifier(BottleneckResNet(1000))
         x = rng.random((4, 3, 224, 224), numpy.float32)
         t = rng.integers(0, 1000, 4).astype(numpy.int32)
     return model, x, t

@@ -55,9 +55,11 @@ def check_in_suite(request):
     is missing."""
     p, spec = _spec(request.node)
     if p not in _launched:
-        specs = sorted({(list(SUITE).index(i.originalname), _spec(i)[1])
-                        for i in request.session.items
-                        if _spec(i) and _spec(i)[0] == p})
+        order = list(SUITE)
+        specs = sorted({(order.index(i.originalname), s[1])
+                        for i, s in ((i, _spec(i))
+                                     for i in request.session.items)
+                        if s and s[0] == p})
         try:
             _launched[p] = run(p, 'check_suite.py', *(s for _, s in specs),
                                timeout=600)[0]

@@ -244,6 +244,29 @@ class SliceOracle(chainer.FunctionHook):
         return (gw if k == 1 else gb).array.astype(numpy.float64)
 
 
+def _hook_and_slices(model, x, t):
+    """(names, the hook's sums, the per-example slices' sums) of one
+    softmax cross-entropy backward of ``model`` on ``(x, t)``."""
+    model(x)
+    names, params = model_params(model)
+    oracle = SliceOracle()
+    with oracle:
+        F.softmax_cross_entropy(model(x), t).backward()
+    want = oracle.sums(params)
+    model.cleargrads()
+    got = PerSampleSquares(model).backward(
+        F.softmax_cross_entropy(model(x), t), batch=(x, t))
+    return names, got, want
+
+
+def _assert_close_to_slices(names, got, want):
+    for name, g, w in zip(names, got, want):
+        assert w is not None, name
+        numpy.testing.assert_allclose(g, w, rtol=1e-5,
+                                      atol=1e-12 * abs(w).max(),
+                                      err_msg=name)
+
+
 def test_vgg_appendix_d_against_per_example_slices():
     rng = numpy.random.default_rng(4)
     with chainer.using_config('dtype', numpy.float64):
@@ -251,21 +274,10 @@ def test_vgg_appendix_d_against_per_example_slices():
         model = VGG(width=1 / 16, dropout=False)
         x = _data(rng, numpy.float64, 3, 3, 32, 32)
         t = rng.integers(0, 10, 3).astype(numpy.int32)
-        model(x)
-        names, params = model_params(model)
-        oracle = SliceOracle()
-        with oracle:
-            F.softmax_cross_entropy(model(x), t).backward()
-        want = oracle.sums(params)
-        model.cleargrads()
-        got = PerSampleSquares(model).backward(
-            F.softmax_cross_entropy(model(x), t), batch=(x, t))
+        names, got, want = _hook_and_slices(model, x, t)
     assert len(names) == 13 + 13 * 2 + 1 + 2 + 2  # conv W, BN, fc1, bn, fc2
-    for name, g, w in zip(names, got, want):
-        assert w is not None, name
-        numpy.testing.assert_allclose(g, w, rtol=1e-5,
-                                      atol=1e-12 * abs(w).max(),
-                                      err_msg=name)
+    _assert_close_to_slices(names, got, want)
+
 
 def test_bottleneck_resnet_against_per_example_slices():
     """ResNet-50's shape (issue 38), small: bottleneck blocks with batch
@@ -279,25 +291,13 @@ def test_bottleneck_resnet_against_per_example_slices():
         model = BottleneckResNet(10, width=1 / 16, blocks=(2, 1))
         x = _data(rng, numpy.float64, 3, 3, 32, 32)
         t = rng.integers(0, 10, 3).astype(numpy.int32)
-        model(x)
-        names, params = model_params(model)
-        oracle = SliceOracle()
-        with oracle:
-            F.softmax_cross_entropy(model(x), t).backward()
-        want = oracle.sums(params)
-        model.cleargrads()
-        got = PerSampleSquares(model).backward(
-            F.softmax_cross_entropy(model(x), t), batch=(x, t))
+        names, got, want = _hook_and_slices(model, x, t)
     # the stem's conv and BN (3), 3 blocks of 3 convs and 3 BNs (9 each),
     # a projection and its BN (3) in the first block of each stage (it
     # changes the shape), the classifier (2)
     assert sum('project' in n for n in names) == 6
     assert len(names) == 3 + 9 * 3 + 3 * 2 + 2, names
-    for name, g, w in zip(names, got, want):
-        assert w is not None, name
-        numpy.testing.assert_allclose(g, w, rtol=1e-5,
-                                      atol=1e-12 * abs(w).max(),
-                                      err_msg=name)
+    _assert_close_to_slices(names, got, want)
 
 
 
@@ -557,7 +557,7 @@ def _exact_and_brute(net, loss_fn, batch, **backward_kwargs):
         out.append(hook.backward(loss_fn(*batch), loss_fn=loss_fn,
                                  batch=batch, **backward_kwargs))
         if not covered:
-            assert len(hook._uses) == 0  # every parameter by brute force
+            assert len(hook.covered_names) == 0  # every one by brute force
     return out
 
 

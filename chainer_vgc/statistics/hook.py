@@ -147,9 +147,10 @@ class PerSampleSquares(chainer.FunctionHook):
         #: with uncovered='dense': the parameters the last backward could
         #: not cover (their sums are None)
         self.uncovered_names = []
-        #: the uses the hook handled in the last backward ({index: [(fn,
-        #: k)]}; brute-forced and dense parameters are not in it)
-        self._uses = {}
+        #: the parameters whose sums the last backward computed exactly in
+        #: the pass (not by brute force; names only: the pass's function
+        #: nodes hold the graph and are not kept)
+        self.covered_names = []
         #: the current backward pass (a _Pass), None outside backward
         self._pass = None
         #: the products' buffers, kept from step to step
@@ -201,25 +202,26 @@ class PerSampleSquares(chainer.FunctionHook):
             brute = self._bruteforce(uncovered, uses, functions, loss_fn,
                                      batch, loss,
                                      backward_kwargs.get('loss_scale'))
-        self._uses = {i: us for i, us in uses.items() if i not in brute}
-        for i, us in self._uses.items():
+        # (a local: its function nodes hold the graph, and with it the
+        # activations they retain, which must not outlive this pass)
+        uses = {i: us for i, us in uses.items() if i not in brute}
+        for i, us in uses.items():
             for fn, _ in us:
                 _check_rows(fn, self.names[i], b, batch_ids)
-        current = _Pass(self._uses, b, self._arena_views())
+        self.covered_names = [self.names[i] for i in sorted(uses)]
+        current = _Pass(uses, b, self._arena_views())
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
             with self, (self._capture if any(
-                    _takes_columns(fn) for us in self._uses.values()
+                    _takes_columns(fn) for us in uses.values()
                     for fn, _ in us) else _NOTHING):
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(
                     use_list, b, self.max_memory, current.out(i), self.work)
         finally:
-            # (the function nodes of the uses hold the graph, and with it
-            # the activations they retain: drop them with the pass)
-            self._pass, self._uses = None, {}
+            self._pass = None
         for i, p in enumerate(self.params):
             if i in brute:
                 self.sqsums[i] = brute[i]
