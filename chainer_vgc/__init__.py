@@ -54,6 +54,7 @@ _LAZY = {
     'GradientCompressor': ('compressor', False, False),
     'WireFormatError': ('codec', False, False),
     'create_rule': ('rules', False, False),
+    'sentence_pairs': ('statistics.rows', True, False),
     'RULES': ('rules', False, False),
 }
 

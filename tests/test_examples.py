@@ -183,6 +183,21 @@ def fails_saying(n, script, *args, saying):
     raise AssertionError('no run said {!r}: {}'.format(saying, text[-3000:]))
 
 
+def test_train_seq2seq_compresses_variable_length_sentences(tmp_path):
+    """examples/train_seq2seq.py at 2 ranks (ChainerMN's seq2seq shape:
+    NStepLSTM with dropout, 2B sentences per update, the one documented
+    option examples=chainer_vgc.sentence_pairs): it trains with every
+    parameter covered and sends fewer elements than it has."""
+    proc = example(2, 'train_seq2seq.py', '--iterations', 12, '--batchsize',
+                   8, '--units', 16, '--out', str(tmp_path),
+                   expect='summary ')
+    line = [x for x in proc.stdout.splitlines() if x.startswith('summary ')]
+    summary = json.loads(line[-1][len('summary '):])
+    assert summary['ranks'] == 2 and summary['iterations'] == 12
+    assert numpy.isfinite(summary['loss'])
+    assert summary['compression_run'] > 2, summary
+
+
 def test_train_cifar_synthetic_smoke(tmp_path):
     out = str(tmp_path)
     example(2, 'train_cifar.py', '--synthetic', '--iterations', 4,

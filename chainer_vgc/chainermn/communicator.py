@@ -56,6 +56,12 @@ class VGCCommunicator(Collectives):
         chunk_words: pipelining chunk of the ring, in 32-bit words.
         max_memory: passed to
             :class:`~chainer_vgc.statistics.PerSampleSquares`.
+        examples: None, or a function of ``update()``'s arguments
+            returning the minibatch's examples, one array or tuple of
+            arrays each, for a minibatch whose arrays are not all batches
+            of examples on their first axis nor lists of one array per
+            example (:func:`chainer_vgc.sentence_pairs` for ChainerMN's
+            seq2seq converter; :mod:`~chainer_vgc.statistics.rows`).
         uncovered: parameters the per-sample statistics do not cover (LSTM,
             attention, ...): ``'error'`` (default), ``'bruteforce'`` (exact,
             one backward pass per example) or ``'dense'`` (sent in the dense
@@ -122,6 +128,8 @@ class VGCCommunicator(Collectives):
     dense_dtype = _of_state('dense_dtype', "None or float16")
     uncovered = _of_state('uncovered', "'error', 'bruteforce' or 'dense'")
     max_memory = _of_state('max_memory', 'of the per-sample statistics')
+    examples = _of_state('examples', "how the minibatch's arrays map to "
+                         'examples (None: by their own layout)')
     resume_other_method = _of_state('resume_other_method',
                                     'may a snapshot of another method load')
     needs_sqsum = _of_state('needs_sqsum', 'whether the next exchange needs '
@@ -142,7 +150,7 @@ class VGCCommunicator(Collectives):
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
-                 resume_other_method=False, cuda_aware_mpi=False,
+                 examples=None, resume_other_method=False, cuda_aware_mpi=False,
                  exclude=None, min_size=0, warmup=0, alpha_ramp=None,
                  dense_dtype=None, dense_fallback=None, **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm, allgatherv,
@@ -151,7 +159,7 @@ class VGCCommunicator(Collectives):
         self._current = self._State(
             method, rank=self.rank, exclude=exclude, min_size=min_size,
             warmup=warmup, alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
-            uncovered=uncovered, max_memory=max_memory,
+            uncovered=uncovered, max_memory=max_memory, examples=examples,
             resume_other_method=resume_other_method,
             dense_fallback=dense_fallback, **hyperparams)
         self._unbound = self._current  # the first model's

@@ -107,31 +107,41 @@ class VGCMultiNodeOptimizer(object):
 
     def _loss_backward(self, lossfun, args, kwds):
         """The loss of this step's minibatch, cleared gradients, then
-        :meth:`_backward`; returns its sums of squares (or None)."""
+        ``loss.backward``, with the per-sample statistics when the
+        communicator needs them (returned; None otherwise).  The forward
+        pass runs inside the statistics hook's
+        :meth:`~chainer_vgc.statistics.PerSampleSquares.forward`, which
+        records where the minibatch's per-example arrays enter the graph."""
         target = self.target
-        loss = lossfun(*args, **kwds)
+        scale = self.actual_optimizer._loss_scale
+        hook = None
+        if self._needs_sqsum():
+            # (the communicator holds the hook: one per model, in one place)
+            hook = self.communicator.statistics(target)
+        if hook is None:
+            loss = lossfun(*args, **kwds)
+            self._clear_grads(target)
+            loss.backward(loss_scale=scale)
+            return None
+        with hook.forward(args, kwds) as batch:
+            loss = lossfun(*args, **kwds)
+        self._clear_grads(target)
+        # (again: a lazily initialized link has its parameters only now,
+        # and a new hook for them reads the same record)
+        hook = self.communicator.statistics(target)
+        _, loss_fn = _batch_of(lossfun, args, kwds)
+        return hook.backward(loss, loss_fn=loss_fn, batch=batch,
+                             loss_scale=scale)
+
+    def _clear_grads(self, target):
         if getattr(self, '_use_cleargrads', True):
             target.cleargrads()
         else:
             target.zerograds()
-        return self._backward(loss, lossfun, args, kwds)
 
     def _needs_sqsum(self):
         """Whether this step's backward computes the statistics."""
         return self.method_state.needs_sqsum
-
-    def _backward(self, loss, lossfun, args, kwds):
-        """``loss.backward``, with the per-sample statistics when the
-        communicator needs them (returned; None otherwise)."""
-        scale = self.actual_optimizer._loss_scale
-        if not self._needs_sqsum():
-            loss.backward(loss_scale=scale)
-            return None
-        batch, loss_fn = _batch_of(lossfun, args, kwds)
-        # (the communicator holds the hook: one per model, in one place)
-        hook = self.communicator.statistics(self.target)
-        return hook.backward(loss, loss_fn=loss_fn, batch=batch,
-                             loss_scale=scale)
 
     def _broadcast_now(self, target):
         """ChainerMN's rule (broadcast while the parameter set changes),

@@ -47,14 +47,15 @@ class MethodState(object):
         **hyperparams: the rule's, with a method name.
 
     ``exclude``, ``min_size``, ``warmup``, ``alpha_ramp``, ``dense_dtype``,
-    ``uncovered``, ``max_memory`` and ``resume_other_method`` are as in
+    ``uncovered``, ``max_memory``, ``examples`` and
+    ``resume_other_method`` are as in
     :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`.  Every argument is
     checked here, on construction.
     """
 
     def __init__(self, method='vgc', rank=0, exclude=None, min_size=0,
                  warmup=0, alpha_ramp=None, dense_dtype=None,
-                 uncovered='error', max_memory=None,
+                 uncovered='error', max_memory=None, examples=None,
                  resume_other_method=False, dense_fallback=None,
                  **hyperparams):
         if uncovered not in UNCOVERED:
@@ -82,6 +83,12 @@ class MethodState(object):
         self.dense_dtype = groups.check_dense_dtype(dense_dtype)
         self.uncovered = uncovered
         self.max_memory = max_memory
+        if examples is not None and not callable(examples):
+            raise ValueError('examples must be a function of the '
+                             "update's arguments returning the minibatch's "
+                             'examples (e.g. chainer_vgc.sentence_pairs), '
+                             'got {!r}'.format(examples))
+        self.examples = examples
         self.resume_other_method = bool(resume_other_method)
         #: the compressed group's compressor and residuals (by setup())
         self.compressor = None
@@ -114,7 +121,7 @@ class MethodState(object):
                     exclude=self.exclude, min_size=self.min_size,
                     warmup=self.warmup, alpha_ramp=self.alpha_ramp,
                     dense_dtype=self.dense_dtype, uncovered=self.uncovered,
-                    max_memory=self.max_memory,
+                    max_memory=self.max_memory, examples=self.examples,
                     resume_other_method=self.resume_other_method,
                     dense_fallback=self.dense_fallback)
 
@@ -164,7 +171,8 @@ class MethodState(object):
         if hook is None or hook.names != names:
             hook = PerSampleSquares(
                 model, uncovered=self.uncovered,
-                max_memory=self.max_memory or DEFAULT_MAX_MEMORY)
+                max_memory=self.max_memory or DEFAULT_MAX_MEMORY,
+                examples=self.examples)
         hook.skip = self.dense_group(model)
         return hook
 

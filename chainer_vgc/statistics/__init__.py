@@ -21,7 +21,11 @@ module:
   a workspace reused from step to step), with
   :mod:`~chainer_vgc.statistics.im2col` for convolutions;
 * :mod:`~chainer_vgc.statistics.graph`: which function nodes consume each
-  parameter, and which rows of their inputs belong to which example;
+  parameter (through the stacks of recurrent layers' weights);
+* :mod:`~chainer_vgc.statistics.rows`: which example owns each row a
+  function sees (arrays of examples, or one array per example), with
+  :mod:`~chainer_vgc.statistics.tracing` tracing the rows of
+  variable-length sequences through the graph;
 * :mod:`~chainer_vgc.statistics.bruteforce`: the per-example passes, and
   when they are exact (loss scaling, noise, batch normalization).
 

@@ -1,20 +1,25 @@
-"""The computational graph: which function nodes consume each parameter,
-and which rows of their inputs belong to which example?
+"""The computational graph: which function nodes consume each parameter?
 
-Per-example contributions (paper Sec. 4.1) need the example of every row a
-function sees; Chainer keeps no such record (Sec. 5: "common deep learning
-libraries do not support access to gradients of each sample"), so it is
-traced here from the graph before the backward pass.
-
-Examples: the first axis of the functions' inputs.  A function whose input
-has ``k * B`` rows (``n_batch_axes > 1``, or ``x.reshape(B * T, -1)`` of an
-example-major ``(B, T, ...)`` array) is read as B contiguous groups of k rows;
-time-major layouts would mix examples, so pass ``batch_size`` and keep the
-batch axis first.  Inputs whose rows cannot be attributed to examples are
-refused (:func:`_check_rows`).
+Per-example contributions (paper Sec. 4.1) are formed at the function node
+that consumes a parameter.  Most layers hand their parameters straight to
+their function (``F.linear(x, W, b)``).  Some first rearrange them:
+Chainer's ``NStepLSTM``/``NStepGRU``/``NStepRNN`` (without cuDNN) stack or
+concatenate a layer's weights into one matrix per time step before
+``F.linear`` (``stack([w2, w0, w1, w3], axis=1)`` and a reshape, for the
+LSTM).  A rearrangement only moves elements, so each parameter's gradient
+is a selection of the matrix's: :func:`_scan` follows ``stack``,
+``concat`` and ``reshape`` from a parameter to the function that computes
+with it and records which rows of that function's weight (or bias) the
+parameter is (:class:`Selection`).  Which rows of the functions' *inputs*
+belong to which example is :mod:`~chainer_vgc.statistics.rows`' question.
 """
 
+import numpy
+
+from chainer.functions.array import concat as _concat
 from chainer.functions.array import reshape as _reshape
+from chainer.functions.array import stack as _stack
+from chainer.functions.connection import linear as _linear
 
 
 def _functions_of(var):
@@ -33,86 +38,123 @@ def _functions_of(var):
 
 
 def _scan(loss, params):
-    """The function nodes of loss's graph, and those that consume each of
-    ``params``: ``(functions, {index: [(fn, k)]})`` (k: the input index of
-    the parameter in fn)."""
+    """The function nodes of loss's graph, and the uses of each of
+    ``params``: ``(functions, {index: [(fn, k, selection)]})``: fn consumes
+    the parameter as its input k, directly (selection None) or through a
+    rearrangement (a :class:`Selection`)."""
     index = {id(p.node): i for i, p in enumerate(params)}
-    uses = {}
     functions = _functions_of(loss)
+    consumers = {}
     for fn in functions:
         for k, node in enumerate(fn.inputs):
-            i = index.get(id(node))
-            if i is not None:
-                uses.setdefault(i, []).append((fn, k))
+            consumers.setdefault(id(node), []).append((fn, k))
+    uses = {}
+    for p_id, i in index.items():
+        for fn, k in consumers.get(p_id, ()):
+            uses.setdefault(i, []).extend(
+                _followed(fn, k, params[i].shape, consumers))
     return functions, uses
 
 
-def _array_ids(arrays):
-    return {id(a) for a in arrays}
+#: the rearranging functions followed from a parameter to its use
+_REARRANGING = (_stack.Stack, _concat.Concat, _reshape.Reshape)
 
 
-def _derived_from(array, ids):
-    """Whether ``array`` is one of the arrays ``ids`` or a view of one."""
-    while array is not None:
-        if id(array) in ids:
-            return True
-        array = getattr(array, 'base', None)
-    return False
+class Selection(object):
+    """A parameter's place in the input of the function that computes with
+    it, after rearrangements (``path``: their class names): ``rows`` the
+    rows of that function's weight (or the elements of its bias) the
+    parameter's rows are, in order; None when it is not such a selection
+    (the use is not covered)."""
+
+    def __init__(self, path, rows):
+        self.path = path
+        self.rows = rows
+
+    def describe(self, fn):
+        return ' -> '.join(self.path + [type(fn).__name__])
 
 
-def _example_major(node, b):
-    """Whether a node's k*b rows are b contiguous groups, one per example:
-    a chain of reshapes (F.reshape, F.linear's n_batch_axes) of something
-    whose first axis is the batch, or a C-order view of such an array."""
-    while node.creator_node is not None:
-        creator = node.creator_node
-        if not isinstance(creator, _reshape.Reshape):
-            return False
-        node = creator.inputs[0]
-        if len(node.shape) and node.shape[0] == b:
-            return True
-    data = node.data
-    while data is not None:
-        base = getattr(data, 'base', None)
-        if base is None:
-            return False
-        if (getattr(base, 'ndim', 0) and base.shape[0] == b
-                and getattr(data.flags, 'c_contiguous', False)
-                and base.flags.c_contiguous):
-            return True
-        data = base
-    return False
+def _followed(fn, k, shape, consumers, path=(), positions=None, key=()):
+    """The uses ``[(fn, k, selection)]`` reached from input k of ``fn``
+    (a parameter of ``shape``, or a rearrangement of one: ``positions``
+    the flat place of each of its elements, ``key`` how they were
+    computed)."""
+    if not isinstance(fn, _REARRANGING):
+        if not path:
+            return [(fn, k, None)]
+        return [(fn, k, Selection(list(path), _row_selection(
+            fn, k, shape, positions, key)))]
+    out = fn.outputs[0]()
+    if out is None:
+        return []
+    step = (type(fn).__name__, getattr(fn, 'axis', None), k,
+            tuple(tuple(n.shape) for n in fn.inputs), tuple(out.shape))
+    key = key + (step,)
+    positions = _positions(fn, k, out, shape, positions, key)
+    found = []
+    for nxt, kk in consumers.get(id(out), ()):
+        found.extend(_followed(nxt, kk, shape, consumers,
+                               path + (type(fn).__name__,), positions, key))
+    return found
 
 
-def _check_rows(fn, name, b, batch_ids):
-    """Refuse inputs whose rows cannot be attributed to examples (fn's
-    input 0, for the parameter called name; b examples; batch_ids: the
-    :func:`_array_ids` of the minibatch arrays, empty if not given)."""
-    node = fn.inputs[0]
-    rows = node.shape[0] if len(node.shape) else 0
-    where = '{} (input of {} for parameter {})'.format(
-        tuple(node.shape), type(fn).__name__, name)
-    fix = ('The statistics need the examples on the first axis of every '
-           'input; rows that are tokens of variable-length examples '
-           '(concatenated sequences) are not supported yet. Send the '
-           'parameter dense: chainer_vgc.create_communicator(..., '
-           "exclude=['{}']). Where you call PerSampleSquares yourself, "
-           'pass backward(..., batch=(x, ...)) or PerSampleSquares(..., '
-           'batch_size=n); with create_multi_node_optimizer the batch is '
-           "the arrays given to update() (Chainer's StandardUpdater "
-           'passes the minibatch)'.format(name))
-    if rows == 0 or rows % b:
-        raise ValueError(
-            '{}: {} rows on the example axis, not a multiple of the '
-            'batch size {}. {}'.format(where, rows, b, fix))
-    if rows != b and not _example_major(node, b):
-        raise ValueError(
-            '{}: {} rows for {} examples, and they do not come from an '
-            'example-major reshape of the batch (e.g. a concatenation or '
-            'a time-major layout): per-example contributions are '
-            'undefined. {}'.format(where, rows, b, fix))
-    if (batch_ids and node.creator_node is None and node.data is not None
-            and not _derived_from(node.data, batch_ids)):
-        raise ValueError(
-            '{}: the input is a constant array, not minibatch data; '
-            'per-example contributions are undefined'.format(where))
+#: {key: flat positions}, {key: rows}: rearrangements repeat every step
+#: (an LSTM stacks its weights again at each time step)
+_POSITIONS = {}
+_ROWS = {}
+_CACHE_LIMIT = 256
+
+
+def _remember(cache, key, value):
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _positions(fn, k, out, shape, positions, key):
+    """Where each element of the parameter is in ``out``, flat."""
+    cached = _POSITIONS.get((shape, key))
+    if cached is not None:
+        return cached
+    if positions is None:
+        positions = numpy.arange(int(numpy.prod(shape)))
+    if isinstance(fn, _reshape.Reshape):
+        moved = positions  # C order is kept
+    else:
+        places = numpy.arange(int(numpy.prod(out.shape))).reshape(out.shape)
+        axis = fn.axis % len(out.shape)
+        if isinstance(fn, _stack.Stack):
+            mine = numpy.take(places, k, axis=axis)
+        else:  # Concat
+            sizes = [n.shape[axis] for n in fn.inputs]
+            lo = sum(sizes[:k])
+            mine = numpy.take(places, numpy.arange(lo, lo + sizes[k]),
+                              axis=axis)
+        moved = mine.reshape(-1)[positions]
+    return _remember(_POSITIONS, (shape, key), moved)
+
+
+def _row_selection(fn, k, shape, positions, key):
+    """The rows of F.linear's weight (k = 1) or bias (k = 2) that the
+    parameter's rows are, or None (not Linear, or not whole rows)."""
+    cached = _ROWS.get((shape, key, type(fn), k))
+    if cached is not None:
+        return cached if len(cached) else None
+    rows = None
+    if isinstance(fn, _linear.LinearFunction) and k in (1, 2):
+        target = fn.inputs[k].shape
+        if k == 2 and len(shape) == 1 and len(target) == 1:
+            rows = positions
+        elif k == 1 and len(shape) == 2 and len(target) == 2 and \
+                shape[1] == target[1]:
+            width = target[1]
+            grid = positions.reshape(shape)
+            first = grid[:, 0]
+            if (numpy.all(first % width == 0) and numpy.array_equal(
+                    grid, first[:, None] + numpy.arange(width))):
+                rows = first // width
+    _remember(_ROWS, (shape, key, type(fn), k),
+              rows if rows is not None else numpy.empty(0, numpy.int64))
+    return rows

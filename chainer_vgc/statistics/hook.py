@@ -2,8 +2,11 @@
 ordinary backward pass (paper Sec. 4.1, Fig. "Basic"; Sec. 5)?
 
 :class:`PerSampleSquares` is a Chainer ``FunctionHook``.  Before the
-backward pass it finds the function nodes that consume each parameter and
-checks their rows (:mod:`~chainer_vgc.statistics.graph`); during it, it
+backward pass it finds the function nodes that consume each parameter
+(:mod:`~chainer_vgc.statistics.graph`) and which example owns each row of
+their inputs (:mod:`~chainer_vgc.statistics.rows`; for a minibatch of
+variable-length sequences, recorded during the forward pass run inside
+:meth:`PerSampleSquares.forward`); during it, it
 looks at each such node, with the node's input data x and output gradient
 gy, and hands them to the node's handler
 (:mod:`~chainer_vgc.statistics.handlers`).  The state of one backward pass
@@ -45,8 +48,8 @@ from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
 from chainer_vgc.statistics.contraction import Workspace
-from chainer_vgc.statistics.graph import _array_ids
-from chainer_vgc.statistics.graph import _check_rows
+from chainer_vgc.statistics import rows as _rows
+from chainer_vgc.statistics import tracing as _tracing
 from chainer_vgc.statistics.graph import _scan
 from chainer_vgc.statistics.handlers import _supported
 from chainer_vgc.statistics.handlers import _takes_columns
@@ -59,6 +62,13 @@ DEFAULT_MAX_MEMORY = 64 * 2 ** 20
 
 
 _NOTHING = contextlib.nullcontext()
+
+
+def _covered(fn, k, selection):
+    """Whether a use (input k of fn, through ``selection`` or directly) is
+    covered by the handlers."""
+    return _supported(fn, k) and (selection is None
+                                  or selection.rows is not None)
 
 
 class UncoveredParameterError(ValueError):
@@ -74,24 +84,28 @@ class _Pass(object):
     """The state of one :meth:`PerSampleSquares.backward`, read by the hook
     during ``loss.backward``.
 
-    ``uses``: {parameter index: [(fn, k)]} the hook handles (not brute
-    force, not dense); ``b``: the number of examples; ``single``: the
-    indices with one use (squared as soon as it is seen); ``by_fn``:
-    {id(fn): [(index, k)]}; ``pending``: {index: [(use, group)]} the uses
-    of shared parameters, combined when the backward pass is over;
-    ``results``: {index: sum of squares}; ``views``: where the sums are
-    written (see :meth:`PerSampleSquares._arena_views`), or None.
+    ``uses``: {parameter index: [(fn, k, selection)]} the hook handles
+    (not brute force, not dense); ``b``: the number of examples;
+    ``layouts``: {id(fn): (kind, k or idx)}, how the rows of fn's input
+    become the b examples (:func:`~chainer_vgc.statistics.rows.layout`);
+    ``single``: the indices with one use (squared as soon as it is seen);
+    ``by_fn``: {id(fn): [(index, k, selection)]}; ``pending``: {index:
+    [(use, group)]} the uses of shared parameters, combined when the
+    backward pass is over; ``results``: {index: sum of squares};
+    ``views``: where the sums are written (see
+    :meth:`PerSampleSquares._arena_views`), or None.
     """
 
-    def __init__(self, uses, b, views=None):
+    def __init__(self, uses, b, layouts, views=None):
         self.uses = uses
         self.b = b
+        self.layouts = layouts
         self.views = views
         self.single = {i for i, us in uses.items() if len(us) == 1}
         self.by_fn = {}
         for i, us in uses.items():
-            for fn, k in us:
-                self.by_fn.setdefault(id(fn), []).append((i, k))
+            for fn, k, sel in us:
+                self.by_fn.setdefault(id(fn), []).append((i, k, sel))
         self.pending = {}
         #: bytes of Chainer's columns the pending uses keep
         self.held = 0
@@ -111,8 +125,13 @@ class PerSampleSquares(chainer.FunctionHook):
         max_memory: bound in bytes of each per-example intermediate.
         uncovered: ``'error'``, ``'dense'`` or ``'bruteforce'`` (see the
             module doc).
-        batch_size: number of examples B; else ``len(batch[0])`` of the
-            ``batch`` given to :meth:`backward` (one of the two is needed).
+        batch_size: number of examples B; else read from the ``batch``
+            given to :meth:`backward` (one of the two is needed).
+        examples: None, or a function of the minibatch's arrays (as
+            :meth:`backward` gets them) returning its examples, one array
+            or tuple of arrays each (see
+            :mod:`~chainer_vgc.statistics.rows`;
+            :func:`~chainer_vgc.statistics.rows.sentence_pairs`).
 
     Use :meth:`backward` instead of ``loss.backward()``; it returns the
     list of sums (aligned with :attr:`names`) and leaves the usual
@@ -122,7 +141,7 @@ class PerSampleSquares(chainer.FunctionHook):
     name = 'PerSampleSquares'
 
     def __init__(self, target, max_memory=DEFAULT_MAX_MEMORY,
-                 uncovered='error', batch_size=None):
+                 uncovered='error', batch_size=None, examples=None):
         if isinstance(target, chainer.Link):
             self.names, self.params = model_params(target)
         else:
@@ -138,9 +157,14 @@ class PerSampleSquares(chainer.FunctionHook):
         if batch_size is not None and int(batch_size) < 1:
             raise ValueError('batch_size must be >= 1, got {!r}'.format(
                 batch_size))
+        if examples is not None and not callable(examples):
+            raise ValueError('examples must be a function of the '
+                             "minibatch's arrays returning its examples, "
+                             'got {!r}'.format(examples))
         self.max_memory = max_memory
         self.uncovered = uncovered
         self.batch_size = batch_size
+        self.examples = examples
         self.sqsums = [None] * len(self.params)
         #: names of parameters to leave out (no sum is computed: None)
         self.skip = set()
@@ -158,11 +182,43 @@ class PerSampleSquares(chainer.FunctionHook):
         #: Chainer's own im2col of each convolution, taken over
         self._capture = ColumnCapture()
 
+    def minibatch(self, batch=(), kwargs=None):
+        """The :class:`~chainer_vgc.statistics.rows.Minibatch` of
+        ``batch`` (positional arrays, lists of one array per example) and
+        ``kwargs`` (keyword ones), read as :meth:`backward` reads it."""
+        if isinstance(batch, _rows.Minibatch):
+            return batch
+        return _rows.minibatch(batch, self.examples, kwargs,
+                               self.batch_size)
+
+    @contextlib.contextmanager
+    def forward(self, batch=(), kwargs=None):
+        """Context of the forward pass whose loss a :meth:`backward` gets:
+        records which function inputs are the minibatch's per-example
+        arrays (needed for a minibatch of one array per example; the graph
+        does not keep them).  Yields the minibatch (a
+        :class:`~chainer_vgc.statistics.rows.Minibatch` holding the
+        record), to be passed to :meth:`backward` as ``batch``."""
+        mb = self.minibatch(batch, kwargs)
+        if not mb.traced:
+            yield mb
+            return
+        recorder = _rows.Recorder(mb)
+        with recorder:
+            yield mb
+        mb.leaves = recorder.leaves
+        mb.keep.extend(recorder.nodes)
+
     def backward(self, loss, loss_fn=None, batch=(), **backward_kwargs):
         """Run ``loss.backward(**backward_kwargs)`` and compute the sums.
 
-        ``batch``: the minibatch arrays (first axis = examples); gives B and
-        lets the rows each function sees be traced to examples.
+        ``batch``: the minibatch: arrays with the examples on their first
+        axis, and/or lists of one array per example (variable-length
+        sequences; the rows each function sees are then traced through the
+        graph, best with the forward pass run inside :meth:`forward`), or
+        what :meth:`forward` yielded.  It gives B and lets the rows each
+        function sees be traced to examples
+        (:mod:`~chainer_vgc.statistics.rows`).
         ``loss_fn`` is needed only for ``uncovered='bruteforce'``:
         ``loss_fn(*batch)`` must compute ``loss``, and the uncovered
         parameters' sums are then formed from one pass of ``loss_fn`` per
@@ -188,10 +244,11 @@ class PerSampleSquares(chainer.FunctionHook):
         functions, uses = _scan(loss, self.params)
         uses = {i: us for i, us in uses.items()
                 if self.names[i] not in self.skip}
-        b = self._batch_size(batch)
-        batch_ids = _array_ids(batch)
+        mb = self.minibatch(batch)
+        b = mb.b
         uncovered = sorted(i for i, us in uses.items()
-                           if not all(_supported(fn, k) for fn, k in us))
+                           if not all(_covered(fn, k, sel)
+                                      for fn, k, sel in us))
         brute = {}
         self.uncovered_names = []
         if uncovered and self.uncovered == 'dense':
@@ -199,23 +256,27 @@ class PerSampleSquares(chainer.FunctionHook):
             self.uncovered_names = [self.names[i] for i in uncovered]
             uses = {i: us for i, us in uses.items() if i not in uncovered}
         elif uncovered:
+            if mb.traced and self.uncovered == 'bruteforce':
+                raise ValueError(
+                    "uncovered='bruteforce' slices the minibatch's arrays "
+                    'by example; a minibatch of one array per example is '
+                    "not supported there. Use uncovered='dense' for: "
+                    + self._listing(uncovered, uses))
             brute = self._bruteforce(uncovered, uses, functions, loss_fn,
-                                     batch, loss,
+                                     mb.arrays, loss,
                                      backward_kwargs.get('loss_scale'))
         # (a local: its function nodes hold the graph, and with it the
         # activations they retain, which must not outlive this pass)
         uses = {i: us for i, us in uses.items() if i not in brute}
-        for i, us in uses.items():
-            for fn, _ in us:
-                _check_rows(fn, self.names[i], b, batch_ids)
+        layouts = self._layouts(uses, functions, mb)
         self.covered_names = [self.names[i] for i in sorted(uses)]
-        current = _Pass(uses, b, self._arena_views())
+        current = _Pass(uses, b, layouts, self._arena_views())
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
             with self, (self._capture if any(
                     _takes_columns(fn) for us in uses.values()
-                    for fn, _ in us) else _NOTHING):
+                    for fn, _, _ in us) else _NOTHING):
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(
@@ -232,6 +293,29 @@ class PerSampleSquares(chainer.FunctionHook):
                 self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
                     p.dtype))
         return self.sqsums
+
+    def _layouts(self, uses, functions, mb):
+        """{id(fn): layout} of every use's function node: B contiguous
+        groups of the first axis for a minibatch of arrays of examples,
+        traced rows for one of one array per example
+        (:mod:`~chainer_vgc.statistics.rows`)."""
+        layouts = {}
+        tracer = None
+        for i, us in sorted(uses.items()):
+            for fn, _, _ in us:
+                if id(fn) in layouts:
+                    continue
+                if not mb.traced:
+                    layouts[id(fn)] = ('groups', _rows.regular_layout(
+                        fn, self.names[i], mb))
+                    continue
+                if tracer is None:
+                    tracer = _tracing.Tracer(
+                        functions, {id(p.node) for p in self.params}, mb,
+                        mb.leaves)
+                layouts[id(fn)] = _rows.layout(
+                    tracer.owners(fn, self.names[i]), mb.b)
+        return layouts
 
     def memory(self):
         """Bytes this hook holds after a backward, by role: ``sums`` (the
@@ -285,10 +369,7 @@ class PerSampleSquares(chainer.FunctionHook):
                     loss_scale):
         """{index: sum} of the uncovered parameters, or the error their
         ``uncovered`` mode asks for."""
-        listing = some_of(['{} (used by {})'.format(
-            self.names[i], ', '.join(sorted({type(fn).__name__
-                                             for fn, _ in uses[i]})))
-            for i in uncovered])
+        listing = self._listing(uncovered, uses)
         if self.uncovered == 'error':
             raise UncoveredParameterError(
                 'per-sample statistics are not implemented for {} '
@@ -309,15 +390,13 @@ class PerSampleSquares(chainer.FunctionHook):
                                  loss_scale)
         return dict(zip(uncovered, sums))
 
-    def _batch_size(self, batch):
-        if self.batch_size is not None:
-            return int(self.batch_size)
-        if len(batch):
-            return len(batch[0])
-        raise ValueError(
-            'PerSampleSquares needs the number of examples: pass batch=(x, '
-            '...) to backward() or batch_size= to the constructor (guessing '
-            'it from the graph can merge examples silently)')
+    def _listing(self, indices, uses):
+        """A few of the parameters ``indices`` with the functions that use
+        them, and a count."""
+        return some_of(['{} (used by {})'.format(
+            self.names[i], ', '.join(sorted({
+                sel.describe(fn) if sel is not None else type(fn).__name__
+                for fn, _, sel in uses[i]}))) for i in indices])
 
     # -- hook --
     def backward_postprocess(self, function, in_data, out_grad):
@@ -334,13 +413,23 @@ class PerSampleSquares(chainer.FunctionHook):
         entries = current.by_fn.get(id(function))
         if not entries or out_grad[0] is None:
             return
-        gy = out_grad[0]
-        xp = chainer_backend.get_array_module(gy)
-        for i, k in entries:
+        gy_all = out_grad[0]
+        xp = chainer_backend.get_array_module(gy_all)
+        kind, how = current.layouts[id(function)]
+        x_data = in_data
+        if kind == 'index':  # rows regrouped by example, once per node
+            x_data = (_rows.gather_rows(xp, in_data[0], how),) + \
+                tuple(in_data[1:])
+            gy_all = _rows.gather_rows(xp, gy_all, how)
+        for i, k, sel in entries:
             dtype = backend.state_dtype(self.params[i].dtype)
-            use = _uses_of(function, k, in_data, gy, dtype, xp)
-            group = use.rows // current.b  # a multiple: see _check_rows
-            if hasattr(use, 'adopt_columns'):
+            gy = gy_all
+            if sel is not None:  # the parameter's rows of a stacked weight
+                gy = xp.take(gy, xp.asarray(sel.rows), axis=1)
+            use = _uses_of(function, k, x_data, gy, dtype, xp)
+            group = how if kind == 'groups' else how.shape[1]
+            if kind == 'groups' and hasattr(use, 'adopt_columns'):
+                # (Chainer's columns are in the rows' own order)
                 use.adopt_columns(self._capture)
             if i in current.single:  # done now: nothing is kept
                 current.results[i] = use.sqsum(group, self.max_memory,

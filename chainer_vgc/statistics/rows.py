@@ -1,0 +1,316 @@
+"""Which example owns each row a covered function sees?
+
+Per-example contributions (paper Sec. 4.1, Fig. "Basic") need the example
+of every row a function's input has; Chainer keeps no such record (Sec. 5:
+"common deep learning libraries do not support access to gradients of each
+sample"), so it is read here from the minibatch and the graph.
+
+The minibatch (what ``update()`` is given, see :func:`minibatch`) comes in
+one of two forms:
+
+* **arrays of examples**: every array has the B examples on its first axis
+  (images and labels).  A function whose input has ``k * B`` rows
+  (``n_batch_axes > 1``, or ``x.reshape(B * T, -1)`` of an example-major
+  ``(B, T, ...)`` array) is read as B contiguous groups of k rows; inputs
+  whose rows cannot be so attributed are refused (:func:`regular_layout`).
+* **one array per example** (variable-length sequences): a list or tuple of
+  B arrays, one per example (each array's rows are that example's tokens),
+  or any layout an ``examples`` function maps to B examples (ChainerMN's
+  seq2seq passes its source and target sentences as 2B positional
+  arrays: :func:`sentence_pairs`).  Models concatenate such sequences
+  (``F.concat`` before ``EmbedID``, the output projection over all time
+  steps), split them again, transpose them into time steps
+  (``NStepLSTM``), so the rows are traced through the graph
+  (:mod:`~chainer_vgc.statistics.tracing`), starting from the arrays the
+  forward pass was given (:class:`Recorder`).  Each use's rows are then
+  regrouped by example (:func:`layout`, :func:`gather_rows`).
+
+The batch size is never guessed from an element's length: when the
+minibatch's arrays disagree on their first axis and nothing says which
+arrays belong to which example, the error names the option.
+"""
+
+import numpy
+
+from chainer.functions.array import reshape as _reshape
+import chainer
+
+
+#: where the option that says which arrays belong to which example goes
+EXAMPLES_OPTION = (
+    'chainer_vgc.create_communicator(..., examples=f), f(*args, **kwargs) '
+    "returning the minibatch's examples, one array or tuple of arrays "
+    'each, from the arguments update() gets (for a converter that returns '
+    'the B source sentences and then the B target sentences, as '
+    "ChainerMN's seq2seq example does: examples=chainer_vgc.sentence_pairs"
+    '; PerSampleSquares(..., examples=f) where you call the hook yourself)')
+
+
+def sentence_pairs(*arrays):
+    """The examples of a minibatch passed as ``x_1, ..., x_B, y_1, ...,
+    y_B`` (ChainerMN's seq2seq converter): ``[(x_1, y_1), ...]``."""
+    if len(arrays) % 2:
+        raise ValueError(
+            'sentence_pairs: {} arrays, an odd number; it reads the '
+            'minibatch as B source sentences followed by B target '
+            'sentences'.format(len(arrays)))
+    half = len(arrays) // 2
+    return list(zip(arrays[:half], arrays[half:]))
+
+
+def _is_array(a):
+    return hasattr(a, 'shape') and hasattr(a, 'dtype')
+
+
+def _is_sequence_list(a):
+    return (isinstance(a, (list, tuple)) and len(a) > 0
+            and all(_is_array(x) for x in a))
+
+
+class Minibatch(object):
+    """The minibatch of one update and its examples.
+
+    ``arrays``: the arrays with the examples on their first axis (a tuple;
+    what brute force slices); ``b``: the number of examples;
+    ``per_example``: {id(array): example} of the arrays that hold one
+    example each (empty for a minibatch of arrays of examples);
+    ``keep``: those arrays, so that their ids stay theirs; ``leaves``:
+    the :class:`Recorder`'s record of the forward pass (None: not
+    recorded; the graph's own data is then read where it kept it).
+    """
+
+    def __init__(self, arrays, b, per_example=None, keep=()):
+        self.arrays = tuple(arrays)
+        self.b = b
+        self.per_example = dict(per_example or {})
+        self.keep = list(keep)
+        self.leaves = None
+        self._batch_ids = {id(a) for a in self.arrays}
+
+    @property
+    def traced(self):
+        """Whether rows are traced through the graph (one array per
+        example) instead of read as groups of the first axis."""
+        return bool(self.per_example)
+
+    def label_of(self, array):
+        """For an array a function was given: ``('example', z)`` if it is
+        (a view of) one example's array, ``('rows', None)`` if it is one of
+        the arrays of examples itself, else None."""
+        a, depth = array, 0
+        while a is not None and depth < 4:
+            z = self.per_example.get(id(a))
+            if z is not None:
+                return 'example', z
+            if depth == 0 and id(a) in self._batch_ids and \
+                    len(getattr(a, 'shape', ())) and a.shape[0] == self.b:
+                return 'rows', None
+            a, depth = getattr(a, 'base', None), depth + 1
+        return None
+
+
+def minibatch(batch=(), examples=None, kwargs=None, batch_size=None):
+    """The :class:`Minibatch` of ``batch`` (``update()``'s positional
+    arguments; ``kwargs`` its keyword ones), read by ``examples`` (a
+    function of them returning the examples) when given, else by the rule
+    of the module doc.  ``batch_size``: the number of examples when the
+    batch is not given (arrays of examples only)."""
+    kwargs = kwargs or {}
+    if examples is not None:
+        groups = examples(*batch, **kwargs)
+        groups = list(groups)
+        if not groups:
+            raise ValueError('the examples function returned no examples '
+                             '({})'.format(EXAMPLES_OPTION))
+        per_example, keep = {}, []
+        for z, group in enumerate(groups):
+            items = group if isinstance(group, (list, tuple)) else (group,)
+            for a in items:
+                if not _is_array(a):
+                    raise ValueError(
+                        'example {} of the examples function holds a {}, '
+                        'not an array'.format(z, type(a).__name__))
+                per_example[id(a)] = z
+                keep.append(a)
+        return Minibatch((), len(groups), per_example, keep)
+    items = list(batch) + list(kwargs.values())
+    lists = [a for a in items if _is_sequence_list(a)]
+    # (brute force's order: the positional arrays, else the keyword ones)
+    arrays = ([a for a in batch if _is_array(a)]
+              or [a for a in kwargs.values() if _is_array(a)])
+    if lists:
+        lengths = sorted({len(a) for a in lists})
+        b = lengths[0]
+        bad = [len(a) for a in arrays if not len(a.shape)
+               or a.shape[0] != b]
+        if len(lengths) > 1 or bad:
+            raise ValueError(
+                'the minibatch has lists of {} arrays (one per example) and '
+                'arrays of first axis {}: the number of examples is not '
+                'clear. Say which arrays belong to which example: {}'
+                .format(lengths, sorted(set(bad)), EXAMPLES_OPTION))
+        per_example, keep = {}, []
+        for seq in lists:
+            for z, a in enumerate(seq):
+                per_example[id(a)] = z
+                keep.append(a)
+        return Minibatch(arrays, b, per_example, keep)
+    if batch_size is not None:
+        return Minibatch(arrays, int(batch_size))
+    if not arrays:
+        raise ValueError(
+            'PerSampleSquares needs the number of examples: pass batch=(x, '
+            '...) to backward() or batch_size= to the constructor (guessing '
+            'it from the graph can merge examples silently)')
+    firsts = [a.shape[0] if len(a.shape) else None for a in arrays]
+    if len(set(firsts)) > 1 or firsts[0] is None:
+        raise ValueError(
+            "the minibatch's arrays have {} rows on their first axis: they "
+            'are not one batch of examples, and the number of examples is '
+            'not guessed from them. If each array is one example (a '
+            'sequence of tokens), pass them as lists, one array per example '
+            '(a converter returning {{"xs": [...], "ys": [...]}}), or say '
+            'which arrays belong to which example: {}'.format(
+                _some(firsts), EXAMPLES_OPTION))
+    return Minibatch(arrays, firsts[0])
+
+
+def _some(values, n=6):
+    values = list(values)
+    text = ', '.join(str(v) for v in values[:n])
+    return text + (', ... ({} arrays)'.format(len(values))
+                   if len(values) > n else '')
+
+
+class Recorder(chainer.FunctionHook):
+    """Records, during the forward pass, which inputs of which function
+    nodes are the minibatch's per-example arrays (Chainer does not keep
+    the data of inputs a function does not need for its backward, so the
+    graph alone cannot tell).  ``leaves``: {(id(fn), k): label} with
+    :meth:`Minibatch.label_of`'s labels; ``nodes`` keeps the function
+    nodes, so that their ids stay theirs."""
+
+    name = 'PerSampleSquares.Recorder'
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.leaves = {}
+        self.nodes = []
+
+    def forward_preprocess(self, function, in_data):
+        """Chainer's callback before ``function``'s forward: note its
+        inputs that are per-example arrays of the minibatch."""
+        for k, a in enumerate(in_data):
+            label = self.batch.label_of(a)
+            if label is not None:
+                self.leaves[(id(function), k)] = label
+                self.nodes.append(function)
+
+
+# ---- arrays of examples: groups of the first axis ---------------------------
+
+def _derived_from(array, ids):
+    """Whether ``array`` is one of the arrays ``ids`` or a view of one."""
+    while array is not None:
+        if id(array) in ids:
+            return True
+        array = getattr(array, 'base', None)
+    return False
+
+
+def _example_major(node, b):
+    """Whether a node's k*b rows are b contiguous groups, one per example:
+    a chain of reshapes (F.reshape, F.linear's n_batch_axes) of something
+    whose first axis is the batch, or a C-order view of such an array."""
+    while node.creator_node is not None:
+        creator = node.creator_node
+        if not isinstance(creator, _reshape.Reshape):
+            return False
+        node = creator.inputs[0]
+        if len(node.shape) and node.shape[0] == b:
+            return True
+    data = node.data
+    while data is not None:
+        base = getattr(data, 'base', None)
+        if base is None:
+            return False
+        if (getattr(base, 'ndim', 0) and base.shape[0] == b
+                and getattr(data.flags, 'c_contiguous', False)
+                and base.flags.c_contiguous):
+            return True
+        data = base
+    return False
+
+
+def describe_input(fn, name):
+    """How an error names input 0 of ``fn``, for the parameter ``name``."""
+    node = fn.inputs[0]
+    return '{} (input of {} for parameter {})'.format(
+        tuple(node.shape), type(fn).__name__, name)
+
+
+def regular_layout(fn, name, batch):
+    """The rows of ``fn``'s input 0 (for the parameter called ``name``) as
+    B contiguous groups: the group size k; or ValueError for rows that
+    cannot be attributed to examples that way (``batch``: the
+    :class:`Minibatch` of arrays of examples)."""
+    node = fn.inputs[0]
+    b = batch.b
+    rows = node.shape[0] if len(node.shape) else 0
+    where = describe_input(fn, name)
+    fix = ('The statistics read the examples on the first axis of every '
+           'input. If the rows are tokens of variable-length examples '
+           '(concatenated sequences), give the minibatch as one array per '
+           'example (lists) or say which arrays belong to which example: '
+           '{}. Or send the parameter dense: chainer_vgc.create_communicator'
+           "(..., exclude=['{}']). Where you call PerSampleSquares "
+           'yourself, pass backward(..., batch=(x, ...)) or '
+           'PerSampleSquares(..., batch_size=n); with '
+           'create_multi_node_optimizer the batch is the arrays given to '
+           "update() (Chainer's StandardUpdater passes the minibatch)"
+           .format(EXAMPLES_OPTION, name))
+    if rows == 0 or rows % b:
+        raise ValueError(
+            '{}: {} rows on the example axis, not a multiple of the '
+            'batch size {}. {}'.format(where, rows, b, fix))
+    if rows != b and not _example_major(node, b):
+        raise ValueError(
+            '{}: {} rows for {} examples, and they do not come from an '
+            'example-major reshape of the batch (e.g. a concatenation or '
+            'a time-major layout): per-example contributions are '
+            'undefined. {}'.format(where, rows, b, fix))
+    if (batch.arrays and node.creator_node is None and node.data is not None
+            and not _derived_from(node.data, batch._batch_ids)):
+        raise ValueError(
+            '{}: the input is a constant array, not minibatch data; '
+            'per-example contributions are undefined'.format(where))
+    return rows // b
+
+
+def layout(owners, b):
+    """How a use's rows become B groups: ``('groups', k)`` when they
+    already are B contiguous groups of k rows in example order, else
+    ``('index', idx)``: idx (b, k) the rows of each example, padded with
+    ``len(owners)`` (a zero row appended)."""
+    owners = numpy.asarray(owners, numpy.int64)
+    rows = len(owners)
+    counts = numpy.bincount(owners, minlength=b)
+    k = int(counts.max()) if rows else 0
+    if k and rows == b * k and numpy.array_equal(
+            owners, numpy.repeat(numpy.arange(b), k)):
+        return 'groups', k
+    order = numpy.argsort(owners, kind='stable')
+    starts = numpy.cumsum(counts) - counts
+    sorted_owners = owners[order]
+    rank = numpy.arange(rows) - starts[sorted_owners]
+    idx = numpy.full((b, max(k, 1)), rows, numpy.int64)
+    idx[sorted_owners, rank] = order
+    return 'index', idx
+
+
+def gather_rows(xp, a, idx):
+    """``a``'s rows in the (b, k) order of ``idx`` (``len(a)``: a zero
+    row), as a (b * k, ...) array."""
+    pad = xp.zeros((1,) + tuple(a.shape[1:]), a.dtype)
+    full = xp.concatenate([a, pad], axis=0)
+    return xp.take(full, xp.asarray(idx.reshape(-1)), axis=0)

@@ -1,0 +1,183 @@
+"""A sequence-to-sequence model over variable-length sentences, data
+parallel with compressed gradients: the shape of ChainerMN's seq2seq
+example (``NStepLSTM`` encoder and decoder with dropout 0.1, ``EmbedID``
+over the concatenated sentences, one output projection over all time
+steps, a converter that passes the B source sentences and then the B
+target sentences as 2B arrays), on a synthetic translation task.
+
+    mpiexec -n 2 python examples/train_seq2seq.py --iterations 300
+    mpiexec -n 2 python examples/train_seq2seq.py --communicator naive
+
+The change from a ChainerMN script is the README's two lines plus one
+option, because this converter's 2B arrays do not say which ones belong
+together::
+
+    comm = chainer_vgc.create_communicator(
+        'vgc', alpha=2, examples=chainer_vgc.sentence_pairs)
+    optimizer = chainer_vgc.create_multi_node_optimizer(
+        chainer.optimizers.Adam(), comm)
+
+(a converter returning ``{'xs': [...], 'ys': [...]}``, lists of one array
+per example, needs no option).  The per-sample statistics trace each
+token's row through the concatenations, the LSTMs' time steps and their
+stacked weights to its sentence pair (``chainer_vgc.statistics.rows``).
+
+The task: a source sentence of 2..``--max-length`` tokens from a
+vocabulary of ``--vocab`` words; its translation is the sentence reversed,
+each word mapped by a fixed permutation.  ``--communicator naive`` runs
+ChainerMN's own naive communicator for comparison.  Rank 0 prints a JSON
+summary: the loss of the last interval, seconds per iteration, and the
+compression of the last interval and of the whole run.
+"""
+
+import argparse
+import json
+import time
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+import numpy
+
+import chainer_vgc
+
+EOS = 0
+
+
+def sequence_embed(embed, xs):
+    """Embed the sentences ``xs`` in one call: their tokens concatenated,
+    then split back into sentences."""
+    lengths = [len(x) for x in xs]
+    sections = numpy.cumsum(lengths[:-1])
+    return F.split_axis(embed(F.concat(xs, axis=0)), sections, 0,
+                        force_tuple=True)
+
+
+class Seq2seq(chainer.Chain):
+    def __init__(self, layers, source_vocab, target_vocab, units,
+                 dropout=0.1):
+        super(Seq2seq, self).__init__()
+        with self.init_scope():
+            self.embed_x = L.EmbedID(source_vocab, units)
+            self.embed_y = L.EmbedID(target_vocab, units)
+            self.encoder = L.NStepLSTM(layers, units, units, dropout)
+            self.decoder = L.NStepLSTM(layers, units, units, dropout)
+            self.out = L.Linear(units, target_vocab)
+
+    def forward(self, *sentences):
+        half = len(sentences) // 2
+        sources = [x[::-1] for x in sentences[:half]]
+        targets = sentences[half:]
+        eos = self.xp.full(1, EOS, numpy.int32)
+        decoder_in = [F.concat([eos, y], axis=0) for y in targets]
+        decoder_out = F.concat([F.concat([y, eos], axis=0)
+                                for y in targets], axis=0)
+        h, c, _ = self.encoder(None, None,
+                               sequence_embed(self.embed_x, sources))
+        _, _, outputs = self.decoder(h, c,
+                                     sequence_embed(self.embed_y, decoder_in))
+        logits = self.out(F.concat(outputs, axis=0))
+        loss = F.sum(F.softmax_cross_entropy(logits, decoder_out,
+                                             reduce='no')) / half
+        chainer.report({'loss': loss}, self)
+        return loss
+
+
+def synthetic_pairs(n, vocab, max_length, seed):
+    """n (source, target) pairs: target = the source reversed, each word w
+    mapped to ``perm[w]`` (word 0 is EOS and never in a sentence)."""
+    rng = numpy.random.RandomState(seed)
+    perm = numpy.concatenate([[EOS], 1 + rng.permutation(vocab - 1)])
+    pairs = []
+    for _ in range(n):
+        x = rng.randint(1, vocab, rng.randint(2, max_length + 1))
+        pairs.append((x.astype(numpy.int32),
+                      perm[x[::-1]].astype(numpy.int32)))
+    return pairs
+
+
+def convert(batch, device=None):
+    """ChainerMN's seq2seq converter's layout: the B sources, then the B
+    targets, as one tuple of 2B arrays."""
+    sources = [chainer.dataset.to_device(device, x) for x, _ in batch]
+    targets = [chainer.dataset.to_device(device, y) for _, y in batch]
+    return tuple(sources + targets)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--communicator', choices=('vgc', 'naive'),
+                   default='vgc')
+    p.add_argument('--method', default='vgc')
+    p.add_argument('--alpha', type=float, default=2.0)
+    p.add_argument('--iterations', type=int, default=300)
+    p.add_argument('--batchsize', type=int, default=16,
+                   help='sentence pairs per rank and step')
+    p.add_argument('--layers', type=int, default=2)
+    p.add_argument('--units', type=int, default=64)
+    p.add_argument('--vocab', type=int, default=40)
+    p.add_argument('--max-length', type=int, default=10)
+    p.add_argument('--examples', type=int, default=4000,
+                   help='sentence pairs in the training set')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--out', default='result_seq2seq')
+    args = p.parse_args()
+
+    if args.communicator == 'naive':
+        import chainermn
+        comm = chainermn.create_communicator('naive')
+    else:
+        kw = {'alpha': args.alpha} if args.method in ('vgc', 'hybrid') \
+            else {}
+        comm = chainer_vgc.create_communicator(
+            args.method, examples=chainer_vgc.sentence_pairs, **kw)
+    numpy.random.seed(args.seed)  # the same initial model on every rank
+    model = Seq2seq(args.layers, args.vocab, args.vocab, args.units)
+    if args.communicator == 'naive':
+        import chainermn
+        optimizer = chainermn.create_multi_node_optimizer(
+            chainer.optimizers.Adam(), comm)
+    else:
+        optimizer = chainer_vgc.create_multi_node_optimizer(
+            chainer.optimizers.Adam(), comm)
+    optimizer.setup(model)
+
+    pairs = synthetic_pairs(args.examples, args.vocab, args.max_length,
+                            args.seed)
+    shard = pairs[comm.rank::comm.size]
+    it = chainer.iterators.SerialIterator(shard, args.batchsize)
+    updater = training.StandardUpdater(it, optimizer, converter=convert)
+    trainer = training.Trainer(updater, (args.iterations, 'iteration'),
+                               out=args.out)
+    every = (max(1, args.iterations // 5), 'iteration')
+    log = extensions.LogReport(trigger=every)
+    trainer.extend(log)
+    keys = ['iteration', 'main/loss']
+    if args.communicator == 'vgc':
+        trainer.extend(chainer_vgc.extensions.CompressionReport(
+            comm, trigger=every))
+        keys.append('vgc/interval_compression')
+    if comm.rank == 0:
+        trainer.extend(extensions.PrintReport(keys), trigger=every)
+    start = time.perf_counter()
+    trainer.run()
+    seconds = time.perf_counter() - start
+    summary = {'communicator': args.communicator, 'ranks': comm.size,
+               'iterations': args.iterations,
+               'seconds_per_iteration': seconds / args.iterations,
+               'loss': log.log[-1].get('main/loss') if log.log else None}
+    if args.communicator == 'vgc':
+        totals = comm.state(model).totals
+        per_rank = totals['elements'] / comm.size
+        summary['compression_run'] = (totals['param_elements'] / per_rank
+                                      if per_rank else None)
+        summary['compression_last'] = log.log[-1].get(
+            'vgc/interval_compression') if log.log else None
+    if comm.rank == 0:
+        print('summary ' + json.dumps(summary, sort_keys=True))
+
+
+if __name__ == '__main__':
+    main()
