@@ -112,6 +112,7 @@ docs: .venv-np2/.docs
 bench: $(VENV)/.native
 	$(PY) benchmarks/bench_compress.py
 	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_memory.py
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_residual_commit.py
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_statistics.py
 	$(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_allgatherv.py
 	$(VENV)/bin/mpiexec -n 4 $(PY) benchmarks/bench_allgatherv.py

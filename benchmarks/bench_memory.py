@@ -15,8 +15,10 @@ and the extra split by role, from ``GradientCompressor.memory()`` and
 
 * ``residuals``: the rule's state (VGC: r and v, 2 x 4 bytes per float32
   parameter);
-* ``spare``: the native backend's second set of residuals (each step
-  writes the next state there and swaps it in only when no tensor faulted);
+* ``spare``: the native backend's second set of residuals, with
+  ``spare_residuals=True`` only (each step writes the next state there
+  and swaps it in only when no tensor faulted; by default the residuals
+  are updated in place after the inputs are checked: 0);
 * ``message``: the native backend's message buffer, sized for the largest
   message the settings allow;
 * ``sums``: the per-sample sums of squares s (4 bytes per parameter);

@@ -31,6 +31,19 @@ from chainer_vgc.rules import create_rule
 SkippedStep = faults.SkippedStep
 
 
+def _finite_together(g, s):
+    """A quick proof that g and s are both finite: one BLAS dot of the two
+    (a NaN or an infinity in either makes it non-finite: 0 * inf is NaN).
+    False proves nothing (finite products may overflow): the caller then
+    checks each one (:func:`chainer_vgc.faults.all_finite`)."""
+    if (g.dtype != s.dtype or g.dtype not in (numpy.float32, numpy.float64)
+            or _backend.get_array_module(g) is not numpy
+            or _backend.get_array_module(s) is not numpy):
+        return False
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        return bool(numpy.isfinite(g.reshape(-1).dot(s.reshape(-1))))
+
+
 class GradientCompressor(object):
     """Compresses the gradients of a fixed list of parameters.
 
@@ -43,10 +56,20 @@ class GradientCompressor(object):
         backend: ``'native'`` or ``'numpy'`` for NumPy arrays (default:
             ``CHAINER_VGC_BACKEND``, else ``'native'``); ``'native'`` with a
             rule that has no native step runs the rule's NumPy code.
+        spare_residuals: the native backend's commit of a step.  True
+            (default here): each step writes the next state into a second
+            set of arrays and swaps them in only when no tensor faulted, so
+            any fault (non-finite input, overflow) leaves every state
+            untouched, at twice the state's memory.  False: the inputs are
+            checked (and agreed, with ``agree``) before any state moves, and
+            the passes update the state in place; a fault the passes find
+            afterwards (an overflow of r or v, a group that cannot be
+            encoded) is raised, and the compressor then refuses further
+            steps (its residuals are part-updated: restore a snapshot).
     """
 
     def __init__(self, rule, names, shapes, dtypes, backend=None,
-                 **hyperparams):
+                 spare_residuals=True, **hyperparams):
         if not isinstance(rule, CompressionRule):
             rule = create_rule(rule, **hyperparams)
         elif hyperparams:
@@ -82,7 +105,11 @@ class GradientCompressor(object):
         if self.fast_path is not None and self.backend == 'native':
             native.load()  # a missing or stale build is reported now
         self._workspace = None
+        self.spare_residuals = bool(spare_residuals)
         self._spares = [None] * len(self.names)
+        #: why the residuals can no longer be trusted (in-place steps only:
+        #: a fault after the passes began), or None
+        self._lost = None
         self._buffer = None
         self._decode_buffers = [None] * len(self.names)
         self._device_step = None  # chainer_vgc.backends.cuda.compress, on a GPU
@@ -141,9 +168,9 @@ class GradientCompressor(object):
                 'expected shape {} dtype {} (the model must match the one '
                 'the compressor was built for)'.format(
                     name, tuple(g.shape), g.dtype, shape, dtype))
-        if values and not faults.all_finite(g):
-            raise faults.bad_gradient(name)
         if not self.rule.needs_sqsum:
+            if values and not faults.all_finite(g):
+                raise faults.bad_gradient(name)
             return
         if s is None:
             raise ValueError(
@@ -155,8 +182,13 @@ class GradientCompressor(object):
                 'per-sample sum of squares of parameter {!r} has shape {} '
                 'dtype {}; expected shape {} floating point'.format(
                     name, tuple(s.shape), s.dtype, shape))
-        if values and s.size and not (faults.all_finite(s) and
-                                      float(s.min()) >= 0):
+        if not values:
+            return
+        if _finite_together(g, s) and (not s.size or float(s.min()) >= 0):
+            return
+        if not faults.all_finite(g):
+            raise faults.bad_gradient(name)
+        if s.size and not (faults.all_finite(s) and float(s.min()) >= 0):
             raise faults.bad_sqsum(name)
 
     def compress(self, grads, sqsums=None, copy=True, agree=None):
@@ -255,13 +287,21 @@ class GradientCompressor(object):
     def _compress_native(self, grads, sqsums, agree=None):
         """:meth:`compress` on the native backend.
 
-        Each tensor's step reads ``states[i]`` and writes the next state into
-        a spare set of arrays; the message is written in place into one
-        buffer.  Only when no tensor reported a fault are the spares swapped
-        in, so a NaN gradient or an overflow leaves every state untouched.
+        With ``spare_residuals``, each tensor's step reads ``states[i]``
+        and writes the next state into a spare set of arrays; the message is
+        written in place into one buffer.  Only when no tensor reported a
+        fault are the spares swapped in, so a NaN gradient or an overflow
+        leaves every state untouched.  Without, the inputs are checked
+        first and the passes write the state in place (the class doc).
         """
         rule, path = self.rule, self.fast_path
-        sqsums = self.validate(grads, sqsums, not path.checks_inputs, agree)
+        in_place = not self.spare_residuals
+        if self._lost is not None:
+            raise RuntimeError(self._lost)
+        # in place, every input is checked (and agreed) before any state
+        # moves; with spares, the fused passes check them
+        sqsums = self.validate(grads, sqsums,
+                               in_place or not path.checks_inputs, agree)
         rule.begin_step()
         if self._workspace is None:
             self._workspace = native.Workspace()
@@ -277,9 +317,13 @@ class GradientCompressor(object):
             if self.states[i] is None:
                 self.states[i] = rule.init_state(self.sizes[i],
                                                  self.dtypes[i], numpy)
-            if self._spares[i] is None:
-                self._spares[i] = rule.init_state(self.sizes[i],
-                                                  self.dtypes[i], numpy)
+            if in_place:
+                out_state = self.states[i]
+            else:
+                if self._spares[i] is None:
+                    self._spares[i] = rule.init_state(
+                        self.sizes[i], self.dtypes[i], numpy)
+                out_state = self._spares[i]
             sdt = _backend.state_dtype(self.dtypes[i])
             flat_g = numpy.ascontiguousarray(g).reshape(-1)
             flat_s = None
@@ -287,7 +331,7 @@ class GradientCompressor(object):
                 flat_s = numpy.ascontiguousarray(s, dtype=sdt).reshape(-1)
             words, count, flags = path.compress(
                 self._workspace, i, flat_g, flat_s, self.states[i],
-                self._spares[i], buf[pos:])
+                out_state, buf[pos:])
             if flags:
                 flagged.append((i, flags))
             if words:
@@ -295,9 +339,23 @@ class GradientCompressor(object):
                 n_groups += 1
                 sent += count
             done.append(i)
-        self.settle(self.fault_of(flagged) if flagged else None, agree)
-        for i in done:
-            self.states[i], self._spares[i] = self._spares[i], self.states[i]
+        try:
+            self.settle(self.fault_of(flagged) if flagged else None, agree)
+        except Exception as e:
+            if in_place:
+                self._lost = (
+                    'chainer_vgc: this compressor\'s residuals were updated '
+                    'in place by a step that then failed ({}: {}); they are '
+                    'part-updated and no further step is taken. Resume '
+                    'from a snapshot, or use create_communicator(..., '
+                    'spare_residuals=True) to keep every state untouched '
+                    'by any fault (twice the residuals\' memory)'.format(
+                        type(e).__name__, e))
+            raise
+        if not in_place:
+            for i in done:
+                self.states[i], self._spares[i] = (self._spares[i],
+                                                   self.states[i])
         buf[0], buf[1] = codec.MAGIC, n_groups
         self.last_sent = sent
         self.last_bytes = 4 * pos

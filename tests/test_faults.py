@@ -125,3 +125,73 @@ def test_snapshot_record_takes_numpy_scalar_hyperparameters():
     text = json.dumps({'alpha': numpy.float32(2.0), 'bits': numpy.int64(3)},
                       default=_plain)
     assert json.loads(text) == {'alpha': 2.0, 'bits': 3}
+
+
+# ---- in-place residuals (spare_residuals=False, the communicator's default) --
+
+@pytest.mark.parametrize('method,kw', [('vgc', dict(alpha=1.0)),
+                                       ('hybrid', dict(alpha=1.0, tau=0.05)),
+                                       ('strom', dict(tau=0.05))])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_in_place_steps_equal_the_spare_path_bit_for_bit(method, kw, dtype):
+    """The same messages and states, step after step, whether the native
+    passes write the next state in place or into spares swapped in."""
+    rng = numpy.random.default_rng(3)
+    shapes = [(300,), (17, 5), (4096,)]
+    comps = [GradientCompressor(method, ['a', 'b', 'c'], shapes,
+                                [dtype] * 3, backend='native',
+                                spare_residuals=spare, **kw)
+             for spare in (True, False)]
+    for step in range(6):
+        gs = [(rng.normal(size=s) * 0.1).astype(dtype) for s in shapes]
+        ss = [rng.random(s).astype(numpy.float32) * 0.01 for s in shapes]
+        msgs = [c.compress(gs, ss if c.rule.needs_sqsum else None)
+                for c in comps]
+        numpy.testing.assert_array_equal(msgs[0], msgs[1], err_msg=step)
+        for a, b in zip(comps[0].states, comps[1].states):
+            for key in a:
+                numpy.testing.assert_array_equal(a[key], b[key])
+    spare, in_place = (c.memory()['spare_residuals'] for c in comps)
+    assert spare > 0 and in_place == 0
+
+
+def test_in_place_nonfinite_input_is_agreed_before_any_state_moves():
+    """A NaN in the last tensor: every state untouched (the inputs are
+    checked before the passes), the step skipped on every rank."""
+    comp = GradientCompressor('vgc', ['a', 'b'], [(8,), (8,)],
+                              [numpy.float32] * 2, backend='native',
+                              spare_residuals=False, alpha=1.0)
+    ones = numpy.ones(8, numpy.float32)
+    comp.compress([ones, ones], [ones, ones])
+    before = [{k: v.copy() for k, v in st.items()} for st in comp.states]
+    bad = ones.copy()
+    bad[3] = numpy.nan
+    agree = others(OK, OK)
+    with pytest.raises(SkippedStep):
+        comp.compress([ones, bad], [ones, ones], agree=agree)
+    assert agree.calls == [NONFINITE]  # (every rank skips at the first)
+    for st, old in zip(comp.states, before):
+        for key in st:
+            numpy.testing.assert_array_equal(st[key], old[key])
+    comp.compress([ones, ones], [ones, ones])  # and it goes on
+
+
+def test_in_place_overflow_is_raised_and_then_every_step_refused():
+    """An overflow found by the passes (v, the sum of the sums of squares,
+    overflows float32)
+    after the state moved: the error is raised, and the compressor then
+    refuses steps, naming the snapshot and spare_residuals=True."""
+    comp = GradientCompressor('vgc', ['a'], [(8,)], [numpy.float32],
+                              backend='native', spare_residuals=False,
+                              alpha=1.0)
+    ones = numpy.ones(8, numpy.float32)
+    huge = numpy.full(8, 3e38, numpy.float32)
+    comp.compress([ones], [huge])  # kept (ambiguous): v = 3e38
+    with pytest.raises(Exception) as first:
+        comp.compress([ones], [huge])  # v + 3e38 overflows
+    assert not isinstance(first.value, SkippedStep)
+    assert 'overflow' in str(first.value).lower()
+    with pytest.raises(RuntimeError) as info:
+        comp.compress([ones], [ones])
+    assert 'spare_residuals=True' in str(info.value)
+    assert 'snapshot' in str(info.value)

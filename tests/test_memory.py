@@ -96,4 +96,6 @@ def test_the_benchmark_accounts_for_the_extra_memory():
                  'other'):
         assert role in rows, out
     assert float(rows['residuals'][3].rstrip('x')) == 2.0, out
+    # the communicator's default: residuals updated in place, no spares
+    assert float(rows['spare'][3].rstrip('x')) == 0.0, out
     assert abs(float(rows['other'][3].rstrip('x'))) < 0.1, out

@@ -56,6 +56,15 @@ class VGCCommunicator(Collectives):
         chunk_words: pipelining chunk of the ring, in 32-bit words.
         max_memory: passed to
             :class:`~chainer_vgc.statistics.PerSampleSquares`.
+        spare_residuals: False (default): the native backend checks every
+            input (and the ranks agree on it) before any state moves, then
+            updates the residuals in place; an overflow found during the
+            passes is raised on every rank and leaves the residuals
+            part-updated (the communicator refuses further steps: resume
+            a snapshot).  True: a second set of residuals takes each
+            step's result and is swapped in only when no rank faulted
+            (every state untouched by any fault), at 2 x 4 bytes more per
+            float32 parameter (docs/benchmarks.md, "Memory").
         examples: None, or a function of ``update()``'s arguments
             returning the minibatch's examples, one array or tuple of
             arrays each, for a minibatch whose arrays are not all batches
@@ -128,6 +137,9 @@ class VGCCommunicator(Collectives):
     dense_dtype = _of_state('dense_dtype', "None or float16")
     uncovered = _of_state('uncovered', "'error', 'bruteforce' or 'dense'")
     max_memory = _of_state('max_memory', 'of the per-sample statistics')
+    spare_residuals = _of_state('spare_residuals', 'a second set of '
+                                'residuals takes each step (atomic '
+                                'commit) instead of in-place updates')
     examples = _of_state('examples', "how the minibatch's arrays map to "
                          'examples (None: by their own layout)')
     resume_other_method = _of_state('resume_other_method',
@@ -150,7 +162,8 @@ class VGCCommunicator(Collectives):
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
                  max_memory=DEFAULT_MAX_MEMORY, uncovered='error',
-                 examples=None, resume_other_method=False, cuda_aware_mpi=False,
+                 examples=None, spare_residuals=False,
+                 resume_other_method=False, cuda_aware_mpi=False,
                  exclude=None, min_size=0, warmup=0, alpha_ramp=None,
                  dense_dtype=None, dense_fallback=None, **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm, allgatherv,
@@ -160,6 +173,7 @@ class VGCCommunicator(Collectives):
             method, rank=self.rank, exclude=exclude, min_size=min_size,
             warmup=warmup, alpha_ramp=alpha_ramp, dense_dtype=dense_dtype,
             uncovered=uncovered, max_memory=max_memory, examples=examples,
+            spare_residuals=spare_residuals,
             resume_other_method=resume_other_method,
             dense_fallback=dense_fallback, **hyperparams)
         self._unbound = self._current  # the first model's

@@ -47,7 +47,7 @@ class MethodState(object):
         **hyperparams: the rule's, with a method name.
 
     ``exclude``, ``min_size``, ``warmup``, ``alpha_ramp``, ``dense_dtype``,
-    ``uncovered``, ``max_memory``, ``examples`` and
+    ``uncovered``, ``max_memory``, ``examples``, ``spare_residuals`` and
     ``resume_other_method`` are as in
     :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`.  Every argument is
     checked here, on construction.
@@ -56,7 +56,7 @@ class MethodState(object):
     def __init__(self, method='vgc', rank=0, exclude=None, min_size=0,
                  warmup=0, alpha_ramp=None, dense_dtype=None,
                  uncovered='error', max_memory=None, examples=None,
-                 resume_other_method=False, dense_fallback=None,
+                 spare_residuals=False, resume_other_method=False, dense_fallback=None,
                  **hyperparams):
         if uncovered not in UNCOVERED:
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
@@ -89,6 +89,7 @@ class MethodState(object):
                              'examples (e.g. chainer_vgc.sentence_pairs), '
                              'got {!r}'.format(examples))
         self.examples = examples
+        self.spare_residuals = bool(spare_residuals)
         self.resume_other_method = bool(resume_other_method)
         #: the compressed group's compressor and residuals (by setup())
         self.compressor = None
@@ -122,6 +123,7 @@ class MethodState(object):
                     warmup=self.warmup, alpha_ramp=self.alpha_ramp,
                     dense_dtype=self.dense_dtype, uncovered=self.uncovered,
                     max_memory=self.max_memory, examples=self.examples,
+                    spare_residuals=self.spare_residuals,
                     resume_other_method=self.resume_other_method,
                     dense_fallback=self.dense_fallback)
 
@@ -287,7 +289,8 @@ class MethodState(object):
         pairs = [(n, p) for n, p in zip(names, params) if n not in dense]
         self.compressor = GradientCompressor(
             self.rule, [n for n, _ in pairs], [p.shape for _, p in pairs],
-            [p.dtype for _, p in pairs])
+            [p.dtype for _, p in pairs],
+            spare_residuals=self.spare_residuals)
         if self.compressor.backend == 'native':
             # the cores of this node, shared by its ranks (OMP_NUM_THREADS
             # wins where set)
