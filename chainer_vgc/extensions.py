@@ -132,6 +132,17 @@ def record(figures, n_params, totals, observer=None, label=None):
     return figures
 
 
+def elements_by_tensor(message, sizes, dtypes):
+    """{tensor index: elements} a message carries (its groups decoded on
+    the host: gap-coded groups may span several tensors)."""
+    from chainer_vgc.codec.message import unpack
+    out = {}
+    for part in unpack(message, sizes, dtypes):
+        out[part.tensor_id] = out.get(part.tensor_id, 0) + int(
+            part.index.size)
+    return out
+
+
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
                 observer=None, label=None, extra=None, **dense):
     """:func:`record` the :func:`step_figures` of one flat exchange

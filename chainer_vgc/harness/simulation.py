@@ -17,6 +17,8 @@ ChainerMN or MPI.
 
 import time
 
+import chainer
+
 from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import extensions
 from chainer_vgc.exchange import settings as groups
@@ -60,6 +62,45 @@ class SimulatedWorkers(object):
         #: steps whose backward computed the statistics), ``'worker_steps'``
         self.seconds = dict(compute=0.0, exchange=0.0, worker_steps=0,
                             statistics_steps=0)
+        #: count the elements each parameter sends
+        #: (:attr:`elements_by_parameter`, all workers summed, dense group
+        #: included); off by default: it decodes every message on the host
+        self.count_by_parameter = False
+        self.elements_by_parameter = [0] * len(self.names)
+
+    def state_dict(self):
+        """What a resumed run needs, as host arrays and plain values (for
+        pickle): the step count, the totals, the per-parameter counts
+        and every worker's residual state, per group.  Rules with a
+        random stream of their own (QSGD) are refused: their stream is
+        not part of it."""
+        if self.rule.name == 'qsgd':
+            raise NotImplementedError(
+                "SimulatedWorkers.state_dict: QSGD's random streams are not "
+                'saved; resume is for the deterministic rules')
+        host = chainer.backend.CpuDevice()
+        groups = {}
+        for key, (_, comps) in self._groups.items():
+            groups[key] = [[None if st is None else
+                            {k: host.send(v) for k, v in st.items()}
+                            for st in comp.states] for comp in comps]
+        return {'steps': self.steps, 'totals': dict(self.totals),
+                'elements_by_parameter': list(self.elements_by_parameter),
+                'seconds': dict(self.seconds), 'groups': groups}
+
+    def load_state_dict(self, state):
+        """Install a :meth:`state_dict` (on the parameters' device)."""
+        self.steps = state['steps']
+        self.totals = dict(state['totals'])
+        self.elements_by_parameter = list(state['elements_by_parameter'])
+        self.seconds = dict(state['seconds'])
+        device = chainer.backend.get_device_from_array(self.params[0].array)
+        for (names, dense), states in state['groups'].items():
+            _, comps = self._group(list(names), dense)
+            for comp, saved in zip(comps, states):
+                comp.states = [None if st is None else
+                               {k: device.send(v) for k, v in st.items()}
+                               for st in saved]
 
     def _group(self, names, dense):
         """Per-worker compressors over ``names`` (kept per name set): the
@@ -133,6 +174,8 @@ class SimulatedWorkers(object):
                 d_msgs.append(d_comps[rank].compress(
                     [grads[i] for i in d_idx]))
             clock['exchange'] += time.perf_counter() - t1
+        if self.count_by_parameter:
+            self._count(c_idx, c_msgs, d_idx)
         t1 = time.perf_counter()
         elements = None
         if c_idx:
@@ -155,3 +198,16 @@ class SimulatedWorkers(object):
             size=self.size, dense_elements=n_dense * self.size,
             dense_wire=wire,
             n_compressed=sum(self.params[i].size for i in c_idx))
+
+    def _count(self, c_idx, c_msgs, d_idx):
+        """Add this step's elements per parameter: the compressed group's
+        from the workers' messages, the dense group's whole."""
+        if c_idx:
+            sizes = [self.params[i].size for i in c_idx]
+            dtypes = [self.params[i].dtype for i in c_idx]
+            for msg in c_msgs:
+                for t, n in extensions.elements_by_tensor(
+                        msg, sizes, dtypes).items():
+                    self.elements_by_parameter[c_idx[t]] += n
+        for i in d_idx:
+            self.elements_by_parameter[i] += self.params[i].size * self.size
