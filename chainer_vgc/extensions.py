@@ -143,6 +143,26 @@ def elements_by_tensor(message, sizes, dtypes):
     return out
 
 
+def count_sent(counts, sizes, sent, compressor, model, size):
+    """Add one flat exchange's elements per parameter to ``counts`` ({name:
+    elements}, all ranks): the compressed group's from every rank's
+    message (``sent.blocks``), the dense group's whole; ``sizes`` ({name:
+    elements of the parameter}) gets every parameter's size."""
+    from chainer_vgc.params import model_params
+    names, params = model_params(model)
+    for name, p in zip(names, params):
+        if p.array is not None:
+            sizes[name] = int(p.size)
+    for block in sent.blocks:
+        for t, n in elements_by_tensor(block, compressor.sizes,
+                                       compressor.dtypes).items():
+            name = compressor.names[t]
+            counts[name] = counts.get(name, 0) + n
+    if sent.dense_indices:
+        for i in sent.dense_indices:
+            counts[names[i]] = counts.get(names[i], 0) + params[i].size * size
+
+
 def report_step(blocks, n_params, totals, elements=None, param_bytes=None,
                 observer=None, label=None, extra=None, **dense):
     """:func:`record` the :func:`step_figures` of one flat exchange
@@ -226,14 +246,24 @@ class CompressionReport(extension.Extension):
     """Reports :func:`run_summary` of a VGCCommunicator at each trigger,
     and ``vgc/interval_compression``: the paper's ratio over the steps since
     the previous report (LogReport's mean of the per-step
-    ``vgc/compression`` is a mean of ratios, which overstates it)."""
+    ``vgc/compression`` is a mean of ratios, which overstates it).
+
+    ``by_parameter=True`` (flat communicators) also counts the elements
+    each parameter sends and reports, for the interval, ``vgc/share<name>``
+    (its share of the elements sent) and ``vgc/density<name>`` (the
+    fraction of its elements sent per rank and step), e.g.
+    ``vgc/share/predictor/l1/W``; counting reads every received message's
+    groups on the host, a cost of its own."""
 
     trigger = 1, 'epoch'
     priority = extension.PRIORITY_WRITER + 1  # before LogReport reads
 
-    def __init__(self, communicator, trigger=(1, 'epoch'), model=None):
+    def __init__(self, communicator, trigger=(1, 'epoch'), model=None,
+                 by_parameter=False):
         self.communicator = communicator
         self.trigger = trigger
+        self.by_parameter = by_parameter
+        self._last_counts = {}
         #: whose totals (None: the model exchanged last); with several
         #: models on one communicator, one CompressionReport per model,
         #: reported under the model's name as its per-step figures
@@ -265,6 +295,29 @@ class CompressionReport(extension.Extension):
             per_rank = elements / self._workers(st)
             out['vgc/interval_compression'] = (
                 params / per_rank if per_rank else float('inf'))
+        if self.by_parameter:
+            out.update(self._by_parameter(st, steps))
         label = getattr(st, 'label', None)
         # (the trainer's name of the model, as its per-step figures)
         report(out, self.model, label)
+
+    def initialize(self, trainer):
+        if self.by_parameter:
+            self._state().count_by_parameter = True
+
+    def _by_parameter(self, st, steps):
+        """The interval's share and density of each parameter."""
+        st.count_by_parameter = True
+        counts = dict(st.elements_by_parameter)
+        part = {n: c - self._last_counts.get(n, 0) for n, c in counts.items()}
+        self._last_counts = counts
+        total = sum(part.values())
+        sizes = st.parameter_sizes
+        out = {}
+        workers = self._workers(st)
+        for name, n in sorted(part.items()):
+            out['vgc/share' + name] = n / total if total else 0.0
+            if name in sizes and steps:
+                out['vgc/density' + name] = n / (sizes[name] * steps
+                                                 * workers)
+        return out

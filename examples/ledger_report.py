@@ -87,54 +87,45 @@ def write(rows, out_dir):
     markers = ['o', '^', 's', 'D', 'v', 'P']
     labels = list(dict.fromkeys(label for _, label in groups))
     optimizers = list(dict.fromkeys(opt for opt, _ in groups))
-    fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
-                             figsize=(5.5 * len(optimizers), 4))
-    for ax, opt in zip(axes[0], optimizers):
-        for k, label in enumerate(labels):
-            rs = groups.get((opt, label), [])
-            if not rs:
-                continue
+    def scatter(ax, k, rs):
+        if rs:
             ax.scatter([float(r['compression']) for r in rs],
                        [100 * float(r['accuracy']) for r in rs],
                        color=colors.get(rs[0]['method'], 'gray'),
-                       marker=markers[k % len(markers)], label=label)
-        ax.set_xscale('log')
-        ax.set_xlabel('compression over the run (log)')
-        ax.set_ylabel('final test accuracy (%)')
-        ax.set_title(opt)
-        ax.grid(True, which='both', alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, 'long_accuracy_vs_compression.png'),
-                dpi=100)
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
-                             figsize=(5.5 * len(optimizers), 4))
-    for ax, opt in zip(axes[0], optimizers):
-        for k, label in enumerate(labels):
-            rs = groups.get((opt, label), [])
-            if not rs or rs[0]['method'] == 'none':
-                continue
-            curves = numpy.array([json.loads(r['epoch_compression'])
-                                  for r in rs], float)
-            epochs = numpy.arange(1, curves.shape[1] + 1)
-            ax.plot(epochs, curves.mean(axis=0),
-                    color=colors.get(rs[0]['method'], 'gray'),
-                    marker=markers[k % len(markers)], label=label)
-            if len(rs) > 1:
-                ax.fill_between(epochs, curves.min(axis=0),
-                                curves.max(axis=0), alpha=0.15,
-                                color=colors.get(rs[0]['method'], 'gray'))
-        ax.set_yscale('log')
-        ax.set_xlabel('epoch')
-        ax.set_ylabel('compression in the epoch (log)')
-        ax.set_title(opt)
-        ax.grid(True, which='both', alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, 'long_compression_by_epoch.png'),
-                dpi=100)
-    plt.close(fig)
+                       marker=markers[k % len(markers)], label=labels[k])
+
+    def curves(ax, k, rs):
+        if not rs or rs[0]['method'] == 'none':
+            return
+        ys = numpy.array([json.loads(r['epoch_compression']) for r in rs],
+                         float)
+        epochs = numpy.arange(1, ys.shape[1] + 1)
+        color = colors.get(rs[0]['method'], 'gray')
+        ax.plot(epochs, ys.mean(axis=0), color=color,
+                marker=markers[k % len(markers)], label=labels[k])
+        if len(rs) > 1:
+            ax.fill_between(epochs, ys.min(axis=0), ys.max(axis=0),
+                            alpha=0.15, color=color)
+
+    for draw, scale, xlabel, ylabel, name in (
+            (scatter, 'x', 'compression over the run (log)',
+             'final test accuracy (%)', 'long_accuracy_vs_compression.png'),
+            (curves, 'y', 'epoch', 'compression in the epoch (log)',
+             'long_compression_by_epoch.png')):
+        fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
+                                 figsize=(5.5 * len(optimizers), 4))
+        for ax, opt in zip(axes[0], optimizers):
+            for k, label in enumerate(labels):
+                draw(ax, k, groups.get((opt, label), []))
+            (ax.set_xscale if scale == 'x' else ax.set_yscale)('log')
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_title(opt)
+            ax.grid(True, which='both', alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=100)
+        plt.close(fig)
     dens = density_by_layer(rows)
     methods = [key for key in dens if groups[key][0]['method'] != 'none']
     if methods:

@@ -1,4 +1,7 @@
-"""Reporting arithmetic against figures computed by hand (no MPI)."""
+"""Reporting arithmetic against figures computed by hand (no MPI; the
+per-parameter report runs a one-rank communicator in a subprocess)."""
+
+import os
 
 import numpy
 import pytest
@@ -67,3 +70,63 @@ def test_dense_bytes_follow_the_gradient_dtypes():
     assert totals['steps'] == 2 and totals['elements'] == 6
     assert totals['dense_bytes'] == pytest.approx(2 * 2 * (1 / 2) * 64)
     assert totals['bytes'] == pytest.approx(2 * (1 / 2) * 4 * (8 + 9))
+
+
+_BY_PARAMETER = '''
+import json, sys, numpy, chainer, chainer.links as L, chainer.functions as F
+from chainer import training
+import chainer_vgc
+method = sys.argv[1]
+numpy.random.seed(0)
+model = L.Classifier(chainer.Sequential(L.Linear(6, 5), F.relu,
+                                        L.Linear(5, 3)))
+kw = {'alpha': 1.0} if method == 'vgc' else {}
+comm = chainer_vgc.create_communicator(method, **kw)
+opt = chainer_vgc.create_multi_node_optimizer(
+    chainer.optimizers.SGD(0.1), comm).setup(model)
+rng = numpy.random.default_rng(0)
+data = chainer.datasets.TupleDataset(
+    rng.normal(size=(64, 6)).astype('f'), rng.integers(0, 3, 64).astype('i'))
+it = chainer.iterators.SerialIterator(data, 8)
+trainer = training.Trainer(training.StandardUpdater(it, opt),
+                           (9, 'iteration'), out=sys.argv[2])
+log = training.extensions.LogReport(trigger=(3, 'iteration'))
+trainer.extend(chainer_vgc.extensions.CompressionReport(
+    comm, trigger=(3, 'iteration'), by_parameter=True))
+trainer.extend(log)
+trainer.run()
+print(json.dumps({'log': log.log, 'counts': comm.elements_by_parameter,
+                  'totals': comm.totals}))
+'''
+
+
+@pytest.mark.parametrize('method', ['none', 'vgc'])
+def test_per_parameter_report_of_a_two_layer_model(tmp_path, method):
+    """CompressionReport(..., by_parameter=True) on a 2-layer model at one
+    rank, 9 iterations (8 exchanges after the broadcast), reports every 3:
+    without compression each parameter sends its size every step (shares
+    = sizes / total, density 1); with vgc the counts add up to the
+    elements the totals counted and the shares to 1."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run(
+        [sys.executable, '-c', _BY_PARAMETER, method, str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OPENBLAS_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sizes = {'/predictor/0/W': 30, '/predictor/0/b': 5,
+             '/predictor/1/W': 15, '/predictor/1/b': 3}
+    counts, last = out['counts'], out['log'][-1]
+    assert sorted(counts) == sorted(sizes)
+    assert sum(counts.values()) == out['totals']['elements']
+    shares = {n: last['vgc/share' + n] for n in sizes}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    if method == 'none':
+        assert counts == {n: s * 8 for n, s in sizes.items()}
+        for n, s in sizes.items():
+            assert shares[n] == pytest.approx(s / 53)
+            assert last['vgc/density' + n] == pytest.approx(1.0)
+    else:
+        assert sum(counts.values()) < 53 * 8

@@ -137,6 +137,12 @@ class VGCCommunicator(Collectives):
     dense_dtype = _of_state('dense_dtype', "None or float16")
     uncovered = _of_state('uncovered', "'error', 'bruteforce' or 'dense'")
     max_memory = _of_state('max_memory', 'of the per-sample statistics')
+    count_by_parameter = _of_state('count_by_parameter', 'whether each '
+                                   "parameter's elements sent are counted")
+    elements_by_parameter = _of_state('elements_by_parameter', '{name: '
+                                      'elements sent, all ranks}')
+    parameter_sizes = _of_state('parameter_sizes', '{name: elements} of '
+                                'the parameters counted')
     spare_residuals = _of_state('spare_residuals', 'a second set of '
                                 'residuals takes each step (atomic '
                                 'commit) instead of in-place updates')

@@ -234,6 +234,10 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
     result = ExchangeResult(totals)
     done = exchange_parameters(collectives, state, model, zero_fill,
                                sqsums, loss_scale, result)
+    if done is not None and state.count_by_parameter:
+        extensions.count_sent(state.elements_by_parameter,
+                              state.parameter_sizes, done,
+                              state.compressor, model, collectives.size)
     if done is not None:
         result.figures = extensions.report_step(
             done.blocks, done.n_params, totals, done.elements,
@@ -257,6 +261,8 @@ class Sent(object):
                  dense_wire):
         self.blocks, self.elements = blocks, elements
         self.n_dense, self.dense_wire = n_dense, dense_wire
+        #: the dense group's indices in model_params order
+        self.dense_indices = [i for i, _ in dense]
         self.n_compressed = sum(p.size for _, p in compressed)
         self.n_params = self.n_compressed + sum(p.size for _, p in dense)
         self.param_bytes = sum(p.size * p.dtype.itemsize

@@ -90,6 +90,14 @@ class MethodState(object):
                              'got {!r}'.format(examples))
         self.examples = examples
         self.spare_residuals = bool(spare_residuals)
+        #: count the elements each parameter sends (all ranks summed, into
+        #: elements_by_parameter {name: elements}): set by
+        #: CompressionReport(..., by_parameter=True); it reads every
+        #: received message's groups on the host
+        self.count_by_parameter = False
+        self.elements_by_parameter = {}
+        #: {name: elements} of the parameters counted
+        self.parameter_sizes = {}
         self.resume_other_method = bool(resume_other_method)
         #: the compressed group's compressor and residuals (by setup())
         self.compressor = None
