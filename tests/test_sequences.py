@@ -95,22 +95,36 @@ def assert_close(names, got, want, rtol=1e-4):
                                       err_msg=name)
 
 
-@pytest.mark.parametrize('form', ['pairs', 'lists'])
+def as_views(arrays):
+    """The arrays as views into one buffer (as ChainerMN's GPU converter's
+    split, or arrays unpickled by scatter_dataset): each view's base is
+    the buffer, not an array the model was given."""
+    buffer = numpy.concatenate(arrays)
+    at = numpy.cumsum([len(a) for a in arrays[:-1]])
+    return numpy.split(buffer, at)
+
+
+@pytest.mark.parametrize('form', ['pairs', 'lists', 'views'])
 def test_seq2seq_sums_equal_one_backward_per_example(form):
     """Every parameter of the encoder-decoder (EmbedID over concatenated
     tokens, the LSTMs' 8 weights and 8 biases per layer through their
     stacked matrices, the projection over all time steps), with the
-    minibatch as ChainerMN's flat tuple (examples=sentence_pairs) or as
-    lists of one array per example."""
+    minibatch as ChainerMN's flat tuple (examples=sentence_pairs), as
+    lists of one array per example, or as that flat tuple of views into
+    one buffer (the model's ``x[::-1]`` of a view is matched by the memory
+    it spans: its base is the buffer)."""
     rng = numpy.random.RandomState(3)
     numpy.random.seed(3)
     with chainer.using_config('dtype', numpy.float64):
         model = Seq2seq()
     xs, ys = sentences(rng, 5, 7), sentences(rng, 5, 9)
+    if form == 'views':
+        xs, ys = as_views(xs), as_views(ys)
+        assert xs[1][::-1].base is not xs[1]
     names, want = per_example_oracle(
         model, list(zip(xs, ys)), lambda x, y: model.loss([x], [y]))
     with chainer.using_config('train', False):  # dropout off: the oracle's
-        if form == 'pairs':
+        if form in ('pairs', 'views'):
             hook = PerSampleSquares(model,
                                     examples=chainer_vgc.sentence_pairs)
             batch = tuple(xs) + tuple(ys)

@@ -85,6 +85,7 @@ class Minibatch(object):
         self.per_example = dict(per_example or {})
         self.keep = list(keep)
         self.leaves = None
+        self._spans = None
         self._batch_ids = {id(a) for a in self.arrays}
 
     @property
@@ -95,18 +96,72 @@ class Minibatch(object):
 
     def label_of(self, array):
         """For an array a function was given: ``('example', z)`` if it is
-        (a view of) one example's array, ``('rows', None)`` if it is one of
-        the arrays of examples itself, else None."""
-        a, depth = array, 0
-        while a is not None and depth < 4:
-            z = self.per_example.get(id(a))
-            if z is not None:
-                return 'example', z
-            if depth == 0 and id(a) in self._batch_ids and \
-                    len(getattr(a, 'shape', ())) and a.shape[0] == self.b:
-                return 'rows', None
-            a, depth = getattr(a, 'base', None), depth + 1
+        one example's array or a view into its memory (``x[::-1]``; NumPy
+        and CuPy record only the array that owns the memory as a view's
+        base, so views are matched by the memory they span), ``('rows',
+        None)`` if it is one of the arrays of examples itself, else
+        None."""
+        z = self.per_example.get(id(array))
+        if z is not None:
+            return 'example', z
+        if id(array) in self._batch_ids and len(getattr(
+                array, 'shape', ())) and array.shape[0] == self.b:
+            return 'rows', None
+        if self._spans is None:
+            self._spans = _Spans(self.keep, self.per_example)
+        z = self._spans.find(array)
+        return None if z is None else ('example', z)
+
+
+def _root(a):
+    """The object that owns the memory of array ``a`` (its last base)."""
+    while getattr(a, 'base', None) is not None:
+        a = a.base
+    return a
+
+
+def _bounds(a):
+    """[lo, hi) of the bytes array ``a`` spans, or None."""
+    try:
+        ptr = (a.data.ptr if hasattr(a.data, 'ptr')
+               else a.__array_interface__['data'][0])
+    except (AttributeError, KeyError, TypeError):
         return None
+    lo = hi = ptr
+    for n, st in zip(a.shape, a.strides):
+        if n == 0:
+            return ptr, ptr
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + a.itemsize
+
+
+class _Spans(object):
+    """The memory of the per-example arrays, by the object that owns it:
+    finds the example whose array's bytes contain a view's, when exactly
+    one does."""
+
+    def __init__(self, arrays, per_example):
+        self._by_root = {}
+        for a in arrays:
+            z = per_example.get(id(a))
+            span = _bounds(a) if z is not None else None
+            if span is not None and span[1] > span[0]:
+                self._by_root.setdefault(id(_root(a)), []).append(
+                    span + (z,))
+
+    def find(self, array):
+        candidates = self._by_root.get(id(_root(array)))
+        if not candidates:
+            return None
+        span = _bounds(array)
+        if span is None:
+            return None
+        found = {z for lo, hi, z in candidates
+                 if lo <= span[0] and span[1] <= hi}
+        return found.pop() if len(found) == 1 else None
 
 
 def minibatch(batch=(), examples=None, kwargs=None, batch_size=None):
