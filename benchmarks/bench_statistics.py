@@ -17,6 +17,11 @@ per model:
 * ``resnet50``: ``BottleneckResNet``, ResNet-50's shape (bottleneck
   blocks, batch normalization everywhere, stride-2 1x1 projections),
   batch 4 of 224x224x3, 1000 classes (ChainerMN's ImageNet example);
+* ``seq2seq``: ``Seq2seq``, ChainerMN's seq2seq example's shape (EmbedID
+  over concatenated sentences, 3-layer NStepLSTM encoder and decoder with
+  dropout, the projection over every token) at 256 units, batch 64 of
+  sentence pairs of 2..30 words from 1,000 (its minibatch: the flat tuple
+  of that example's converter, ``examples=sentence_pairs``);
 * ``dcgan``: a DCGAN-shaped generator (Linear, three stride-2
   Deconvolution2D with BatchNormalization) and discriminator (seven
   Convolution2D with BatchNormalization), updated in turn as in ChainerMN's
@@ -48,13 +53,17 @@ from chainer_vgc.harness.models import BottleneckResNet
 from chainer_vgc.harness.models import DCGANDiscriminator
 from chainer_vgc.harness.models import DCGANGenerator
 from chainer_vgc.harness.models import MLP
+from chainer_vgc.harness.models import Seq2seq
+from chainer_vgc.harness.models import sentence_pairs_task
 from chainer_vgc.harness.models import VGG
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 from chainer_vgc.statistics import PerSampleSquares
+from chainer_vgc.statistics.rows import sentence_pairs
 
 from bench_common import machine
 
-MODELS = ('mlp', 'vgg', 'vgg-full', 'vgg-cifar', 'resnet50', 'dcgan')
+MODELS = ('mlp', 'vgg', 'vgg-full', 'vgg-cifar', 'resnet50', 'seq2seq',
+          'dcgan')
 
 
 class _Classifier(object):
@@ -77,6 +86,33 @@ class _Classifier(object):
             self.stats.backward(loss, batch=(self.x, self.t))
         else:
             loss.backward()
+        self.opt.update()
+
+
+class _Sentences(object):
+    """The seq2seq model on the flat tuple of ChainerMN's converter."""
+
+    def __init__(self, batch, device, max_memory, rng):
+        self.net = Seq2seq(3, 1000, 1000, 256)
+        self.net.to_device(device)
+        self.nets = [self.net]
+        pairs = sentence_pairs_task(batch, 1000, 30,
+                                    int(rng.integers(1 << 30)))
+        self.sentences = tuple(device.send(x) for x, _ in pairs) + tuple(
+            device.send(y) for _, y in pairs)
+        self.opt = chainer.optimizers.Adam()
+        self.opt.setup(self.net)
+        self.stats = PerSampleSquares(self.net, max_memory=max_memory,
+                                      examples=sentence_pairs)
+
+    def step(self, with_stats):
+        self.net.cleargrads()
+        if with_stats:
+            with self.stats.forward(self.sentences) as batch:
+                loss = self.net(*self.sentences)
+            self.stats.backward(loss, batch=batch)
+        else:
+            self.net(*self.sentences).backward()
         self.opt.update()
 
 
@@ -120,6 +156,8 @@ class _GAN(object):
 def build(name, device, max_memory, rng):
     if name == 'dcgan':
         return _GAN(16, device, max_memory, rng)
+    if name == 'seq2seq':
+        return _Sentences(64, device, max_memory, rng)
     n_class = 10
     if name == 'mlp':
         net, shape, b = MLP((200, 200), 10), (784,), 32

@@ -22,9 +22,10 @@ per example, needs no option).  The per-sample statistics trace each
 token's row through the concatenations, the LSTMs' time steps and their
 stacked weights to its sentence pair (``chainer_vgc.statistics.rows``).
 
-The task: a source sentence of 2..``--max-length`` tokens from a
-vocabulary of ``--vocab`` words; its translation is the sentence reversed,
-each word mapped by a fixed permutation.  ``--communicator naive`` runs
+The model and the task are ``chainer_vgc.harness.models.Seq2seq`` and
+``sentence_pairs_task``: a source sentence of 2..``--max-length`` tokens
+from a vocabulary of ``--vocab`` words; its translation is the sentence
+reversed, each word mapped by a fixed permutation.  ``--communicator naive`` runs
 ChainerMN's own naive communicator for comparison.  Rank 0 prints a JSON
 summary: the loss of the last interval, seconds per iteration, and the
 compression of the last interval and of the whole run.
@@ -35,68 +36,13 @@ import json
 import time
 
 import chainer
-import chainer.functions as F
-import chainer.links as L
 from chainer import training
 from chainer.training import extensions
 import numpy
 
 import chainer_vgc
-
-EOS = 0
-
-
-def sequence_embed(embed, xs):
-    """Embed the sentences ``xs`` in one call: their tokens concatenated,
-    then split back into sentences."""
-    lengths = [len(x) for x in xs]
-    sections = numpy.cumsum(lengths[:-1])
-    return F.split_axis(embed(F.concat(xs, axis=0)), sections, 0,
-                        force_tuple=True)
-
-
-class Seq2seq(chainer.Chain):
-    def __init__(self, layers, source_vocab, target_vocab, units,
-                 dropout=0.1):
-        super(Seq2seq, self).__init__()
-        with self.init_scope():
-            self.embed_x = L.EmbedID(source_vocab, units)
-            self.embed_y = L.EmbedID(target_vocab, units)
-            self.encoder = L.NStepLSTM(layers, units, units, dropout)
-            self.decoder = L.NStepLSTM(layers, units, units, dropout)
-            self.out = L.Linear(units, target_vocab)
-
-    def forward(self, *sentences):
-        half = len(sentences) // 2
-        sources = [x[::-1] for x in sentences[:half]]
-        targets = sentences[half:]
-        eos = self.xp.full(1, EOS, numpy.int32)
-        decoder_in = [F.concat([eos, y], axis=0) for y in targets]
-        decoder_out = F.concat([F.concat([y, eos], axis=0)
-                                for y in targets], axis=0)
-        h, c, _ = self.encoder(None, None,
-                               sequence_embed(self.embed_x, sources))
-        _, _, outputs = self.decoder(h, c,
-                                     sequence_embed(self.embed_y, decoder_in))
-        logits = self.out(F.concat(outputs, axis=0))
-        loss = F.sum(F.softmax_cross_entropy(logits, decoder_out,
-                                             reduce='no')) / half
-        chainer.report({'loss': loss}, self)
-        return loss
-
-
-def synthetic_pairs(n, vocab, max_length, seed):
-    """n (source, target) pairs: target = the source reversed, each word w
-    mapped to ``perm[w]`` (word 0 is EOS and never in a sentence)."""
-    rng = numpy.random.RandomState(seed)
-    perm = numpy.concatenate([[EOS], 1 + rng.permutation(vocab - 1)])
-    pairs = []
-    for _ in range(n):
-        x = rng.randint(1, vocab, rng.randint(2, max_length + 1))
-        pairs.append((x.astype(numpy.int32),
-                      perm[x[::-1]].astype(numpy.int32)))
-    return pairs
-
+from chainer_vgc.harness.models import Seq2seq
+from chainer_vgc.harness.models import sentence_pairs_task
 
 def convert(batch, device=None):
     """ChainerMN's seq2seq converter's layout: the B sources, then the B
@@ -144,8 +90,8 @@ def main():
             chainer.optimizers.Adam(), comm)
     optimizer.setup(model)
 
-    pairs = synthetic_pairs(args.examples, args.vocab, args.max_length,
-                            args.seed)
+    pairs = sentence_pairs_task(args.examples, args.vocab, args.max_length,
+                                args.seed)
     shard = pairs[comm.rank::comm.size]
     it = chainer.iterators.SerialIterator(shard, args.batchsize)
     updater = training.StandardUpdater(it, optimizer, converter=convert)

@@ -12,6 +12,7 @@ import numpy
 import pytest
 
 import chainer_vgc
+from chainer_vgc.harness import models
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import UncoveredParameterError
 from chainer_vgc.statistics import bruteforce_sqsum
@@ -23,40 +24,11 @@ from chainer_vgc.statistics import tracing
 pytestmark = pytest.mark.stack
 
 
-def sequence_embed(embed, xs):
-    sections = numpy.cumsum([len(x) for x in xs[:-1]])
-    return F.split_axis(embed(F.concat(xs, axis=0)), sections, 0,
-                        force_tuple=True)
-
-
-class Seq2seq(chainer.Chain):
-    """The shape of ChainerMN's seq2seq example, written here: sentences
-    concatenated before EmbedID, NStepLSTM encoder and decoder (dropout),
-    the output projection over all time steps, an EOS constant in the
-    decoder's input and target."""
-
-    def __init__(self, layers=2, vocab_x=7, vocab_y=9, units=5, dropout=0.1):
-        super(Seq2seq, self).__init__()
-        with self.init_scope():
-            self.embed_x = L.EmbedID(vocab_x, units)
-            self.embed_y = L.EmbedID(vocab_y, units)
-            self.encoder = L.NStepLSTM(layers, units, units, dropout)
-            self.decoder = L.NStepLSTM(layers, units, units, dropout)
-            self.out = L.Linear(units, vocab_y)
-
-    def loss(self, xs, ys):
-        xs = [x[::-1] for x in xs]
-        eos = numpy.zeros(1, numpy.int32)
-        ys_in = [F.concat([eos, y], axis=0) for y in ys]
-        ys_out = F.concat([F.concat([y, eos], axis=0) for y in ys], axis=0)
-        h, c, _ = self.encoder(None, None, sequence_embed(self.embed_x, xs))
-        _, _, os = self.decoder(h, c, sequence_embed(self.embed_y, ys_in))
-        return F.sum(F.softmax_cross_entropy(
-            self.out(F.concat(os, axis=0)), ys_out, reduce='no')) / len(xs)
-
-    def forward(self, *sentences):  # ChainerMN's converter: xs..., ys...
-        half = len(sentences) // 2
-        return self.loss(sentences[:half], sentences[half:])
+def Seq2seq():
+    """The shape of ChainerMN's seq2seq example (harness.models.Seq2seq):
+    2-layer LSTMs with dropout 0.1, vocabularies of 7 and 9 words, 5
+    units."""
+    return models.Seq2seq(2, 7, 9, 5)
 
 
 def sentences(rng, b, vocab, longest=6):

@@ -3,6 +3,7 @@
 import chainer
 import chainer.functions as F
 import chainer.links as L
+import numpy
 
 # Appendix D, Table "network architecture for CIFAR-10": (channels, dropout
 # after the conv or None); 'M' = max pooling.  Every conv is followed by
@@ -224,3 +225,65 @@ class BottleneckResNet(chainer.Chain):
         for block in self.stages:
             h = block(h)
         return self.fc(F.average(h, axis=(2, 3)))
+
+
+def sequence_embed(embed, xs):
+    """Embed the sentences ``xs`` in one call: their tokens concatenated,
+    then split back into sentences."""
+    sections = numpy.cumsum([len(x) for x in xs[:-1]])
+    return F.split_axis(embed(F.concat(xs, axis=0)), sections, 0,
+                        force_tuple=True)
+
+
+class Seq2seq(chainer.Chain):
+    """The shape of ChainerMN's seq2seq example (written here): the
+    sentences concatenated before ``EmbedID``, an ``NStepLSTM`` encoder
+    and decoder (dropout), one output projection over every time step, an
+    EOS constant (word 0) in the decoder's input and target.
+    ``forward(*sentences)`` takes that example's converter's layout (the B
+    sources, then the B targets); ``loss(sources, targets)`` two lists."""
+
+    def __init__(self, layers, source_vocab, target_vocab, units,
+                 dropout=0.1):
+        super(Seq2seq, self).__init__()
+        with self.init_scope():
+            self.embed_x = L.EmbedID(source_vocab, units)
+            self.embed_y = L.EmbedID(target_vocab, units)
+            self.encoder = L.NStepLSTM(layers, units, units, dropout)
+            self.decoder = L.NStepLSTM(layers, units, units, dropout)
+            self.out = L.Linear(units, target_vocab)
+
+    def loss(self, sources, targets):
+        sources = [x[::-1] for x in sources]
+        eos = self.xp.zeros(1, numpy.int32)
+        decoder_in = [F.concat([eos, y], axis=0) for y in targets]
+        decoder_out = F.concat([F.concat([y, eos], axis=0)
+                                for y in targets], axis=0)
+        h, c, _ = self.encoder(None, None,
+                               sequence_embed(self.embed_x, sources))
+        _, _, outputs = self.decoder(h, c,
+                                     sequence_embed(self.embed_y, decoder_in))
+        logits = self.out(F.concat(outputs, axis=0))
+        loss = F.sum(F.softmax_cross_entropy(logits, decoder_out,
+                                             reduce='no')) / len(sources)
+        chainer.report({'loss': loss}, self)
+        return loss
+
+    def forward(self, *sentences):
+        half = len(sentences) // 2
+        return self.loss(sentences[:half], sentences[half:])
+
+
+def sentence_pairs_task(n, vocab, max_length, seed):
+    """n (source, target) pairs of a synthetic translation task: a source
+    of 2..max_length words from 1..vocab-1 (0 is EOS), its target the
+    source reversed with each word w mapped to ``perm[w]``."""
+    rng = numpy.random.RandomState(seed)
+    perm = numpy.concatenate([[0], 1 + rng.permutation(vocab - 1)])
+    pairs = []
+    for _ in range(n):
+        x = rng.randint(1, vocab, rng.randint(2, max_length + 1))
+        pairs.append((x.astype(numpy.int32),
+                      perm[x[::-1]].astype(numpy.int32)))
+    return pairs
+
