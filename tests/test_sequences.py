@@ -197,6 +197,12 @@ def test_flat_sentences_without_the_option_name_it():
     assert 'chainer_vgc.sentence_pairs' in text
     with pytest.raises(ValueError, match='odd number'):
         chainer_vgc.sentence_pairs(*batch[:-1])
+    # arrays of examples on their first axis, with a 0-d array beside them
+    # (no examples in it): B is their common first axis
+    x, t = numpy.zeros((4, 3)), numpy.zeros(4, numpy.int32)
+    assert PerSampleSquares(model).minibatch((x, numpy.float32(2), t)).b == 4
+    assert PerSampleSquares(model).minibatch(
+        (x, numpy.array(2.0), t)).b == 4
 
 
 def _token_model(width):

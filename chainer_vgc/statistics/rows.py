@@ -190,14 +190,15 @@ def minibatch(batch=(), examples=None, kwargs=None, batch_size=None):
         return Minibatch((), len(groups), per_example, keep)
     items = list(batch) + list(kwargs.values())
     lists = [a for a in items if _is_sequence_list(a)]
-    # (brute force's order: the positional arrays, else the keyword ones)
-    arrays = ([a for a in batch if _is_array(a)]
-              or [a for a in kwargs.values() if _is_array(a)])
+    # (brute force's order: the positional arrays, else the keyword ones;
+    # 0-d arrays hold no examples)
+    arrays = ([a for a in batch if _is_array(a) and len(a.shape)]
+              or [a for a in kwargs.values() if _is_array(a)
+                  and len(a.shape)])
     if lists:
         lengths = sorted({len(a) for a in lists})
         b = lengths[0]
-        bad = [len(a) for a in arrays if not len(a.shape)
-               or a.shape[0] != b]
+        bad = [a.shape[0] for a in arrays if a.shape[0] != b]
         if len(lengths) > 1 or bad:
             raise ValueError(
                 'the minibatch has lists of {} arrays (one per example) and '
@@ -217,8 +218,8 @@ def minibatch(batch=(), examples=None, kwargs=None, batch_size=None):
             'PerSampleSquares needs the number of examples: pass batch=(x, '
             '...) to backward() or batch_size= to the constructor (guessing '
             'it from the graph can merge examples silently)')
-    firsts = [a.shape[0] if len(a.shape) else None for a in arrays]
-    if len(set(firsts)) > 1 or firsts[0] is None:
+    firsts = [a.shape[0] for a in arrays]
+    if len(set(firsts)) > 1:
         raise ValueError(
             "the minibatch's arrays have {} rows on their first axis: they "
             'are not one batch of examples, and the number of examples is '
