@@ -1,10 +1,12 @@
 """The long runs' write-up from the ledger (examples/paper_ledger.py
 --report): the table (mean and range over seeds), accuracy against
-compression, compression over the epochs, and density per layer over the
-epochs for each method."""
+compression, compression over the epochs, density per layer over the
+epochs for each method (the layers from input to output), and which
+layers carry the last epoch's traffic."""
 
 import json
 import os
+import re
 
 import numpy
 
@@ -46,21 +48,65 @@ def table(rows):
     return '\n'.join(lines)
 
 
+def model_order(names):
+    """Parameter names with their numbers compared as numbers (block2
+    before block10), so a plot lists the layers from input to output."""
+    return sorted(names, key=lambda n: [int(t) if t.isdigit() else t
+                                        for t in re.split(r'(\d+)', n)])
+
+
+def layer_kind(name):
+    """'conv' (convolution weights and biases), 'BN' (gamma and beta) or
+    'fc' (the fully connected layers), from a parameter's name."""
+    if name.rsplit('/', 1)[-1] in ('gamma', 'beta'):
+        return 'BN'
+    return 'conv' if '/conv/' in name else 'fc'
+
+
+def traffic(rows, top=3):
+    """Markdown: which layers carry the traffic in the last epoch, per
+    (optimizer, method): the share of the elements sent by kind of layer,
+    and the parameters with the largest shares (mean over seeds) with
+    their density (the fraction of their elements sent per step)."""
+    lines = ['| optimizer | method | conv | BN | fc | largest shares '
+             '(share, density) |', '|---|---|---:|---:|---:|---|']
+    for (opt, label), rs in _groups(rows).items():
+        if rs[0]['method'] == 'none':
+            continue
+        names, dens = density_by_layer(rs)[(opt, label)]
+        last = numpy.mean([shares(_counts_by_name(r, names))[-1]
+                           for r in rs], axis=0)
+        kinds = {}
+        for n, s in zip(names, last):
+            kinds[layer_kind(n)] = kinds.get(layer_kind(n), 0.0) + s
+        largest = ', '.join('{} ({:.0%}, {:.1e})'.format(
+            names[i].replace('/predictor/', ''), last[i], dens[-1][i])
+            for i in numpy.argsort(-last, kind='stable')[:top])
+        lines.append('| {} | {} | {:.0%} | {:.0%} | {:.0%} | {} |'.format(
+            opt, label, kinds.get('conv', 0.0), kinds.get('BN', 0.0),
+            kinds.get('fc', 0.0), largest))
+    return '\n'.join(lines)
+
+
+def _counts_by_name(row, names):
+    """The row's elements sent per epoch (epochs x parameters), its
+    columns in the order of ``names``."""
+    ledger_names = list(json.loads(row['param_sizes']))
+    counts = numpy.asarray(json.loads(row['epoch_param_elements']), float)
+    return counts[:, [ledger_names.index(n) for n in names]]
+
+
 def density_by_layer(rows):
     """{(optimizer, label): (names, densities: epochs x parameters)}: the
     fraction of each parameter's elements sent per step, averaged over
-    seeds."""
+    seeds; the parameters in the model's order (:func:`model_order`)."""
     out = {}
     for key, rs in _groups(rows).items():
-        per_seed = []
-        for r in rs:
-            sizes = json.loads(r['param_sizes'])
-            names = list(sizes)
-            counts = numpy.asarray(json.loads(r['epoch_param_elements']),
-                                   float)
-            steps = int(r['iterations']) / int(r['epochs'])
-            per_seed.append(counts / (steps * numpy.asarray(
-                [sizes[n] for n in names], float)))
+        sizes = json.loads(rs[0]['param_sizes'])
+        names = model_order(sizes)
+        per_seed = [_counts_by_name(r, names) / (
+            int(r['iterations']) / int(r['epochs']) *
+            numpy.asarray([sizes[n] for n in names], float)) for r in rs]
         out[key] = (names, numpy.mean(per_seed, axis=0))
     return out
 
@@ -79,8 +125,10 @@ def write(rows, out_dir):
     import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'results_long_table.md'), 'w') as f:
-        f.write(table(rows) + '\n')
+        f.write(table(rows) + '\n\nWhich layers carry the traffic '
+                '(last epoch):\n\n' + traffic(rows) + '\n')
     print(table(rows))
+    print(traffic(rows))
     groups = _groups(rows)
     colors = {'none': 'black', 'vgc': 'tab:blue', 'strom': 'tab:red',
               'hybrid': 'tab:green'}

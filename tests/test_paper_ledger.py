@@ -92,3 +92,44 @@ def test_per_parameter_counts_are_every_element_without_compression(
     numpy.testing.assert_allclose(share[1], [sizes[n] / total
                                              for n in names])
     assert float(row['compression']) == 1.0
+
+
+def test_traffic_table_by_hand():
+    """Two seeds of a hand-made ledger whose parameters are listed out of
+    the model's order (block10 before block2, as a dict sorted by name
+    gives them): the densities come back in the model's order and the last
+    epoch's shares by kind of layer and per parameter are the means over
+    the seeds of the hand-computed ones."""
+    import json
+    import ledger_report
+    sizes = {'/predictor/block10/conv/W': 100,
+             '/predictor/block2/bn/gamma': 10,
+             '/predictor/block2/conv/W': 50, '/predictor/fc1/W': 40}
+
+    def row(seed, last):
+        return {'optimizer': 'adam', 'label': 'VGC, alpha=2', 'method': 'vgc',
+                'seed': seed, 'iterations': '20', 'epochs': '2',
+                'param_sizes': json.dumps(sizes),
+                'epoch_param_elements': json.dumps([[1.0, 1.0, 1.0, 1.0],
+                                                    last])}
+
+    # per step: 10 steps an epoch; seed 0 sends 60 elements in the last
+    # epoch (30 block10, 10 gamma, 0 block2 W, 20 fc), seed 1 sends 100
+    rows_ = [row(0, [30.0, 10.0, 0.0, 20.0]), row(1, [50.0, 0.0, 25.0, 25.0])]
+    names, dens = ledger_report.density_by_layer(rows_)[
+        ('adam', 'VGC, alpha=2')]
+    assert names == ['/predictor/block2/bn/gamma', '/predictor/block2/conv/W',
+                     '/predictor/block10/conv/W', '/predictor/fc1/W']
+    numpy.testing.assert_allclose(dens[1], [
+        (10 / 10 + 0) / 2 / 10, (0 + 25 / 50) / 2 / 10,
+        (30 / 100 + 50 / 100) / 2 / 10, (20 / 40 + 25 / 40) / 2 / 10])
+    text = ledger_report.traffic(rows_).splitlines()
+    assert len(text) == 3
+    # shares: seed 0 (1/2, 1/6, 0, 1/3), seed 1 (1/2, 0, 1/4, 1/4)
+    conv, bn, fc = (1 / 2 + 0 + 1 / 2 + 1 / 4) / 2, 1 / 12, (1 / 3 + 1 / 4) / 2
+    assert text[2].startswith('| adam | VGC, alpha=2 | {:.0%} | {:.0%} | '
+                              '{:.0%} | block10/conv/W (50%, '.format(
+                                  conv, bn, fc)), text[2]
+    assert 'fc1/W (29%, 5.6e-02), block2/conv/W (12%, 2.5e-02) |' in text[2]
+    assert [ledger_report.layer_kind(n) for n in names] == [
+        'BN', 'conv', 'conv', 'fc']
