@@ -284,14 +284,17 @@ def test_convolutions_take_chainers_own_columns(monkeypatch, own_im2col):
     """On the CPU the statistics of a convolution or deconvolution used
     once reuse the im2col Chainer made for its weight gradient: the
     statistics make no im2col of their own, and the sums equal the
-    reference."""
+    reference.  (With Chainer's own weight gradient: by default a
+    convolution of this size takes its gradient from the statistics'
+    products, and Chainer makes no columns for it; test_weight_gradient.)"""
     from chainer_vgc.statistics import im2col as im2col_module
     rng = numpy.random.default_rng(7)
     with chainer.using_config('dtype', numpy.float64):
         numpy.random.seed(7)
         model = ConvPair(2, 1, 1, 2, 3)
         x = rng.normal(size=(5, 4, 9, 9))
-        stats = PerSampleSquares(model, batch_size=5)
+        stats = PerSampleSquares(model, batch_size=5,
+                                 fused_weight_gradient=False)
         model.cleargrads()
         sums = stats.backward(F.sum(model(x) ** 2) / 5)
         uses = record(model, F.sum(model(x) ** 2) / 5, 5)

@@ -26,24 +26,43 @@ RTOL = {numpy.float64: 1e-5, numpy.float32: 1e-3}
 
 
 def check(model, loss_fn, batch, dtype, **kw):
-    """Component vs brute force; also checks grads are the plain ones."""
+    """Component vs brute force; also checks grads are the plain ones:
+    bit for bit with ``fused_weight_gradient=False``, and by default for
+    every parameter but the convolution weights whose gradient came from
+    the statistics' products (to rounding there); the sums are the same
+    bit for bit either way.  Returns the sums."""
     names, params = model_params(model)
     want = bruteforce_sqsum(loss_fn, params, *batch)
     model.cleargrads()
     loss_fn(*batch).backward()
     plain = [None if p.grad is None else p.grad.copy() for p in params]
-    model.cleargrads()
-    got = PerSampleSquares(model, **kw).backward(loss_fn(*batch),
-                                                 loss_fn=loss_fn, batch=batch)
-    for name, p, g, w, pg in zip(names, params, got, want, plain):
+    runs = []
+    for fused in (True, False):
+        model.cleargrads()
+        hook = PerSampleSquares(model, fused_weight_gradient=fused, **kw)
+        got = hook.backward(loss_fn(*batch), loss_fn=loss_fn, batch=batch)
+        runs.append((got, [None if p.grad is None else p.grad.copy()
+                           for p in params], set(hook._fused.done)))
+    (got, grads, fused), (unfused, exact, none) = runs
+    assert none == set()
+    for i, (name, p, g, w, pg) in enumerate(zip(names, params, got, want,
+                                                plain)):
         if w is None:
-            assert g is None, name
+            assert g is None and unfused[i] is None, name
             continue
         assert g.shape == p.shape and g.dtype == w.dtype, name
         numpy.testing.assert_allclose(g, w, rtol=RTOL[dtype],
                                       atol=RTOL[dtype] * abs(w).max() * 1e-3,
                                       err_msg=name)
-        numpy.testing.assert_array_equal(p.grad, pg, err_msg=name)
+        numpy.testing.assert_array_equal(g, unfused[i], err_msg=name)
+        numpy.testing.assert_array_equal(exact[i], pg, err_msg=name)
+        if i in fused:
+            eps = numpy.finfo(dtype).eps
+            numpy.testing.assert_allclose(
+                grads[i], pg, rtol=0, atol=64 * eps * abs(pg).max(),
+                err_msg=name)
+        else:
+            numpy.testing.assert_array_equal(grads[i], pg, err_msg=name)
     return got
 
 

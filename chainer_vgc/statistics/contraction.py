@@ -151,14 +151,31 @@ def _grouped(op, z0, z1, rows, work):
             b.reshape(z1 - z0, g, rows * p, b.shape[-1]))
 
 
-def sum_squared_products(op, b, max_memory, work, out=None, rows=1):
+def uses_gram(xp, positions):
+    """Whether :func:`sum_squared_products` takes the Gram formulation for
+    products of ``positions`` positions per example (else the blocked
+    per-example one)."""
+    return positions <= (GRAM_MAX_POSITIONS if xp is numpy
+                         else GRAM_MAX_POSITIONS_GPU)
+
+
+def sum_squared_products(op, b, max_memory, work, out=None, rows=1,
+                         grad=None):
     """``sum_z (A_z B_z)**2`` over the b examples of ``op`` (each ``rows``
     rows of op's example axis), in op's weight shape; written into ``out``
-    when given.  Gram or blocked per-example (module doc)."""
+    when given.  Gram or blocked per-example (module doc).
+
+    ``grad``: an array of op's weight shape and dtype, or None; when given
+    (blocked formulation only), it receives ``sum_z A_z B_z``, the batch
+    gradient, summed from the same per-example products in the same pass
+    (:mod:`~chainer_vgc.statistics.weight_gradient`)."""
     xp = op.xp
     positions = op.positions * rows
-    gram = positions <= (GRAM_MAX_POSITIONS if xp is numpy
-                         else GRAM_MAX_POSITIONS_GPU)
+    gram = uses_gram(xp, positions)
+    if gram and grad is not None:
+        raise ValueError('the batch gradient comes with the blocked '
+                         'formulation only ({} positions take the Gram '
+                         'one)'.format(positions))
     pairs = positions * (positions + 1) // 2
     per_example = op.bytes_per_example * rows  # the operands
     if gram:  # and their pair products
@@ -167,6 +184,7 @@ def sum_squared_products(op, b, max_memory, work, out=None, rows=1):
     if out is None:
         out = xp.empty(op.shape, op.dtype)
     acc = out.reshape(op.groups, op.m, op.n)
+    total = None if grad is None else grad.reshape(op.groups, op.m, op.n)
     first = True
     for z0 in range(0, b, step):
         z1 = min(b, z0 + step)
@@ -176,7 +194,7 @@ def sum_squared_products(op, b, max_memory, work, out=None, rows=1):
         else:
             _blocked_into(xp, a, bb, acc, first, work,
                           min(BLOCK_BYTES, max_memory) if xp is numpy
-                          else max_memory)
+                          else max_memory, total)
         first = False
     if gram:  # rounding can leave -0.0 or a tiny negative where 0 is exact
         xp.maximum(acc, 0, out=acc)
@@ -205,10 +223,11 @@ def _gram_into(xp, a, b, acc, first, work):
     accumulate(xp, acc, first, work, lambda dst: xp.matmul(lhs, rhs, out=dst))
 
 
-def _blocked_into(xp, a, b, acc, first, work, budget):
+def _blocked_into(xp, a, b, acc, first, work, budget, total=None):
     """acc (+)= sum_z (a_z b_z)**2, the products of a few examples and a
     block of rows at a time into a reused buffer of at most ``budget``
-    bytes (but one row of one example; module doc)."""
+    bytes (but one row of one example; module doc); and total (+)=
+    sum_z a_z b_z from the same products when ``total`` is given."""
     m, groups, mm, p = a.shape
     n = b.shape[-1]
     itemsize = a.dtype.itemsize
@@ -229,6 +248,9 @@ def _blocked_into(xp, a, b, acc, first, work, budget):
                 xp.matmul(a[z0:z1, g, r0:r1], b[z0:z1, g], out=prod)
                 accumulate(xp, target, first and z0 == 0, work,
                            lambda dst: sum_squares(xp, prod, dst))
+                if total is not None:
+                    accumulate(xp, total[g, r0:r1], first and z0 == 0, work,
+                               lambda dst: xp.sum(prod, axis=0, out=dst))
 
 
 def accumulate(xp, acc, first, work, write):

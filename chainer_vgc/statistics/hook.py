@@ -19,7 +19,11 @@ for uses no gradient reached, the backward pass ends) and then combined
 chunk by chunk.  Each convolution's use keeps the columns
 Chainer made for its weight gradient
 (:class:`~chainer_vgc.statistics.im2col.ColumnCapture`); the uses waiting
-for their partners keep at most ``max_memory`` of them.
+for their partners keep at most ``max_memory`` of them.  On the CPU, a
+convolution whose statistics form every example's weight gradient gives
+Chainer its batch gradient from those same products, in place of Chainer's
+own GEMM (:mod:`~chainer_vgc.statistics.weight_gradient`; its last bits
+may then differ from a plain backward's).
 
 A parameter consumed by any other function gets no silent wrong answer:
 ``uncovered='error'`` (default) raises :class:`UncoveredParameterError`
@@ -47,6 +51,7 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
+from chainer_vgc.statistics import contraction
 from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics import rows as _rows
 from chainer_vgc.statistics import tracing as _tracing
@@ -56,6 +61,7 @@ from chainer_vgc.statistics.handlers import _takes_columns
 from chainer_vgc.statistics.handlers import _uses_of
 from chainer_vgc.statistics.im2col import ColumnCapture
 from chainer_vgc.statistics.uses import _combined_sqsum
+from chainer_vgc.statistics import weight_gradient as _weight_gradient
 
 #: default bound of each per-example intermediate (bytes)
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
@@ -132,6 +138,13 @@ class PerSampleSquares(chainer.FunctionHook):
             or tuple of arrays each (see
             :mod:`~chainer_vgc.statistics.rows`;
             :func:`~chainer_vgc.statistics.rows.sentence_pairs`).
+        fused_weight_gradient: on the CPU, a convolution whose statistics
+            form every example's weight gradient hands Chainer the batch
+            gradient from those products instead of Chainer computing it
+            again (:mod:`~chainer_vgc.statistics.weight_gradient`: about
+            one GEMM less per such layer; the gradient's last bits may
+            differ from a plain backward's).  False: Chainer's own
+            gradient everywhere.
 
     Use :meth:`backward` instead of ``loss.backward()``; it returns the
     list of sums (aligned with :attr:`names`) and leaves the usual
@@ -141,7 +154,8 @@ class PerSampleSquares(chainer.FunctionHook):
     name = 'PerSampleSquares'
 
     def __init__(self, target, max_memory=DEFAULT_MAX_MEMORY,
-                 uncovered='error', batch_size=None, examples=None):
+                 uncovered='error', batch_size=None, examples=None,
+                 fused_weight_gradient=True):
         if isinstance(target, chainer.Link):
             self.names, self.params = model_params(target)
         else:
@@ -181,6 +195,9 @@ class PerSampleSquares(chainer.FunctionHook):
         self.work = Workspace()
         #: Chainer's own im2col of each convolution, taken over
         self._capture = ColumnCapture()
+        self.fused_weight_gradient = bool(fused_weight_gradient)
+        #: the convolutions' batch gradients from the statistics' products
+        self._fused = _weight_gradient.FusedWeightGradient()
 
     def minibatch(self, batch=(), kwargs=None):
         """The :class:`~chainer_vgc.statistics.rows.Minibatch` of
@@ -274,9 +291,11 @@ class PerSampleSquares(chainer.FunctionHook):
         self.sqsums = [None] * len(self.params)
         try:
             self._pass = current
-            with self, (self._capture if any(
-                    _takes_columns(fn) for us in uses.values()
-                    for fn, _, _ in us) else _NOTHING):
+            convolutions = any(_takes_columns(fn) for us in uses.values()
+                               for fn, _, _ in us)
+            with self, (self._capture if convolutions else _NOTHING), (
+                    self._fused if convolutions and
+                    self.fused_weight_gradient else _NOTHING):
                 loss.backward(**backward_kwargs)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(
@@ -399,6 +418,41 @@ class PerSampleSquares(chainer.FunctionHook):
                 for fn, _, sel in uses[i]}))) for i in indices])
 
     # -- hook --
+    def backward_preprocess(self, function, in_data, out_grad):
+        """Chainer's function-hook callback, before ``function``'s
+        backward: marks the weight-gradient call of a convolution whose
+        statistics may give Chainer its batch gradient
+        (:mod:`~chainer_vgc.statistics.weight_gradient`).  Does nothing
+        outside :meth:`backward` or with ``fused_weight_gradient=False``."""
+        current = self._pass
+        if current is None or not self._fused.active:
+            return
+        entries = current.by_fn.get(id(function))
+        if not entries or out_grad[0] is None:
+            return
+        kind, group = current.layouts[id(function)]
+        if kind != 'groups':
+            return
+        gy = out_grad[0]
+        xp = chainer_backend.get_array_module(gy)
+        for i, k, sel in entries:
+            param = self.params[i]
+            if (sel is not None or i not in current.single or gy.ndim != 4
+                    or not _weight_gradient.eligible(
+                        function, k, param, gy.shape[2] * gy.shape[3] *
+                        group, xp)):
+                continue
+            use = _uses_of(function, k, in_data, gy,
+                           backend.state_dtype(param.dtype), xp)
+
+            def run(use=use, i=i, shape=param.shape):
+                grad = xp.empty(shape, use.dtype)
+                current.results[i] = contraction.sum_squared_products(
+                    use.operands(), use.rows // group, self.max_memory,
+                    self.work, current.out(i), rows=group, grad=grad)
+                return grad
+            self._fused.mark(in_data[0], gy, i, run)
+
     def backward_postprocess(self, function, in_data, out_grad):
         """Chainer's function-hook callback, after ``function``'s backward.
 
@@ -413,6 +467,11 @@ class PerSampleSquares(chainer.FunctionHook):
         entries = current.by_fn.get(id(function))
         if not entries or out_grad[0] is None:
             return
+        if self._fused.active:  # handled in the weight-gradient call
+            self._fused.forget(in_data[0], out_grad[0])
+            entries = [e for e in entries if e[0] not in self._fused.done]
+            if not entries:
+                return
         gy_all = out_grad[0]
         xp = chainer_backend.get_array_module(gy_all)
         kind, how = current.layouts[id(function)]
