@@ -114,6 +114,7 @@ bench: $(VENV)/.native
 	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_memory.py
 	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_residual_commit.py
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_statistics.py
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_iteration.py
 	$(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/bench_allgatherv.py
 	$(VENV)/bin/mpiexec -n 4 $(PY) benchmarks/bench_allgatherv.py
 

@@ -2,10 +2,13 @@
 """Training-step time and peak memory with per-sample statistics vs without.
 
 One step = forward, backward, update; the statistics step uses
-``PerSampleSquares.backward`` in place of ``loss.backward``.  The two kinds
-of step alternate, so both see the same machine state; the medians, their
-ratio and the extra peak memory of the statistics step are printed, one row
-per model:
+``PerSampleSquares.backward`` in place of ``loss.backward``; a third kind
+is the statistics step with Chainer's own weight gradients
+(``fused_weight_gradient=False``: on the CPU the default takes a
+convolution's gradient from the statistics' products).  The kinds of step
+alternate, so all see the same machine state; the medians, the ratios and
+the extra peak memory of the statistics step are printed, one row per
+model:
 
 * ``mlp``: the demo's MLP (784-200-200-10, batch 32, ``make demo``);
 * ``vgg``: the App. D VGG at the Fashion-MNIST grid's setting (width 1/8,
@@ -238,32 +241,41 @@ def run_model(name, args, device, comm):
         if comm is not None:
             comm.Barrier()
 
-    for mode in (False, True, False, True):  # warm up both (and the pool)
-        model.step(mode)
+    hooks = model.stats if isinstance(model.stats, list) else [model.stats]
+    modes = (False, True, 'chainer')
+
+    def step(mode):
+        for h in hooks:  # 'chainer': Chainer's own weight gradients
+            if hasattr(h, 'fused_weight_gradient'):
+                h.fused_weight_gradient = mode is True
+        model.step(bool(mode))
+
+    for mode in modes + modes:  # warm up every kind (and the pool)
+        step(mode)
     sync()
-    times = {False: [], True: []}
-    peaks = {False: 0, True: 0}
+    times = {m: [] for m in modes}
+    peaks = {m: 0 for m in modes}
     with (_DeviceMemory() if on_gpu else _HostMemory()) as memory:
         for _ in range(args.steps):
-            for mode in (False, True):
+            for mode in modes:
                 sync()
                 t0 = time.perf_counter()
-                peak = memory.measure(lambda: model.step(mode) or sync())
+                peak = memory.measure(lambda: step(mode) or sync())
                 spent = time.perf_counter() - t0
                 if comm is not None:  # the slowest rank, the largest peak
                     spent, peak = numpy.max(comm.allgather((spent, peak)),
                                             axis=0)
                 times[mode].append(spent)
                 peaks[mode] = max(peaks[mode], peak)
-    plain, stats = (float(numpy.median(times[m])) for m in (False, True))
+    plain, stats, unfused = (float(numpy.median(times[m])) for m in modes)
     n_params = sum(p.size for net in model.nets for p in net.params())
-    hooks = model.stats if isinstance(model.stats, list) else [model.stats]
     # (a package from before issue 26, timed for comparison, has none)
     work = sum(h.work.nbytes for h in hooks if hasattr(h, 'work'))
     if comm is not None:
         work = max(comm.allgather(work))
     return dict(model=name, params=n_params, plain=plain, stats=stats,
-                ratio=stats / plain, peak_plain=peaks[False],
+                ratio=stats / plain, unfused=unfused / plain,
+                peak_plain=peaks[False],
                 peak_stats=peaks[True], work=work,
                 extra=max(0, peaks[True] - peaks[False]) + work)
 
@@ -292,15 +304,20 @@ def main():
     print('median of {} steps of each kind, alternating; max_memory {} MiB'
           .format(args.steps, args.max_memory >> 20))
     print('| model | parameters | plain s | with statistics s | ratio | '
+          "ratio with Chainer's weight gradients | "
           'step peak MiB plain | step peak MiB statistics | workspace MiB | '
           'extra MiB |')
-    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
     for r in rows:
         print('| {model} | {params:,} | {plain:.4f} | {stats:.4f} | '
-              '{ratio:.2f} | {pp:.1f} | {ps:.1f} | {w:.1f} | {ex:.1f} |'
+              '{ratio:.2f} | {unfused:.2f} | {pp:.1f} | {ps:.1f} | '
+              '{w:.1f} | {ex:.1f} |'
               .format(pp=r['peak_plain'] / 2 ** 20,
                       ps=r['peak_stats'] / 2 ** 20, w=r['work'] / 2 ** 20,
                       ex=r['extra'] / 2 ** 20, **r))
+    print("ratio with Chainer's weight gradients: the statistics step "
+          'with PerSampleSquares(fused_weight_gradient=False), timed in '
+          'turn with the other two')
     print('extra = the workspace the statistics keep from step to step + '
           'how much higher the statistics step\'s peak is than the plain '
           "step's")
