@@ -28,11 +28,28 @@ def _mean_range(values, fmt):
                                fmt.format(values.max()))
 
 
+def paired_gaps(rows):
+    """{(optimizer, label): [accuracy - no compression's accuracy, in
+    points, for each seed that both have]}: the seed's own baseline (the
+    same data order and initial weights) takes most of a seed's noise out
+    of the comparison."""
+    base = {(r['optimizer'], r['seed']): 100 * float(r['accuracy'])
+            for r in rows if r['method'] == 'none'}
+    out = {}
+    for (opt, label), rs in _groups(rows).items():
+        out[(opt, label)] = [
+            100 * float(r['accuracy']) - base[(opt, r['seed'])]
+            for r in rs if (opt, r['seed']) in base]
+    return out
+
+
 def table(rows):
     """Markdown: one line per (optimizer, method)."""
-    lines = ['| optimizer | method | seeds | test accuracy % | compression '
+    lines = ['| optimizer | method | seeds | test accuracy % | '
+             'minus no compression, same seed (points) | compression '
              '| epoch 1 | last epoch | bits/element |',
-             '|---|---|---:|---:|---:|---:|---:|---:|']
+             '|---|---|---:|---:|---:|---:|---:|---:|---:|']
+    gaps = paired_gaps(rows)
     for (opt, label), rs in _groups(rows).items():
         acc = [100 * float(r['accuracy']) for r in rs]
         comp = [float(r['compression']) for r in rs]
@@ -40,8 +57,11 @@ def table(rows):
         last = [json.loads(r['epoch_compression'])[-1] for r in rs]
         bits = [float(r['bits_per_element']) for r in rs
                 if r['bits_per_element'] not in ('', None)]
-        lines.append('| {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+        gap = gaps[(opt, label)]
+        lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
             opt, label, len(rs), _mean_range(acc, '{:.2f}'),
+            '–' if rs[0]['method'] == 'none' else
+            _mean_range(gap, '{:+.2f}') if gap else 'no baseline',
             _mean_range(comp, '{:,.1f}'), _mean_range(first, '{:,.1f}'),
             _mean_range(last, '{:,.1f}'),
             _mean_range(bits, '{:.1f}') if bits else '–'))

@@ -133,3 +133,23 @@ def test_traffic_table_by_hand():
     assert 'fc1/W (29%, 5.6e-02), block2/conv/W (12%, 2.5e-02) |' in text[2]
     assert [ledger_report.layer_kind(n) for n in names] == [
         'BN', 'conv', 'conv', 'fc']
+
+
+def test_paired_gaps_take_each_seeds_own_baseline():
+    """The gap to no compression is taken seed by seed (a run without its
+    seed's baseline has none), per optimizer."""
+    import ledger_report
+
+    def row(opt, method, label, seed, acc):
+        return {'optimizer': opt, 'method': method, 'label': label,
+                'seed': str(seed), 'accuracy': str(acc)}
+    rows_ = [row('adam', 'none', 'no compression', 0, 0.90),
+             row('adam', 'none', 'no compression', 1, 0.80),
+             row('adam', 'vgc', 'VGC', 0, 0.91),
+             row('adam', 'vgc', 'VGC', 1, 0.79),
+             row('adam', 'vgc', 'VGC', 2, 0.50),
+             row('momentum', 'vgc', 'VGC', 0, 0.85)]
+    gaps = ledger_report.paired_gaps(rows_)
+    numpy.testing.assert_allclose(gaps[('adam', 'VGC')], [1.0, -1.0])
+    assert gaps[('momentum', 'VGC')] == []
+    assert gaps[('adam', 'no compression')] == [0.0, 0.0]
