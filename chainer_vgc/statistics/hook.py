@@ -289,6 +289,7 @@ class PerSampleSquares(chainer.FunctionHook):
         self.covered_names = [self.names[i] for i in sorted(uses)]
         current = _Pass(uses, b, layouts, self._arena_views())
         self.sqsums = [None] * len(self.params)
+        self._fused.reset()
         try:
             self._pass = current
             convolutions = any(_takes_columns(fn) for us in uses.values()
@@ -440,7 +441,7 @@ class PerSampleSquares(chainer.FunctionHook):
             if (sel is not None or i not in current.single or gy.ndim != 4
                     or not _weight_gradient.eligible(
                         function, k, param, gy.shape[2] * gy.shape[3] *
-                        group, xp)):
+                        group, in_data[0], gy)):
                 continue
             use = _uses_of(function, k, in_data, gy,
                            backend.state_dtype(param.dtype), xp)

@@ -23,25 +23,32 @@ may differ from a plain ``loss.backward()``'s; the sums of squares are
 bit for bit the ones the hook computes otherwise.  Only where it is exact
 for the method's definition: a Convolution2D weight with one use in the
 graph, rows grouped by example (the minibatch's first axis), a weight
-dtype that is the statistics' dtype (float32, float64), NumPy arrays.
+dtype that is the statistics' dtype (float32, float64) and the dtype of
+the layer's input and output gradient, NumPy arrays.
 ``PerSampleSquares(fused_weight_gradient=False)`` keeps Chainer's
 gradient everywhere.
 """
 
 from chainer.functions.connection import convolution_2d as _conv
+import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.statistics import contraction
 
 
-def eligible(fn, k, param, positions, xp):
+def eligible(fn, k, param, positions, x, gy):
     """Whether the use of ``param`` (input ``k`` of node ``fn``, whose
-    products have ``positions`` positions per example) may take its batch
-    gradient from the statistics' products."""
+    products have ``positions`` positions per example, on input ``x`` and
+    output gradient ``gy``) may take its batch gradient from the
+    statistics' products: Chainer's would be computed in x's dtype, the
+    products are in the weight's, so all three must agree."""
+    dtype = param.dtype
     return (type(fn) is _conv.Convolution2DFunction and k == 1 and
-            xp.__name__ == 'numpy' and not getattr(fn, '_use_ideep', False)
-            and param.dtype == backend.state_dtype(param.dtype) and
-            not contraction.uses_gram(xp, positions))
+            isinstance(x, numpy.ndarray) and isinstance(gy, numpy.ndarray)
+            and not getattr(fn, '_use_ideep', False)
+            and dtype == backend.state_dtype(dtype) and x.dtype == dtype
+            and gy.dtype == dtype
+            and not contraction.uses_gram(numpy, positions))
 
 
 class FusedWeightGradient(object):
@@ -73,8 +80,12 @@ class FusedWeightGradient(object):
         squares and returns its batch gradient (the weight's shape)."""
         self._marked[(id(x), id(gy))] = (x, gy, index, run)
 
-    def __enter__(self):
+    def reset(self):
+        """Forget the last pass's marks and :attr:`done`."""
         self._marked, self.done = {}, set()
+
+    def __enter__(self):
+        self.reset()
         self._original = _conv.Convolution2DGradW.forward_cpu
         original, fused = self._original, self
 
