@@ -51,7 +51,6 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
-from chainer_vgc.statistics import contraction
 from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics import rows as _rows
 from chainer_vgc.statistics import tracing as _tracing
@@ -448,9 +447,9 @@ class PerSampleSquares(chainer.FunctionHook):
 
             def run(use=use, i=i, shape=param.shape):
                 grad = xp.empty(shape, use.dtype)
-                current.results[i] = contraction.sum_squared_products(
-                    use.operands(), use.rows // group, self.max_memory,
-                    self.work, current.out(i), rows=group, grad=grad)
+                current.results[i] = use.sqsum(group, self.max_memory,
+                                               current.out(i), self.work,
+                                               grad=grad)
                 return grad
             self._fused.mark(in_data[0], gy, i, run)
 

@@ -50,17 +50,22 @@ class _Use(object):
     #: contraction.Operands`; None for the others
     operands = None
 
-    def sqsum(self, group, max_memory, out=None, work=None):
+    def sqsum(self, group, max_memory, out=None, work=None, grad=None):
         """The sum over examples of the squared contributions; ``out``
         (an array of the parameter's shape and the state dtype, or None)
         receives it, written by the last reduction itself; ``work``: the
         :class:`~chainer_vgc.statistics.contraction.Workspace` of the
-        products' buffers."""
+        products' buffers; ``grad`` (products only): receives the batch
+        gradient from the same products (see
+        :func:`~chainer_vgc.statistics.contraction.sum_squared_products`)."""
         if self.operands is not None:
             return contraction.sum_squared_products(
                 self.operands(), self.rows // group, max_memory,
                 work if work is not None else contraction.Workspace(), out,
-                rows=group)
+                rows=group, grad=grad)
+        if grad is not None:
+            raise ValueError('the batch gradient comes with the products of '
+                             'Linear and convolution weights only')
         return self.reference_sqsum(group, max_memory, out)
 
     def reference_sqsum(self, group, max_memory, out=None):
