@@ -57,7 +57,7 @@ def _updater(name, rank, comm, make_optimizer):
         chainer.optimizers.MomentumSGD(lr=0.01), comm)
     optimizer.setup(model)
     it = chainer.iterators.SerialIterator(data, batch, shuffle=True)
-    return training.updaters.StandardUpdater(it, optimizer), optimizer
+    return training.updaters.StandardUpdater(it, optimizer)
 
 
 def run(name, args, world):
@@ -70,7 +70,7 @@ def run(name, args, world):
                         chainer_vgc.create_multi_node_optimizer)}
     times = {k: [] for k in updaters}
     for i in range(args.warmup + args.iterations):
-        for key, (updater, _) in updaters.items():
+        for key, updater in updaters.items():
             world.Barrier()
             t0 = time.perf_counter()
             updater.update()
