@@ -320,11 +320,16 @@ def start(args, train=None):
 def make_classifier(predictor, in_shape, seed):
     """``L.Classifier(predictor())`` with its parameters initialized from
     ``seed`` (Chainer's initializers draw from numpy.random) by a forward
-    pass of one example of ``in_shape``."""
+    pass of one example of ``in_shape``.  The pass runs in test mode, so
+    it leaves batch normalization's running statistics as initialized (a
+    training-mode pass would fold a one-example batch into them, with
+    Chainer's warning) and draws no dropout masks."""
     numpy.random.seed(seed)
     model = L.Classifier(predictor())
-    model(numpy.zeros((1,) + tuple(in_shape), numpy.float32),
-          numpy.zeros(1, numpy.int32))
+    with chainer.using_config('train', False), \
+            chainer.using_config('enable_backprop', False):
+        model(numpy.zeros((1,) + tuple(in_shape), numpy.float32),
+              numpy.zeros(1, numpy.int32))
     return model
 
 

@@ -416,7 +416,14 @@ def test_paper_harness_runs_the_conv_bn_network_on_fashion_mnist(
     # --no-dropout: App. D's network without its dropout layers
     assert model.predictor.dropout
     args.no_dropout = True
-    assert not paper_table.common.make_network(args, 0).predictor.dropout
+    fresh = paper_table.common.make_network(args, 0)
+    assert not fresh.predictor.dropout
+    # the initializing pass leaves batch normalization as initialized
+    norms = [l for l in fresh.links()
+             if type(l).__name__ == 'BatchNormalization']
+    assert norms and all(
+        l.N == 0 and not l.avg_mean.any() and (l.avg_var == 1).all()
+        for l in norms)
     assert 'no dropout' in paper_table.common.describe(args)
     # the same network and data with 2 MPI ranks: one code path
     run = str(tmp_path / 'mpi')
