@@ -162,11 +162,11 @@ def write(rows, out_dir):
                        color=colors.get(rs[0]['method'], 'gray'),
                        marker=markers[k % len(markers)], label=labels[k])
 
-    def curves(ax, k, rs):
-        if not rs or rs[0]['method'] == 'none':
+    def curves(ax, k, rs, column='epoch_compression', scale=1):
+        if not rs or (column == 'epoch_compression' and
+                      rs[0]['method'] == 'none'):
             return
-        ys = numpy.array([json.loads(r['epoch_compression']) for r in rs],
-                         float)
+        ys = scale * numpy.array([json.loads(r[column]) for r in rs], float)
         epochs = numpy.arange(1, ys.shape[1] + 1)
         color = colors.get(rs[0]['method'], 'gray')
         ax.plot(epochs, ys.mean(axis=0), color=color,
@@ -179,13 +179,17 @@ def write(rows, out_dir):
             (scatter, 'x', 'compression over the run (log)',
              'final test accuracy (%)', 'long_accuracy_vs_compression.png'),
             (curves, 'y', 'epoch', 'compression in the epoch (log)',
-             'long_compression_by_epoch.png')):
+             'long_compression_by_epoch.png'),
+            (lambda ax, k, rs: curves(ax, k, rs, 'epoch_accuracy', 100),
+             None, 'epoch', 'test accuracy after the epoch (%)',
+             'long_accuracy_by_epoch.png')):
         fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
                                  figsize=(5.5 * len(optimizers), 4))
         for ax, opt in zip(axes[0], optimizers):
             for k, label in enumerate(labels):
                 draw(ax, k, groups.get((opt, label), []))
-            (ax.set_xscale if scale == 'x' else ax.set_yscale)('log')
+            if scale:
+                (ax.set_xscale if scale == 'x' else ax.set_yscale)('log')
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.set_title(opt)

@@ -153,3 +153,25 @@ def test_paired_gaps_take_each_seeds_own_baseline():
     numpy.testing.assert_allclose(gaps[('adam', 'VGC')], [1.0, -1.0])
     assert gaps[('momentum', 'VGC')] == []
     assert gaps[('adam', 'no compression')] == [0.0, 0.0]
+
+
+def test_report_of_the_committed_ledger(tmp_path):
+    """``--report`` on docs/ledger.csv writes the table (one line per
+    optimizer and method, the no-compression mean taken from the rows
+    directly) and the four plots."""
+    ledger = rows(os.path.join(ROOT, 'docs', 'ledger.csv'))
+    paper_ledger.main(['--report', '--ledger',
+                       os.path.join(ROOT, 'docs', 'ledger.csv'),
+                       '--report-dir', str(tmp_path)])
+    text = open(tmp_path / 'results_long_table.md').read()
+    groups = {(r['optimizer'], r['label']) for r in ledger}
+    lines = [l for l in text.split('\n\n')[0].splitlines()[2:]]
+    assert len(lines) == len(groups)
+    base = [100 * float(r['accuracy']) for r in ledger
+            if r['optimizer'] == 'adam' and r['method'] == 'none']
+    assert '| adam | no compression | {} | {:.2f} '.format(
+        len(base), numpy.mean(base)) in text
+    for name in ('long_accuracy_vs_compression', 'long_compression_by_epoch',
+                 'long_accuracy_by_epoch', 'long_density_by_layer'):
+        with open(tmp_path / (name + '.png'), 'rb') as f:
+            assert f.read(8) == b'\x89PNG\r\n\x1a\n', name
