@@ -4,6 +4,7 @@ compression, compression over the epochs, density per layer over the
 epochs for each method (the layers from input to output), and which
 layers carry the last epoch's traffic."""
 
+import functools
 import json
 import os
 import re
@@ -162,9 +163,8 @@ def write(rows, out_dir):
                        color=colors.get(rs[0]['method'], 'gray'),
                        marker=markers[k % len(markers)], label=labels[k])
 
-    def curves(ax, k, rs, column='epoch_compression', scale=1):
-        if not rs or (column == 'epoch_compression' and
-                      rs[0]['method'] == 'none'):
+    def curves(ax, k, rs, column, scale=1, skip_none=False):
+        if not rs or (skip_none and rs[0]['method'] == 'none'):
             return
         ys = scale * numpy.array([json.loads(r[column]) for r in rs], float)
         epochs = numpy.arange(1, ys.shape[1] + 1)
@@ -178,9 +178,11 @@ def write(rows, out_dir):
     for draw, scale, xlabel, ylabel, name in (
             (scatter, 'x', 'compression over the run (log)',
              'final test accuracy (%)', 'long_accuracy_vs_compression.png'),
-            (curves, 'y', 'epoch', 'compression in the epoch (log)',
+            (functools.partial(curves, column='epoch_compression',
+                               skip_none=True),
+             'y', 'epoch', 'compression in the epoch (log)',
              'long_compression_by_epoch.png'),
-            (lambda ax, k, rs: curves(ax, k, rs, 'epoch_accuracy', 100),
+            (functools.partial(curves, column='epoch_accuracy', scale=100),
              None, 'epoch', 'test accuracy after the epoch (%)',
              'long_accuracy_by_epoch.png')):
         fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
@@ -194,7 +196,8 @@ def write(rows, out_dir):
             ax.set_ylabel(ylabel)
             ax.set_title(opt)
             ax.grid(True, which='both', alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # not an empty panel
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=100)
         plt.close(fig)

@@ -165,7 +165,7 @@ def test_report_of_the_committed_ledger(tmp_path):
                        '--report-dir', str(tmp_path)])
     text = open(tmp_path / 'results_long_table.md').read()
     groups = {(r['optimizer'], r['label']) for r in ledger}
-    lines = [l for l in text.split('\n\n')[0].splitlines()[2:]]
+    lines = text.split('\n\n')[0].splitlines()[2:]
     assert len(lines) == len(groups)
     base = [100 * float(r['accuracy']) for r in ledger
             if r['optimizer'] == 'adam' and r['method'] == 'none']
