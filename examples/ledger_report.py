@@ -13,11 +13,16 @@ import numpy
 
 
 def _groups(rows):
-    """{(optimizer, label): [rows]} in the ledger's order of labels."""
+    """{(optimizer, label): [rows]}, optimizers and labels each in the
+    order they first appear in the ledger (so every optimizer lists its
+    methods in one order, whichever of its runs finished first)."""
     out = {}
     for r in rows:
         out.setdefault((r['optimizer'], r['label']), []).append(r)
-    return out
+    opts = list(dict.fromkeys(r['optimizer'] for r in rows))
+    labels = list(dict.fromkeys(r['label'] for r in rows))
+    return {key: out[key] for key in sorted(
+        out, key=lambda k: (opts.index(k[0]), labels.index(k[1])))}
 
 
 def _mean_range(values, fmt):

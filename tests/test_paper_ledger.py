@@ -167,6 +167,12 @@ def test_report_of_the_committed_ledger(tmp_path):
     groups = {(r['optimizer'], r['label']) for r in ledger}
     lines = text.split('\n\n')[0].splitlines()[2:]
     assert len(lines) == len(groups)
+    order = {}
+    for line in lines:
+        optimizer, label = line.split(' | ')[:2]
+        order.setdefault(optimizer.strip('| '), []).append(label)
+    assert all(labels == order['adam'][:len(labels)]
+               for labels in order.values())
     base = [100 * float(r['accuracy']) for r in ledger
             if r['optimizer'] == 'adam' and r['method'] == 'none']
     assert '| adam | no compression | {} | {:.2f} '.format(
