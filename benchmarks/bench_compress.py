@@ -13,7 +13,10 @@ into VGG-like tensors) and times, as a user calls them:
 - decode + mean of 4 such messages (as from 4 ranks) into the gradients,
   the communicator's step (:func:`chainer_vgc.exchange.mean.mean_gradients`);
 
-each against ``numpy.copyto`` of the gradient bytes, at one density per
+each compressor as ``create_communicator`` builds it by default (the
+residuals updated in place after one read-only check of the inputs); the
+ratios at the end add ``spare_residuals=True`` beside it, step by step.
+Each against ``numpy.copyto`` of the gradient bytes, at one density per
 ``--alphas`` entry (vgc's alpha: 2 sends about 10-15 % of this
 noise-dominated stream, 10 about 2 %).  Prints medians of ``--repeat``
 runs, the ratios to copyto and the ratios the issue-25 targets name.
@@ -196,6 +199,12 @@ def main():
                                        index_coding=c) for c in CODINGS],
             args.warmup, 3 * args.repeat)
         side = dict(zip(CODINGS, side))
+        commit = interleaved_compress(
+            stream, [stream.compressor('vgc', 'native', alpha=alpha,
+                                       index_coding='auto',
+                                       spare_residuals=spare)
+                     for spare in (False, True)],
+            args.warmup, 3 * args.repeat)
         targets.append(
             ('alpha {:g}, density {:.2%}'.format(
                 alpha, nat['vgc:auto']['density']),
@@ -209,6 +218,8 @@ def main():
                side['auto'] / min(side['fixed'], side['gap'])),
               ("'auto' / 'gap' (the coding it picks at this density)",
                side['auto'] / side['gap']),
+              ("'auto' in place (the default) / spare_residuals=True "
+               '(<= 1.10)', commit[0] / commit[1]),
               ("decode_into of one 'auto' message / copyto (<= 2)",
                nat['vgc:auto']['one'] / copy_t),
               ("decode+mean of 4 'auto' messages / copyto (<= 5)",
@@ -219,9 +230,9 @@ def main():
                ("hybrid / vgc compress+encode, 'fixed', same density "
                 '(<= 1.3)', nat['hybrid:fixed']['compress'] /
                 nat['vgc:fixed']['compress'])] if tau else [])))
-    print('\nThe ratios of the issue-25 targets (native backend; the two '
-          "'auto' ratios from the three vgc codings run in turn, step by "
-          'step, {} steps each):\n'.format(3 * args.repeat))
+    print('\nThe ratios of the issue-25 and issue-48 targets (native '
+          "backend; the 'auto' ratios from compressors run in turn, step "
+          'by step, {} steps each):\n'.format(3 * args.repeat))
     for title, pairs in targets:
         print(title)
         for what, ratio in pairs:

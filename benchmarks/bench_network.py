@@ -103,12 +103,16 @@ def check_layout(workers=None, nodes=None, ranks_per_node=None):
 
 
 def parse_method(spec, nodes=False):
-    """``NAME[-node][:CODING][+db]`` -> dict(name, hierarchy, coding, db),
-    or ValueError."""
-    rest, _, db = spec.partition('+')
+    """``NAME[-node][:CODING][+db][+spare]`` -> dict(name, hierarchy,
+    coding, db, spare), or ValueError."""
+    rest, *suffixes = spec.split('+')
     rest, _, coding = rest.partition(':')
-    if db not in ('', 'db'):
-        raise ValueError('unknown suffix +{} (only +db)'.format(db))
+    for x in suffixes:
+        if x not in ('db', 'spare'):
+            raise ValueError('unknown suffix +{} in {!r} (+db, +spare)'
+                             .format(x, spec))
+    if len(set(suffixes)) != len(suffixes):
+        raise ValueError('repeated suffix in {!r}'.format(spec))
     hierarchy = None
     if rest.endswith(NODE):
         rest, hierarchy = rest[:-len(NODE)], 'node'
@@ -120,8 +124,11 @@ def parse_method(spec, nodes=False):
                              .format(spec))
     if not rest:
         raise ValueError('empty method in {!r}'.format(spec))
+    if rest == 'naive' and suffixes:
+        raise ValueError('{}: +db and +spare are for chainer_vgc methods'
+                         .format(spec))
     return dict(name=rest, hierarchy=hierarchy, coding=coding or None,
-                db=bool(db))
+                db='db' in suffixes, spare='spare' in suffixes)
 
 
 def method_args(method):
@@ -131,7 +138,8 @@ def method_args(method):
              if method['hierarchy'] else []) +
             (['--index-coding', method['coding']]
              if method['coding'] else []) +
-            (['--double-buffering'] if method['db'] else []))
+            (['--double-buffering'] if method['db'] else []) +
+            (['--spare-residuals'] if method.get('spare') else []))
 
 
 def to_accuracy(train, evaluate, target, eval_every, max_steps,
@@ -380,11 +388,14 @@ def parse_args(argv=None):
     ap.add_argument('--rates', default='1gbit,10gbit',
                     help='tc rates, comma separated')
     ap.add_argument('--methods', default=None,
-                    help="comma separated (default naive,vgc,hybrid; with "
-                    "--nodes also vgc-node); METHOD:CODING sets the "
+                    help="comma separated (default naive,vgc,hybrid and "
+                    "vgc+spare,hybrid+spare; with --to-accuracy "
+                    "naive,vgc,hybrid; with --nodes also vgc-node); "
+                    "METHOD:CODING sets the "
                     "index_coding ('vgc:fixed': the paper's 32-bit words), "
-                    "METHOD+db double buffering ('vgc+db'), METHOD-node "
-                    "hierarchy='node' ('vgc-node')")
+                    "METHOD+db double buffering ('vgc+db'), METHOD+spare "
+                    "spare_residuals=True (the default is in place), "
+                    "METHOD-node hierarchy='node' ('vgc-node')")
     ap.add_argument('--model', choices=('mlp', 'vgg'), default='mlp')
     ap.add_argument('--units', type=int, default=None,
                     help='MLP width: 784-u-u-u-10 on MNIST (default 2500: '
@@ -431,7 +442,9 @@ def parse_args(argv=None):
             args.workers, args.nodes, args.ranks_per_node)
         if args.methods is None:
             args.methods = 'naive,vgc,hybrid' + (
-                ',vgc-node' if args.nodes is not None else '')
+                ',vgc-node' if args.nodes is not None else
+                '' if args.to_accuracy is not None else
+                ',vgc+spare,hybrid+spare')
         args.parsed = [parse_method(m, nodes=args.nodes is not None)
                        for m in args.methods.split(',')]
         if args.to_accuracy is not None:
@@ -596,20 +609,27 @@ def report(results, p):
         print('\nPhases of the compressed exchange (median over the timed '
               'steps, slowest rank):\n')
         print('compress: this rank\'s passes; agree: the two small '
-              'allgathers of the fault codes, mostly waiting for the '
-              'slowest rank to finish its backward pass\n')
-        print('| rate | method | compress s | agree s | transport s | '
-              'decode s | model wire s |')
-        print('|---|---|---:|---:|---:|---:|---:|')
+              'allgathers of the fault codes, split into the ranks\' '
+              'imbalance (last arrival - first arrival at each, mostly the '
+              'slowest backward pass) and the agreement itself (last '
+              'departure - last arrival); the parts are medians over the '
+              'steps, across all ranks, so they need not add up to the '
+              'slowest rank\'s agree\n')
+        print('| rate | method | compress s | agree s | of it: imbalance s '
+              '| of it: agreement s | transport s | decode s | '
+              'model wire s |')
+        print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
         nan = float('nan')
         for r in phased:
             ph = r['phases_s']
             model = costmodel.cost(r['params'], p, r['compression'],
                                    r['rate'])
-            print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |'
-                  .format(r['rate'], r['method'], ph.get('compress', nan),
-                          ph.get('agree', nan), ph.get('transport', nan),
-                          ph.get('decode', nan), model.allgatherv_s))
+            print('| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} '
+                  '| {:.3f} | {:.3f} |'.format(
+                      r['rate'], r['method'], ph.get('compress', nan),
+                      ph.get('agree', nan), ph.get('agree_spread', nan),
+                      ph.get('agree_itself', nan), ph.get('transport', nan),
+                      ph.get('decode', nan), model.allgatherv_s))
 
 
 def mean(values):

@@ -1,64 +1,92 @@
 #!/usr/bin/env python
-"""The native compress with spare residuals against in place, side by side.
+"""The native compress in place (the default) against spare residuals and
+against a memory copy, side by side, for every rule with a native pass.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_residual_commit.py
 
-One process, the same gradients and sums of squares (``--tensors`` of
-``--size`` float32 elements each; default 9 x 2.9M, about 26M), VGC
-alpha 2: ``GradientCompressor(..., spare_residuals=True)`` writes each
-step's r and v into a second set and swaps it in when no tensor faulted;
-``spare_residuals=False`` (the communicator's default) checks every input
-first and updates r and v in place.  Prints the minimum and median of the
-steps after two warm-ups, and a memory copy of the gradients for scale.
+One process, the generated gradient stream of ``bench_compress.py``
+(``--params`` float32 parameters in VGG-like tensors, a small mean plus
+the noise of a 64-example batch).  For each rule (vgc, hybrid, strom,
+none) and index coding ('auto', 'fixed'; none has one format), two
+compressors take their steps in turn, one step each, so that this VM's
+drifting bandwidth falls on both alike:
+
+- ``GradientCompressor(...)``, the default, which ``create_communicator``
+  builds: every input checked by one read-only pass, then the state
+  updated in place;
+- ``GradientCompressor(..., spare_residuals=True)``: each step's state
+  written into a second set, swapped in when no tensor faulted.
+
+Prints the median of each, in place / spare and in place /
+``numpy.copyto`` of the gradient bytes, and the targets of issue 48
+(in place <= 1.1x spare and <= 3x copyto).
 """
 
 import argparse
-import time
+import os
 
-import numpy
+# as bench_compress.py: keep the OpenMP threads on distinct cores
+os.environ.setdefault('OMP_PROC_BIND', 'close')
 
-from chainer_vgc import GradientCompressor
+import numpy  # NOQA: E402
+
+from chainer_vgc.backends.native import bindings as native  # NOQA: E402
+
+from bench_common import hyperparameters  # NOQA: E402
+from bench_common import machine  # NOQA: E402
+from bench_common import median_time  # NOQA: E402
+from bench_compress import Stream  # NOQA: E402
+from bench_compress import interleaved_compress  # NOQA: E402
+
+#: (rule, index coding or None) in the order printed
+RUNS = [('vgc', 'auto'), ('vgc', 'fixed'), ('hybrid', 'auto'),
+        ('hybrid', 'fixed'), ('strom', 'auto'), ('strom', 'fixed'),
+        ('none', None)]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--tensors', type=int, default=9)
-    ap.add_argument('--size', type=int, default=2_900_000)
-    ap.add_argument('--steps', type=int, default=8)
+    ap.add_argument('--params', type=int, default=25_000_000)
+    ap.add_argument('--draws', type=int, default=4)
+    ap.add_argument('--warmup', type=int, default=10)
+    ap.add_argument('--repeat', type=int, default=9)
     args = ap.parse_args()
-    rng = numpy.random.default_rng(0)
-    shapes = [(args.size,)] * args.tensors
-    gs = [(rng.normal(size=s) * 0.01).astype(numpy.float32) for s in shapes]
-    ss = [(rng.random(s) * 1e-4).astype(numpy.float32) for s in shapes]
-    names = [str(i) for i in range(len(shapes))]
-    times = {}
-    for spare in (True, False):
-        comp = GradientCompressor('vgc', names, shapes,
-                                  [numpy.float32] * len(shapes),
-                                  backend='native', spare_residuals=spare,
-                                  alpha=2.0)
-        ts = []
-        for _ in range(args.steps + 2):
-            t = time.perf_counter()
-            comp.compress(gs, ss, copy=False)
-            ts.append(time.perf_counter() - t)
-        times[spare] = ts[2:]
-    flat = numpy.concatenate(gs)
-    dst = numpy.empty_like(flat)
-    copies = []
-    for _ in range(5):
-        t = time.perf_counter()
-        numpy.copyto(dst, flat)
-        copies.append(time.perf_counter() - t)
-    print('{} x {:,} float32 ({:.0f} MB)'.format(
-        args.tensors, args.size, flat.nbytes / 1e6))
-    for spare, label in ((True, 'spare residuals'), (False, 'in place')):
-        print('  {:<16} min {:6.1f} ms  median {:6.1f} ms  ({:.1f}x a '
-              'copy)'.format(label, 1e3 * min(times[spare]),
-                             1e3 * numpy.median(times[spare]),
-                             min(times[spare]) / min(copies)))
-    print('  in place / spare: {:.2f}x (min)'.format(
-        min(times[False]) / min(times[True])))
+    stream = Stream(args.params, args.draws)
+    src = numpy.concatenate([g.ravel() for g in stream.draws[0]])
+    dst = numpy.empty_like(src)
+    copy_t = median_time(lambda: numpy.copyto(dst, src), 2 * args.repeat)
+    print('machine: {}; native build: {}, {} threads'.format(
+        machine(processor=True), native.isa(), native.num_threads()))
+    print('{:,} float32 parameters in {} tensors ({:.0f} MB); '
+          'numpy.copyto of the gradient bytes {:.1f} ms; {} warm-up steps, '
+          'medians of {} steps taken in turn'.format(
+              args.params, len(stream.shapes), src.nbytes / 1e6,
+              1e3 * copy_t, args.warmup, args.repeat))
+    print()
+    print('| rule | coding | in place ms | spare ms | in place / spare | '
+          'in place / copyto | spare / copyto |')
+    print('|---|---|---:|---:|---:|---:|---:|')
+    worst_spare = worst_copy = 0.0
+    for method, coding in RUNS:
+        kw = hyperparameters(method)
+        if coding is not None:
+            kw['index_coding'] = coding
+        comps = [stream.compressor(method, 'native', **kw),
+                 stream.compressor(method, 'native', spare_residuals=True,
+                                   **kw)]
+        assert not comps[0].spare_residuals, 'the default is in place'
+        in_place, spare = interleaved_compress(stream, comps, args.warmup,
+                                               args.repeat)
+        worst_spare = max(worst_spare, in_place / spare)
+        worst_copy = max(worst_copy, in_place / copy_t)
+        print('| {} | {} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} |'
+              .format(method, coding or '-', 1e3 * in_place, 1e3 * spare,
+                      in_place / spare, in_place / copy_t, spare / copy_t),
+              flush=True)
+    print()
+    print('worst in place / spare:  {:.2f} (target <= 1.10)'.format(
+        worst_spare))
+    print('worst in place / copyto: {:.2f} (target <= 3)'.format(worst_copy))
 
 
 if __name__ == '__main__':

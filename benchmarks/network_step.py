@@ -47,6 +47,32 @@ from bench_network import to_accuracy
 #: 'agree' is the fault codes' allgathers inside compress, split out of it
 #: because it is mostly waiting for the slowest rank
 PHASES = ('compress', 'agree', 'transport', 'decode')
+#: 'agree' split by :func:`agreement_split`: 'agree_spread' (the last
+#: rank's arrival at each agreement minus the first's: the ranks'
+#: imbalance) and 'agree_itself' (the last rank's departure minus the last
+#: arrival: the collective once everyone is there)
+AGREE_SPLIT = ('agree_spread', 'agree_itself')
+
+
+def agreement_split(spans_by_rank):
+    """Medians over the steps of the two parts of the agreements (see
+    :data:`AGREE_SPLIT`), summed over the agreements of a step, from
+    ``spans_by_rank[r][step]`` = that step's ``[(arrived, left), ...]`` on
+    rank r.  The ranks of an emulated network run on one machine, so their
+    ``perf_counter`` (CLOCK_MONOTONIC) is one clock."""
+    steps = min(len(s) for s in spans_by_rank)
+    spread, itself = [], []
+    for k in range(steps):
+        calls = [s[k] for s in spans_by_rank]
+        n = min(len(c) for c in calls)
+        arrive = [[c[j][0] for c in calls] for j in range(n)]
+        leave = [[c[j][1] for c in calls] for j in range(n)]
+        spread.append(sum(max(a) - min(a) for a in arrive))
+        itself.append(sum(max(d) - max(a) for a, d in zip(arrive, leave)))
+    if not steps:
+        return {}
+    return dict(agree_spread=float(numpy.median(spread)),
+                agree_itself=float(numpy.median(itself)))
 
 
 def iface_bytes(iface):
@@ -95,6 +121,10 @@ def parse_args(argv=None):
     p.add_argument('--double-buffering', action='store_true',
                    help='chainer_vgc methods: create_multi_node_optimizer('
                    '..., double_buffering=True)')
+    p.add_argument('--spare-residuals', action='store_true',
+                   help='chainer_vgc methods: create_communicator(..., '
+                   'spare_residuals=True) (default: the residuals updated '
+                   'in place, as create_communicator builds it)')
     p.add_argument('--iface', default=os.environ.get('FI_TCP_IFACE', ''))
     p.add_argument('--to-accuracy', type=float, default=None,
                    help='train until this test accuracy (0..1) instead')
@@ -106,8 +136,9 @@ def parse_args(argv=None):
     p.add_argument('--max-seconds', type=float, default=600,
                    help='cap on the timed training seconds')
     args = p.parse_args(argv)
-    if args.hierarchy and args.method == 'naive':
-        p.error('--hierarchy is for chainer_vgc methods, not naive')
+    if (args.hierarchy or args.spare_residuals) and args.method == 'naive':
+        p.error('--hierarchy and --spare-residuals are for chainer_vgc '
+                'methods, not naive')
     if args.to_accuracy is not None and (args.model, args.data) != (
             'mlp', 'mnist'):
         p.error('--to-accuracy trains the MLP on MNIST')
@@ -118,7 +149,8 @@ def label(args):
     """The method as bench_network.py names it: vgc-node:fixed+db."""
     return args.method + ('-' + args.hierarchy if args.hierarchy else '') + (
         '' if args.index_coding is None else ':' + args.index_coding) + (
-        '+db' if args.double_buffering else '')
+        '+db' if args.double_buffering else '') + (
+        '+spare' if args.spare_residuals else '')
 
 
 def make_communicator(args, world):
@@ -131,6 +163,8 @@ def make_communicator(args, world):
         kw['index_coding'] = args.index_coding
     if args.hierarchy is not None:
         kw['hierarchy'] = args.hierarchy
+    if args.spare_residuals:
+        kw['spare_residuals'] = True
     comm = chainer_vgc.create_communicator(args.method, world, **kw)
 
     def make_opt(opt, comm):
@@ -273,6 +307,8 @@ def timing_run(args, world, comm, model, opt, x, t, exchange, phases, out,
     for key in PHASES:
         if phases and key in phases[0]:
             info[key] = float(numpy.median([ph[key] for ph in phases]))
+    if phases and 'agree_spans' in phases[0]:
+        info['agree_spans'] = [ph['agree_spans'] for ph in phases]
     if args.method != 'naive':  # over the measured steps only
         info['wire'] = comm.totals['bytes'] - totals['bytes']
         info['elements'] = comm.totals['elements'] - totals['elements']
@@ -286,8 +322,11 @@ def timing_run(args, world, comm, model, opt, x, t, exchange, phases, out,
     tx_node, rx_node = node_bytes(everyone, args.ranks_per_node, args.steps)
     out.update(warmup=args.warmup, steps=args.steps, step_s=pmax['step'],
                exchange_s=max(r['exchange'] for r in everyone),
-               phases_s={key: max(r[key] for r in everyone)
-                         for key in PHASES if key in everyone[0]},
+               phases_s=dict({key: max(r[key] for r in everyone)
+                              for key in PHASES if key in everyone[0]},
+                             **(agreement_split(
+                                 [r['agree_spans'] for r in everyone])
+                                if 'agree_spans' in everyone[0] else {})),
                tx_bytes_per_rank=sum(r['tx'] for r in everyone) /
                world.size / args.steps,
                rx_bytes_per_rank=sum(r['rx'] for r in everyone) /

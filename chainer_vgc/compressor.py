@@ -8,11 +8,13 @@ Inf, wrong shape) raises an error naming the parameter and leaves every
 residual as it was.
 
 Two CPU backends (:func:`chainer_vgc.backends.arrays.cpu_backend`): ``'native'``
-(default), the fused C++ passes of :mod:`chainer_vgc.backends.native.bindings`, which write
-each step's state into a second set of arrays and swap them in only when
-every tensor passed its checks (so an overflow, too, leaves the state as it
-was), and ``'numpy'``, the readable reference, equal bit for bit.  CuPy
-arrays always take the rules' CuPy kernels.
+(default), the fused C++ passes of :mod:`chainer_vgc.backends.native.bindings`,
+which by default check every input in one read-only pass, agree on it
+with the other workers and then update each tensor's state in place (with
+``spare_residuals=True`` they write it into a second set of arrays, swapped
+in only when every tensor passed its checks, so an overflow too leaves the
+state as it was), and ``'numpy'``, the readable reference, equal bit for
+bit.  CuPy arrays always take the rules' CuPy kernels.
 """
 
 import numpy
@@ -56,20 +58,23 @@ class GradientCompressor(object):
         backend: ``'native'`` or ``'numpy'`` for NumPy arrays (default:
             ``CHAINER_VGC_BACKEND``, else ``'native'``); ``'native'`` with a
             rule that has no native step runs the rule's NumPy code.
-        spare_residuals: the native backend's commit of a step.  True
-            (default here): each step writes the next state into a second
-            set of arrays and swaps them in only when no tensor faulted, so
-            any fault (non-finite input, overflow) leaves every state
-            untouched, at twice the state's memory.  False: the inputs are
-            checked (and agreed, with ``agree``) before any state moves, and
-            the passes update the state in place; a fault the passes find
+        spare_residuals: the native backend's commit of a step, as in
+            :func:`~chainer_vgc.create_communicator` (the same default).
+            False (default): one read-only native pass checks every input
+            (finite gradient, finite non-negative sum of squares) and the
+            workers agree on it (``agree``) before any state moves; then
+            the passes update the state in place.  A fault the passes find
             afterwards (an overflow of r or v, a group that cannot be
             encoded) is raised, and the compressor then refuses further
             steps (its residuals are part-updated: restore a snapshot).
+            True: each step writes the next state into a second set of
+            arrays and swaps them in only when no tensor faulted, so any
+            fault leaves every state untouched, at twice the state's
+            memory.  ``benchmarks/bench_residual_commit.py`` times both.
     """
 
     def __init__(self, rule, names, shapes, dtypes, backend=None,
-                 spare_residuals=True, **hyperparams):
+                 spare_residuals=False, **hyperparams):
         if not isinstance(rule, CompressionRule):
             rule = create_rule(rule, **hyperparams)
         elif hyperparams:
@@ -106,6 +111,9 @@ class GradientCompressor(object):
             native.load()  # a missing or stale build is reported now
         self._workspace = None
         self.spare_residuals = bool(spare_residuals)
+        #: whether the rule keeps per-parameter arrays (vgc's r and v;
+        #: none keeps none, so its steps move nothing to protect)
+        self._keeps_state = bool(rule.init_state(0, numpy.float32, numpy))
         self._spares = [None] * len(self.names)
         #: why the residuals can no longer be trusted (in-place steps only:
         #: a fault after the passes began), or None
@@ -274,15 +282,43 @@ class GradientCompressor(object):
         (before any state, or a rule's generator, moves; the second comes
         after the passes), so that both paths make the same collective
         calls.  Returns the sums of squares."""
+        error = None
         try:
             sqsums = self._check(grads, sqsums, values=values)
         except faults.InputFault as e:
-            if agree is None:
-                raise
-            faults.settle(agree(faults.NONFINITE), e)
-        if agree is not None:
-            faults.settle(agree(faults.OK), None)
+            error = e
+        self.agree_inputs(error, agree)
         return sqsums
+
+    @staticmethod
+    def agree_inputs(error, agree):
+        """The first agreement of a step: this worker's input fault
+        (``error``, an :class:`~chainer_vgc.faults.InputFault`, or None)
+        against every worker's; :class:`SkippedStep` on all of them if any
+        gradient was not finite (without ``agree``, ``error`` raised)."""
+        if agree is None:
+            if error is not None:
+                raise error
+            return
+        faults.settle(agree(faults.OK if error is None
+                            else faults.NONFINITE), error)
+
+    def _flat_inputs(self, grads, sqsums):
+        """Each gradient flat and C-contiguous (None stays None), and its
+        sum of squares in the state dtype (None where the rule reads
+        none), as the native passes take them."""
+        flat_g, flat_s = [], []
+        for i, (g, s) in enumerate(zip(grads, sqsums)):
+            if g is None:
+                flat_g.append(None)
+                flat_s.append(None)
+                continue
+            flat_g.append(numpy.ascontiguousarray(g).reshape(-1))
+            flat_s.append(
+                None if s is None or not self.rule.needs_sqsum else
+                numpy.ascontiguousarray(s, dtype=_backend.state_dtype(
+                    self.dtypes[i])).reshape(-1))
+        return flat_g, flat_s
 
     def _compress_native(self, grads, sqsums, agree=None):
         """:meth:`compress` on the native backend.
@@ -291,17 +327,21 @@ class GradientCompressor(object):
         and writes the next state into a spare set of arrays; the message is
         written in place into one buffer.  Only when no tensor reported a
         fault are the spares swapped in, so a NaN gradient or an overflow
-        leaves every state untouched.  Without, the inputs are checked
-        first and the passes write the state in place (the class doc).
+        leaves every state untouched.  Without, one read-only native pass
+        (:func:`~chainer_vgc.backends.native.bindings.check_inputs`) checks
+        every input and the workers agree on it before the passes write
+        the state in place (the class doc); a rule without state (none)
+        skips that pass, since its passes move nothing.
         """
         rule, path = self.rule, self.fast_path
-        in_place = not self.spare_residuals
         if self._lost is not None:
             raise RuntimeError(self._lost)
-        # in place, every input is checked (and agreed) before any state
-        # moves; with spares, the fused passes check them
-        sqsums = self.validate(grads, sqsums,
-                               in_place or not path.checks_inputs, agree)
+        if not path.checks_inputs:  # (state outside the arrays: checked
+            # and agreed by the reference's checks before anything moves)
+            sqsums = self.validate(grads, sqsums, True, agree)
+        else:
+            sqsums = self._check(grads, sqsums, values=False)
+        flat_g, flat_s = self._flat_inputs(grads, sqsums)
         rule.begin_step()
         if self._workspace is None:
             self._workspace = native.Workspace()
@@ -309,9 +349,18 @@ class GradientCompressor(object):
                 path.max_words(n, dt) for n, dt in zip(self.sizes,
                                                        self.dtypes)),
                 dtype=numpy.uint32)
+        in_place = not self.spare_residuals and self._keeps_state
+        if path.checks_inputs:
+            # in place, every input is checked (and agreed) before any
+            # state moves; with spares (or no state), the passes check them
+            flagged = [] if not in_place else [
+                (i, f) for i, f in enumerate(native.check_inputs(
+                    self._workspace, flat_g, flat_s)) if f]
+            self.agree_inputs(self.fault_of(flagged) if flagged else None,
+                              agree)
         buf, pos, n_groups, sent = self._buffer, 2, 0, 0
         flagged, done = [], []
-        for i, (g, s) in enumerate(zip(grads, sqsums)):
+        for i, (g, s) in enumerate(zip(flat_g, flat_s)):
             if g is None:
                 continue
             if self.states[i] is None:
@@ -324,14 +373,9 @@ class GradientCompressor(object):
                     self._spares[i] = rule.init_state(
                         self.sizes[i], self.dtypes[i], numpy)
                 out_state = self._spares[i]
-            sdt = _backend.state_dtype(self.dtypes[i])
-            flat_g = numpy.ascontiguousarray(g).reshape(-1)
-            flat_s = None
-            if s is not None and rule.needs_sqsum:
-                flat_s = numpy.ascontiguousarray(s, dtype=sdt).reshape(-1)
             words, count, flags = path.compress(
-                self._workspace, i, flat_g, flat_s, self.states[i],
-                out_state, buf[pos:])
+                self._workspace, i, g, s, self.states[i], out_state,
+                buf[pos:])
             if flags:
                 flagged.append((i, flags))
             if words:

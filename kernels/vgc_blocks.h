@@ -29,11 +29,15 @@ template <typename S> struct vgc_lane;
 template <> struct vgc_lane<float> { typedef int32_t I; };
 template <> struct vgc_lane<double> { typedef int64_t I; };
 
-/* Stores a block of the new state, non-temporally where aligned. */
+/* Stores a block of the new state: into a spare set (stream), where
+ * nothing of this step reads it again, non-temporally where aligned (no
+ * read-for-ownership of the destination); in place with ordinary stores,
+ * since the block's line was just read and is in the cache (a
+ * non-temporal store to a cached line evicts it: several times slower). */
 template <typename S>
-static inline void vgc_store_block(S *dst, const S *src, int n) {
+static inline void vgc_store_block(S *dst, const S *src, int n, bool stream) {
 #if defined(__SSE2__)
-    if (n == vgc_block<S>::N && ((uintptr_t)dst & 15) == 0) {
+    if (stream && n == vgc_block<S>::N && ((uintptr_t)dst & 15) == 0) {
         const __m128i *from = (const __m128i *)src;
         __m128i *to = (__m128i *)dst;
         _mm_stream_si128(to, _mm_loadu_si128(from));
@@ -244,10 +248,11 @@ template <typename I> static I vgc_lane_max(const I *a, int n) {
  * size for full blocks, 0 for the tail, so full blocks have a constant trip
  * count the compiler unrolls and vectorizes); stage(i0, n, rr, vv, lanes)
  * stages the selected lanes; then the new state is stored (v_out NULL: the
- * rule keeps no v). */
+ * rule keeps no v; in_place: r_out and v_out are the arrays the block was
+ * read from). */
 template <typename S, typename Arith, typename Stage>
-static void vgc_block_loop(vgc_chunk &c, S *r_out, S *v_out, Arith arith,
-                           Stage stage) {
+static void vgc_block_loop(vgc_chunk &c, S *r_out, S *v_out, bool in_place,
+                           Arith arith, Stage stage) {
     typedef typename vgc_lane<S>::I I;
     const int B = vgc_block<S>::N;
     c.count = 0;
@@ -260,10 +265,10 @@ static void vgc_block_loop(vgc_chunk &c, S *r_out, S *v_out, Arith arith,
         else
             arith(std::integral_constant<int, 0>(), i0, n, rr, vv, lanes);
         stage(i0, n, rr, vv, lanes);
-        vgc_store_block(r_out + i0, rr, n);
-        if (v_out) vgc_store_block(v_out + i0, vv, n);
+        vgc_store_block(r_out + i0, rr, n, !in_place);
+        if (v_out) vgc_store_block(v_out + i0, vv, n, !in_place);
     }
-    vgc_fence();
+    if (!in_place) vgc_fence();
 }
 
 #endif /* CHAINER_VGC_BLOCKS_H */

@@ -13,10 +13,13 @@
  *     (eq. 4), decay, input checks (g finite, s finite and >= 0), overflow
  *     checks, max |r| of the selected elements (for e_k, Sec. 4.2); the
  *     selected elements are staged per chunk (index + value), nothing of the
- *     tensor's size is allocated.  The new r and v are written to *other*
- *     arrays (r_out, v_out) with non-temporal stores: one read of g, s, r, v
- *     and one write of r, v, and the caller keeps the old state untouched
- *     when any check fails (it swaps the arrays only on success).
+ *     tensor's size is allocated: one read of g, s, r, v and one write of
+ *     r, v.  In place (r_out == r_in, the default), with ordinary stores,
+ *     after vgc_native_check_inputs checked every input of the step and
+ *     the workers agreed on it; or into *other* arrays (r_out, v_out, the
+ *     spare residuals) with non-temporal stores, the caller keeping the
+ *     old state when any check fails (it swaps the arrays only on
+ *     success).
  *   pass 2, parallel over chunks, over the selected elements only: quantize
  *     and encode (Sec. 4.2, App. B) into FMT_POW2 words, then either copy
  *     the words straight into the message buffer at prefix-summed offsets
@@ -191,6 +194,26 @@ int64_t vgc_native_none(void *ws, int tid, int gcode, const void *g,
         return vgc_none<G, S>((vgc_workspace *)ws, tid, (const G *)g, n, out,
                               info);
     });
+}
+
+/* The inputs' checks of an in-place step, before any state moves: for
+ * tensor k = n_tensors - 1 down to 0 (so that the first tensors, which the
+ * passes compress first, are the ones left in the cache), flags[k] =
+ * VGC_BAD_GRAD | VGC_BAD_SQSUM of g[k] (dtype code gcodes[k]) and s[k]
+ * (state dtype; NULL: not checked); a NULL g[k] gives 0. */
+void vgc_native_check_inputs(void *ws, int n_tensors, const int *gcodes,
+                             const void *const *g, const void *const *s,
+                             const int64_t *sizes, int32_t *flags) {
+    for (int k = n_tensors - 1; k >= 0; --k) {
+        flags[k] = 0;
+        if (!g[k]) continue;
+        flags[k] = (int32_t)vgc_dispatch(gcodes[k], [&](auto gt, auto st) {
+            VGC_TYPES(gt, st);
+            return (int64_t)vgc_check_inputs<G, S>(
+                (vgc_workspace *)ws, (const G *)g[k], (const S *)s[k],
+                sizes[k]);
+        });
+    }
 }
 
 /* codec.rice_parameter(count, size). */

@@ -16,6 +16,56 @@
 #include "vgc_gap_coder.h"
 #include "vgc_blocks.h"
 
+/* ---- the inputs' checks before an in-place step ------------------------ */
+
+/* The checks of vgc_check_range over whole blocks, lo to hi (hi - lo a
+ * multiple of the block).  Not inlined: inlined into the chunk's lambda,
+ * the compiler reloads the captured pointers every block, and the pass
+ * reads at about half the memory's speed (measured). */
+template <bool SQSUM, typename G, typename S>
+__attribute__((noinline)) static int
+vgc_check_blocks(const G *__restrict g, const S *__restrict s, int64_t lo,
+                 int64_t hi) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    I bad_g[B] = {0}, bad_s[B] = {0};
+    for (int64_t i0 = hi - B; i0 >= lo; i0 -= B)
+        for (int j = 0; j < B; ++j) {
+            bad_g[j] |= (I)!vgc_finite(vgc_load<G, S>(g, i0 + j));
+            if (SQSUM) bad_s[j] |= (I)!vgc_good_sqsum(s[i0 + j]);
+        }
+    return vgc_lane_flags(bad_g, SQSUM ? bad_s : (I *)NULL, (I *)NULL,
+                          (I *)NULL, B);
+}
+
+/* Fault flags (VGC_BAD_GRAD, VGC_BAD_SQSUM) of g[lo, hi) and, with
+ * SQSUM, s[lo, hi): the checks the fused passes make, read-only.  The
+ * range is read from its end down to its start, so that the start, where
+ * the pass that follows begins, is the part still in the cache. */
+template <bool SQSUM, typename G, typename S>
+static int vgc_check_range(const G *g, const S *s, int64_t lo, int64_t hi) {
+    const int64_t full = hi - (hi - lo) % vgc_block<S>::N;
+    int flags = 0;
+    for (int64_t i = full; i < hi; ++i) {
+        if (!vgc_finite(vgc_load<G, S>(g, i))) flags |= VGC_BAD_GRAD;
+        if (SQSUM && !vgc_good_sqsum(s[i])) flags |= VGC_BAD_SQSUM;
+    }
+    return flags | vgc_check_blocks<SQSUM, G, S>(g, s, lo, full);
+}
+
+/* The flags of one tensor of n elements, over the chunks vgc_plan gives
+ * the pass (each thread checks the chunk it then compresses). */
+template <typename G, typename S>
+static int vgc_check_inputs(vgc_workspace *ws, const G *g, const S *s,
+                            int64_t n) {
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        c.flags = s ? vgc_check_range<true, G, S>(g, s, c.begin, c.end)
+                    : vgc_check_range<false, G, S>(g, s, c.begin, c.end);
+    });
+    return vgc_flags(ws);
+}
+
 /* ---- Fig. "Basic" (vgc) ------------------------------------------------ */
 
 /* The arithmetic of one block of n elements (NN > 0: n == NN, a constant
@@ -54,7 +104,7 @@ static void vgc_basic_pass(vgc_chunk &c, const G *g, const S *s, const S *r_in,
     I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0},
       maxbits[B] = {0};
     vgc_block_loop<S>(
-        c, r_out, v_out,
+        c, r_out, v_out, r_out == r_in,
         [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sel) {
             vgc_basic_block<decltype(nn)::value>(
                 n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, rr, vv,
@@ -210,7 +260,7 @@ static void vgc_hybrid_pass(vgc_chunk &c, const G *g, const S *s,
     const int B = vgc_block<S>::N;
     I bad_g[B] = {0}, bad_s[B] = {0}, over_r[B] = {0}, over_v[B] = {0};
     vgc_block_loop<S>(
-        c, r_out, v_out,
+        c, r_out, v_out, r_out == r_in,
         [&](auto nn, int64_t i0, int n, S *rr, S *vv, I *sign) {
             vgc_hybrid_block<decltype(nn)::value>(
                 n, g + i0, s + i0, r_in + i0, v_in + i0, alpha, zeta, tau, rr,
@@ -246,7 +296,7 @@ static void vgc_strom_pass(vgc_chunk &c, const G *g, const S *r_in, S *r_out,
     const int B = vgc_block<S>::N;
     I bad_g[B] = {0}, over_r[B] = {0};
     vgc_block_loop<S>(
-        c, r_out, (S *)NULL,
+        c, r_out, (S *)NULL, r_out == r_in,
         [&](auto nn, int64_t i0, int n, S *rr, S *, I *sign) {
             vgc_strom_block<decltype(nn)::value>(n, g + i0, r_in + i0, tau,
                                                  rr, sign, bad_g, over_r);

@@ -101,7 +101,7 @@ def test_dry_run_prints_setup_launch_and_teardown():
     assert sum(ln.startswith('$ ip netns del') for ln in lines) == 3
 
 
-@pytest.mark.parametrize('method', ['naive', 'vgc', 'vgc+db'])
+@pytest.mark.parametrize('method', ['naive', 'vgc', 'vgc+db', 'vgc+spare'])
 def test_network_step_times_the_exchange(method):
     """network_step.py (one rank per emulated host) on loopback, 2 ranks,
     a small MLP: the exchange it times is the one the optimizer calls
@@ -109,12 +109,14 @@ def test_network_step_times_the_exchange(method):
     multi_node_mean_grad: timing the latter reported nan)."""
     import json
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    name, _, db = method.partition('+')
+    name, _, suffix = method.partition('+')
+    db = suffix == 'db'
     cmd = [mpiexec, '-n', '2', sys.executable,
            os.path.join(ROOT, 'benchmarks', 'network_step.py'),
            '--method', name, '--units', '64', '--data', 'synthetic',
            '--steps', '3', '--warmup', '2'] + (
-               ['--double-buffering'] if db else [])
+               ['--double-buffering'] if db else []) + (
+               ['--spare-residuals'] if suffix == 'spare' else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -128,11 +130,29 @@ def test_network_step_times_the_exchange(method):
         assert 0 < res['exchange_s'] < res['step_s']
     if method != 'naive':
         phases = res['phases_s']
-        assert set(phases) == {'compress', 'agree', 'transport', 'decode'}
+        assert set(phases) == {'compress', 'agree', 'transport', 'decode',
+                               'agree_spread', 'agree_itself'}
         # each phase of the slowest rank within the exchange it is part of
         assert all(0 <= t for t in phases.values())
         if not db:
             assert max(phases.values()) <= res['exchange_s'] * 1.5 + 0.01
+
+
+def test_agreement_split_by_hand():
+    """Two ranks, two steps of two agreements each: the spread is the
+    last arrival minus the first, the agreement itself the last departure
+    minus the last arrival, each summed over a step's agreements, then the
+    median over the steps."""
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    import network_step
+    rank0 = [[(1.0, 3.0), (4.0, 4.2)], [(10.0, 10.5), (11.0, 11.1)]]
+    rank1 = [[(2.5, 3.1), (4.1, 4.25)], [(10.2, 10.4), (11.05, 11.3)]]
+    got = network_step.agreement_split([rank0, rank1])
+    # step 0: spread 1.5 + 0.1, itself 0.6 + 0.15;
+    # step 1: spread 0.2 + 0.05, itself 0.3 + 0.25
+    assert got['agree_spread'] == pytest.approx((1.6 + 0.25) / 2)
+    assert got['agree_itself'] == pytest.approx((0.75 + 0.55) / 2)
+    assert network_step.agreement_split([[], []]) == {}
 
 
 def test_overlap_report_pairs_each_double_buffered_run_with_its_base(
@@ -304,7 +324,9 @@ def test_argument_errors(argv, error, capsys):
 def test_defaults_of_the_modes():
     args = bench_network.parse_args([])
     assert (args.workers, args.n_nodes, args.k) == (4, 4, 1)
-    assert args.methods == 'naive,vgc,hybrid'
+    # the default (in place) and spare_residuals=True side by side
+    assert args.methods == 'naive,vgc,hybrid,vgc+spare,hybrid+spare'
+    assert [m['spare'] for m in args.parsed] == [False] * 3 + [True] * 2
     assert (args.units, args.optimizer, args.timeout) == (2500, 'momentum',
                                                           900)
     args = bench_network.parse_args(['--nodes', '2', '--ranks-per-node', '2',
@@ -321,9 +343,14 @@ def test_defaults_of_the_modes():
 def test_method_names():
     parse = bench_network.parse_method
     assert parse('vgc-node:fixed+db', nodes=True) == dict(
-        name='vgc', hierarchy='node', coding='fixed', db=True)
+        name='vgc', hierarchy='node', coding='fixed', db=True, spare=False)
     assert parse('hybrid') == dict(name='hybrid', hierarchy=None,
-                                   coding=None, db=False)
+                                   coding=None, db=False, spare=False)
+    assert bench_network.method_args(parse('vgc+spare+db')) == [
+        '--method', 'vgc', '--double-buffering', '--spare-residuals']
+    for bad in ('vgc+fast', 'vgc+db+db', 'naive+spare'):
+        with pytest.raises(ValueError):
+            parse(bad)
     assert bench_network.method_args(parse('hybrid-node:gap', True)) == [
         '--method', 'hybrid', '--hierarchy', 'node', '--index-coding',
         'gap']

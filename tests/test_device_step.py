@@ -77,9 +77,13 @@ def _pair(method, kw, shapes, dtypes):
     names = [str(i) for i in range(len(shapes))]
     if method != 'none':
         kw = dict(dict(index_coding='fixed'), **kw)
+    # the device step commits as the native spare path does (it keeps two
+    # device arenas and swaps them in when no tensor faulted), whatever
+    # spare_residuals says: that path is its CPU counterpart
     return (GradientCompressor(method, names, shapes, dtypes, **kw),
             GradientCompressor(method, names, shapes, dtypes,
-                               backend='native', **kw))
+                               backend='native', spare_residuals=True,
+                               **kw))
 
 
 def _on(fake, arrays):

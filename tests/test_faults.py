@@ -132,14 +132,17 @@ def test_snapshot_record_takes_numpy_scalar_hyperparameters():
 @pytest.mark.parametrize('method,kw', [('vgc', dict(alpha=1.0)),
                                        ('hybrid', dict(alpha=1.0, tau=0.05)),
                                        ('strom', dict(tau=0.05))])
-@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16,
+                                   numpy.float64])
 def test_in_place_steps_equal_the_spare_path_bit_for_bit(method, kw, dtype):
     """The same messages and states, step after step, whether the native
-    passes write the next state in place or into spares swapped in."""
+    passes write the next state in place (ordinary stores) or into spares
+    swapped in (non-temporal stores); the last tensor is split into
+    parallel chunks and ends in a partial block."""
     rng = numpy.random.default_rng(3)
-    shapes = [(300,), (17, 5), (4096,)]
-    comps = [GradientCompressor(method, ['a', 'b', 'c'], shapes,
-                                [dtype] * 3, backend='native',
+    shapes = [(300,), (17, 5), (4096,), (70001,)]
+    comps = [GradientCompressor(method, ['a', 'b', 'c', 'd'], shapes,
+                                [dtype] * 4, backend='native',
                                 spare_residuals=spare, **kw)
              for spare in (True, False)]
     for step in range(6):
@@ -174,6 +177,99 @@ def test_in_place_nonfinite_input_is_agreed_before_any_state_moves():
         for key in st:
             numpy.testing.assert_array_equal(st[key], old[key])
     comp.compress([ones, ones], [ones, ones])  # and it goes on
+
+
+def agree_checking_states(comp, before, codes):
+    """agree() of a 2-rank run (the other rank reports ``codes`` in turn)
+    that, at its first call, records whether any state of ``comp``
+    already differs from ``before``."""
+    agree = others(*codes)
+    moved = []
+
+    def check(mine):
+        if not agree.calls:
+            moved.append(any(
+                not numpy.array_equal(st[key], old[key], equal_nan=True)
+                for st, old in zip(comp.states, before) for key in st))
+        return agree(mine)
+    check.calls, check.moved = agree.calls, moved
+    return check
+
+
+@pytest.mark.parametrize('method,kw,bad', [
+    (method, kw, bad)
+    for method, kw in [('vgc', dict(alpha=1.0)),
+                       ('hybrid', dict(alpha=1.0, tau=0.05)),
+                       ('strom', dict(tau=0.05))]
+    for bad in ['nan-grad', 'inf-grad', 'negative-sqsum']
+    if (method, bad) != ('strom', 'negative-sqsum')])  # (strom reads no s)
+def test_in_place_nothing_moves_before_the_first_agreement(method, kw, bad):
+    """Tensors large enough for parallel chunks, a bad input near the end
+    of the last one: when the ranks first agree, no state has moved, and
+    the step is skipped with every state untouched.  (A planted bug that
+    lets the passes commit before the agreement fails this test:
+    tests/planted_bugs.py, 'commit-before-agreement'.)"""
+    rng = numpy.random.default_rng(5)
+    shapes = [(70001,), (131072,)]
+    comp = GradientCompressor(method, ['a', 'b'], shapes,
+                              [numpy.float32] * 2, backend='native', **kw)
+    assert not comp.spare_residuals  # the default
+    gs = [(rng.normal(size=s) * 0.1).astype(numpy.float32) for s in shapes]
+    ss = [rng.random(s).astype(numpy.float32) * 0.01 for s in shapes]
+    comp.compress(gs, ss if comp.rule.needs_sqsum else None)
+    before = [{k: v.copy() for k, v in st.items()} for st in comp.states]
+    gs, ss = [g.copy() for g in gs], [s.copy() for s in ss]
+    if bad == 'negative-sqsum':
+        ss[1][-5] = -1e-3
+    else:
+        gs[1][-5] = numpy.nan if bad == 'nan-grad' else numpy.inf
+    agree = agree_checking_states(comp, before, (OK, OK))
+    with pytest.raises(SkippedStep):
+        comp.compress(gs, ss if comp.rule.needs_sqsum else None,
+                      agree=agree)
+    assert agree.moved == [False]
+    assert agree.calls == [NONFINITE]
+    for st, old in zip(comp.states, before):
+        for key in st:
+            numpy.testing.assert_array_equal(st[key], old[key])
+
+
+@pytest.mark.parametrize('gdtype', [numpy.float16, numpy.float32,
+                                    numpy.float64])
+def test_native_input_checks_equal_the_reference(gdtype):
+    """bindings.check_inputs against a NumPy oracle: NaN, +-Inf in g;
+    NaN, Inf, a negative value (but not -0.0) in s; at the first element,
+    inside a block, in a partial last block and at a chunk boundary, in
+    tensors of several sizes; None gradients and None sums."""
+    from chainer_vgc.backends.native import bindings as native
+    from chainer_vgc.backends.arrays import state_dtype
+    ws = native.Workspace()
+    rng = numpy.random.default_rng(11)
+    sdt = state_dtype(numpy.dtype(gdtype))
+    sizes = [1, 15, 16, 17, 1000, 65536, 70001]
+    bad_g = [numpy.nan, numpy.inf, -numpy.inf]
+    bad_s = [numpy.nan, numpy.inf, -1.0, -1e-30]
+    seen = set()
+    for n in sizes:
+        spots = sorted({0, n - 1, n // 2, min(n - 1, 35008), n // 3})
+        for at in spots:
+            for kind in range(len(bad_g) + len(bad_s) + 1):
+                g = (rng.normal(size=n) * 0.1).astype(gdtype)
+                s = rng.random(n).astype(sdt)
+                s[rng.integers(n)] = -0.0  # a good sum of squares
+                if kind < len(bad_g):
+                    g[at] = bad_g[kind]
+                elif kind < len(bad_g) + len(bad_s):
+                    s[at] = bad_s[kind - len(bad_g)]
+                want = ((0 if numpy.isfinite(g.astype(sdt)).all()
+                         else native.BAD_GRAD) |
+                        (0 if (numpy.isfinite(s) & (s >= 0)).all()
+                         else native.BAD_SQSUM))
+                got = native.check_inputs(ws, [None, g, g], [None, s, None])
+                assert got == [0, want, want & native.BAD_GRAD], (n, at,
+                                                                  kind)
+                seen.add(want)
+    assert seen == {0, native.BAD_GRAD, native.BAD_SQSUM}
 
 
 def test_in_place_overflow_is_raised_and_then_every_step_refused():

@@ -30,8 +30,9 @@ def _model():
 def test_every_byte_held_is_accounted_for_by_role():
     """An MLP of 6-7-5-3 (n = 49 + 40 + 18 = 107 float32 parameters): the
     statistics hold s (4n bytes) and their workspace; vgc on the native
-    backend holds r and v (8n), the spare r and v (8n) and a message buffer
-    of the largest message (4 bytes a word, the fast path's bound)."""
+    backend holds r and v (8n), with spare_residuals=True the spare r and v
+    (8n), and a message buffer of the largest message (4 bytes a word, the
+    fast path's bound)."""
     model, x = _model()
     names, params = model_params(model)
     n = sum(p.size for p in params)
@@ -44,17 +45,21 @@ def test_every_byte_held_is_accounted_for_by_role():
     assert mem['sums'] == 4 * n == sum(s.nbytes for s in sums)
     assert mem['workspace'] == hook.work.nbytes
 
-    comp = GradientCompressor('vgc', names, [p.shape for p in params],
-                              [p.dtype for p in params], backend='native',
-                              alpha=1.0)
-    assert comp.memory() == {'residuals': 0, 'spare_residuals': 0,
-                             'message': 0}
-    comp.compress([p.grad for p in params], sums)
-    got = comp.memory()
-    words = 2 + sum(comp.fast_path.max_words(p.size, p.dtype)
-                    for p in params)
-    assert got == {'residuals': 8 * n, 'spare_residuals': 8 * n,
-                   'message': 4 * words}, got
+    comps = [GradientCompressor('vgc', names, [p.shape for p in params],
+                                [p.dtype for p in params], backend='native',
+                                alpha=1.0, spare_residuals=spare)
+             for spare in (False, True)]
+    for spare, comp in zip((False, True), comps):
+        assert comp.memory() == {'residuals': 0, 'spare_residuals': 0,
+                                 'message': 0}
+        comp.compress([p.grad for p in params], sums)
+        got = comp.memory()
+        words = 2 + sum(comp.fast_path.max_words(p.size, p.dtype)
+                        for p in params)
+        # in place (the default) no spare set; with spares, r and v again
+        assert got == {'residuals': 8 * n,
+                       'spare_residuals': 8 * n if spare else 0,
+                       'message': 4 * words}, (spare, got)
     # the NumPy backend keeps no spare set and no buffer of its own
     ref = GradientCompressor('vgc', names, [p.shape for p in params],
                              [p.dtype for p in params], backend='numpy',

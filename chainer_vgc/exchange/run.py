@@ -329,6 +329,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     has_grad = tuple(g is not None for g in grads)
     present = []
     waited = [0.0]
+    spans = []  # (arrived, left) of each agreement, perf_counter seconds
     rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
     chooser, count, calls = state.fallback, None, []
     if chooser is not None:
@@ -341,11 +342,15 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         ``zero_fill=False`` a parameter some rank has a gradient for gets
         the mean on every rank, even when nobody sent anything for it.
         Its seconds (mostly waiting for the slowest rank to arrive) are
-        the ``agree`` phase, not ``compress``."""
+        the ``agree`` phase, not ``compress``; ``agree_spans`` holds each
+        call's (arrival, departure) on this process's ``perf_counter``
+        clock, from which a benchmark whose ranks share one clock splits
+        it into the wait for the slowest rank and the agreement itself."""
         t = time.perf_counter()
         both = agree_on((int(code), has_grad, count))
         present[:] = [any(bits) for bits in zip(*(b for _, b, _ in both))]
-        waited[0] += time.perf_counter() - t
+        spans.append((t, time.perf_counter()))
+        waited[0] += spans[-1][1] - t
         codes = [c for c, _, _ in both]
         calls.append(code)
         if chooser is not None and len(calls) == 1 and not any(codes):
@@ -381,7 +386,8 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
                                        collectives.size, zero_fill, False,
                                        rescale=loss_scale, present=present)
     result.timing = {'compress': t1 - t0 - waited[0], 'agree': waited[0],
-                     'transport': t2 - t1, 'decode': time.perf_counter() - t2}
+                     'transport': t2 - t1, 'decode': time.perf_counter() - t2,
+                     'agree_spans': spans}
     return blocks, elements
 
 

@@ -125,6 +125,7 @@ def _signatures(lib):
         'vgc_native_strom': (i64, [vp, i32, i32, vp, vp, vp, i64, f64, i32,
                                    vp, vp]),
         'vgc_native_none': (i64, [vp, i32, i32, vp, i64, vp, vp]),
+        'vgc_native_check_inputs': (None, [vp, i32, vp, vp, vp, vp, vp]),
         'vgc_native_qsgd': (i64, [vp, i32, i32, vp, vp, i64, i64, i32, vp,
                                   vp]),
         'vgc_native_decode': (i32, [i32, vp, vp, i32, vp, vp, vp, vp, f64,
@@ -326,6 +327,30 @@ def compress_qsgd(ws, tensor_id, g, u, bucket, levels, out):
 def compress_none(ws, tensor_id, g, out):
     """The dense gradient as a FMT_RAW group; (words, elements, flags)."""
     return _compress('none', ws, tensor_id, g, g.size, out)
+
+
+def check_inputs(ws, grads, sqsums):
+    """The input checks of the fused passes, read-only, over every tensor
+    of a step (the last first, so that the first ones, which the passes
+    compress first, are left in the cache): a list of flags
+    (:data:`BAD_GRAD`, :data:`BAD_SQSUM`) per tensor.  ``grads[k]``: a flat
+    C-contiguous array or None (not checked, flags 0); ``sqsums[k]``: a
+    flat C-contiguous array in its state dtype, or None (not checked)."""
+    n = len(grads)
+    flags = numpy.zeros(max(n, 1), dtype=numpy.int32)
+    codes = numpy.array([0 if g is None else DTYPE_CODES[g.dtype]
+                         for g in grads] or [0], dtype=numpy.int32)
+    sizes = numpy.array([0 if g is None else g.size for g in grads] or [0],
+                        dtype=numpy.int64)
+    g_ptrs = (ctypes.c_void_p * max(n, 1))(
+        *[None if g is None else g.ctypes.data for g in grads])
+    s_ptrs = (ctypes.c_void_p * max(n, 1))(
+        *[None if s is None else s.ctypes.data for s in sqsums])
+    load().vgc_native_check_inputs(
+        ws.handle, n, codes.ctypes.data, ctypes.cast(g_ptrs, ctypes.c_void_p),
+        ctypes.cast(s_ptrs, ctypes.c_void_p), sizes.ctypes.data,
+        flags.ctypes.data)
+    return [int(f) for f in flags[:n]]
 
 
 #: words of a row of the group table (``VGC_ROW_WORDS``,
