@@ -139,7 +139,7 @@ def method_args(method):
             (['--index-coding', method['coding']]
              if method['coding'] else []) +
             (['--double-buffering'] if method['db'] else []) +
-            (['--spare-residuals'] if method.get('spare') else []))
+            (['--spare-residuals'] if method['spare'] else []))
 
 
 def to_accuracy(train, evaluate, target, eval_every, max_steps,

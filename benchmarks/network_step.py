@@ -61,6 +61,8 @@ def agreement_split(spans_by_rank):
     rank r.  The ranks of an emulated network run on one machine, so their
     ``perf_counter`` (CLOCK_MONOTONIC) is one clock."""
     steps = min(len(s) for s in spans_by_rank)
+    if not steps:
+        return {}
     spread, itself = [], []
     for k in range(steps):
         calls = [s[k] for s in spans_by_rank]
@@ -69,10 +71,8 @@ def agreement_split(spans_by_rank):
         leave = [[c[j][1] for c in calls] for j in range(n)]
         spread.append(sum(max(a) - min(a) for a in arrive))
         itself.append(sum(max(d) - max(a) for a, d in zip(arrive, leave)))
-    if not steps:
-        return {}
-    return dict(agree_spread=float(numpy.median(spread)),
-                agree_itself=float(numpy.median(itself)))
+    return dict(zip(AGREE_SPLIT, (float(numpy.median(spread)),
+                                  float(numpy.median(itself)))))
 
 
 def iface_bytes(iface):

@@ -353,11 +353,10 @@ class GradientCompressor(object):
         if path.checks_inputs:
             # in place, every input is checked (and agreed) before any
             # state moves; with spares (or no state), the passes check them
-            flagged = [] if not in_place else [
+            bad = [] if not in_place else [
                 (i, f) for i, f in enumerate(native.check_inputs(
                     self._workspace, flat_g, flat_s)) if f]
-            self.agree_inputs(self.fault_of(flagged) if flagged else None,
-                              agree)
+            self.agree_inputs(self.fault_of(bad) if bad else None, agree)
         buf, pos, n_groups, sent = self._buffer, 2, 0, 0
         flagged, done = [], []
         for i, (g, s) in enumerate(zip(flat_g, flat_s)):
@@ -420,10 +419,11 @@ class GradientCompressor(object):
             raise error
 
     def fault_of(self, flagged):
-        """The error the reference would raise first for the fused
-        passes' ``flagged`` ``[(tensor, flags)]``: bad inputs (gradient
-        before sum of squares) in parameter order, then a tensor whose
-        group cannot be encoded, then overflows."""
+        """The error the reference would raise first for the flags of
+        the fused passes (or of the check before them), ``flagged``
+        ``[(tensor, flags)]``: bad inputs (gradient before sum of squares)
+        in parameter order, then a tensor whose group cannot be encoded,
+        then overflows."""
         for i, flags in flagged:
             if flags & native.BAD_GRAD:
                 return faults.bad_gradient(self.names[i])

@@ -19,9 +19,10 @@
 /* ---- the inputs' checks before an in-place step ------------------------ */
 
 /* The checks of vgc_check_range over whole blocks, lo to hi (hi - lo a
- * multiple of the block).  Not inlined: inlined into the chunk's lambda,
- * the compiler reloads the captured pointers every block, and the pass
- * reads at about half the memory's speed (measured). */
+ * multiple of the block).  Not inlined: inlined into the chunk's lambda
+ * beside the tail's loop, it read at about half the memory's speed
+ * (measured in one binary: 22 ms against 11 ms for 25M float32 g and s,
+ * two threads). */
 template <bool SQSUM, typename G, typename S>
 __attribute__((noinline)) static int
 vgc_check_blocks(const G *__restrict g, const S *__restrict s, int64_t lo,

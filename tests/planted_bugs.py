@@ -54,8 +54,8 @@ BUGS = {
          'live_communicators or thousands_of_double_buffered']),
     'commit-before-agreement': (
         'chainer_vgc/compressor.py',
-        'flagged = [] if not in_place else [',
-        'flagged = [] if True else [  # (in place, unchecked)',
+        'bad = [] if not in_place else [',
+        'bad = [] if True else [  # (in place, unchecked)',
         ['tests/test_faults.py', '-k', 'in_place']),
     'double-buffering-without-delay': (
         'chainer_vgc/optimizer.py',

@@ -328,7 +328,6 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     grads, sqsums = exchange.local_gradients(params, sqsums, zero_fill)
     has_grad = tuple(g is not None for g in grads)
     present = []
-    waited = [0.0]
     spans = []  # (arrived, left) of each agreement, perf_counter seconds
     rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
     chooser, count, calls = state.fallback, None, []
@@ -350,7 +349,6 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         both = agree_on((int(code), has_grad, count))
         present[:] = [any(bits) for bits in zip(*(b for _, b, _ in both))]
         spans.append((t, time.perf_counter()))
-        waited[0] += spans[-1][1] - t
         codes = [c for c, _, _ in both]
         calls.append(code)
         if chooser is not None and len(calls) == 1 and not any(codes):
@@ -385,7 +383,8 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     elements = exchange.mean_gradients(blocks, comp, params, grads,
                                        collectives.size, zero_fill, False,
                                        rescale=loss_scale, present=present)
-    result.timing = {'compress': t1 - t0 - waited[0], 'agree': waited[0],
+    waited = sum(left - arrived for arrived, left in spans)
+    result.timing = {'compress': t1 - t0 - waited, 'agree': waited,
                      'transport': t2 - t1, 'decode': time.perf_counter() - t2,
                      'agree_spans': spans}
     return blocks, elements
