@@ -26,12 +26,15 @@ struct vgc_group {
     int64_t index; /* current index */
     int64_t rec, rec_left, word_at;
     double table[16]; /* FMT_POW2 and FMT_GAP values, in the state dtype */
-    /* FMT_GAP: this tensor's elements of the group, decoded by vgc_walk:
-     * indices (in this tensor) and table entries (sign << 3 | d), count of
-     * each; a segment of the scratch arrays of the group's first tensor
-     * (gap_index, gap_nib below) when the group spans several tensors */
+    /* FMT_GAP: this tensor's elements of the group, decoded by
+     * vgc_check_gap: indices over the group's span and table entries
+     * (sign << 3 | d), count of each; a segment of the group's scratch
+     * arrays when the group spans several tensors.  An element's index in
+     * this tensor is gap_index[j] - gap_base (the tensor's offset in the
+     * span: the decoded indices are not rewritten) */
     const int64_t *gap_index;
     const uint8_t *gap_nibble;
+    int64_t gap_base;
 };
 
 /* A FMT_GAP group found by vgc_walk, decoded afterwards (vgc_check_gap,
@@ -61,7 +64,7 @@ static int64_t vgc_group_index(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
     case VGC_FMT_GAP:
-        return g.gap_index[g.pos];
+        return g.gap_index[g.pos] - g.gap_base;
     case VGC_FMT_RAW:
         return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
     default: { /* QSGD: record rec, word at word_at */
@@ -239,8 +242,11 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
     int64_t j = 0, offset = 0;
     for (int64_t t = t0; t <= t0 + span && j < (int64_t)count; ++t) {
         const int64_t end = offset + sizes[t];
-        int64_t e = j;
-        while (e < (int64_t)count && index[e] < end) index[e++] -= offset;
+        /* the indices increase: this tensor's segment ends at the first
+         * index >= end */
+        const int64_t e =
+            span ? std::lower_bound(index + j, index + count, end) - index
+                 : (int64_t)count;
         if (e > j) {
             vgc_group &g = groups[t];
             g.body = body;
@@ -250,6 +256,7 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
             g.b = b;
             g.gap_index = index + j;
             g.gap_nibble = nib + j;
+            g.gap_base = offset;
             /* the table in this tensor's state dtype; every entry finite
              * and nonzero, so every value of the segment is */
             if (!vgc_pow2_table(g, scodes[t] == VGC_F64)) return false;
@@ -371,7 +378,8 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
 static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
     if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
     if (g.fmt == VGC_FMT_GAP)
-        return std::lower_bound(g.gap_index, g.gap_index + g.count, lo) -
+        return std::lower_bound(g.gap_index, g.gap_index + g.count,
+                                lo + g.gap_base) -
                g.gap_index;
     int64_t a = 0, b = g.count;
     const uint32_t mask = g.fmt == VGC_FMT_POW2 ? VGC_INDEX_MASK : 0xFFFFFFFFu;
@@ -399,10 +407,12 @@ static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
             out[ix] += table[w >> VGC_INDEX_BITS];
         }
     } else if (g.fmt == VGC_FMT_GAP) {
+        /* the indices are the span's: the tensor's offset subtracted */
         const int64_t *index = g.gap_index;
         const uint8_t *nib = g.gap_nibble;
+        const int64_t base = g.gap_base;
         for (; j < count; ++j) {
-            const int64_t ix = index[j];
+            const int64_t ix = index[j] - base;
             if (ix >= hi) break;
             out[ix] += table[nib[j]];
         }

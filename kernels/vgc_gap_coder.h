@@ -231,9 +231,11 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     const uint64_t lowmask = k ? ~0ull >> (64 - k) : 0;
     const bool fast = k <= 16 && size <= (int64_t)1 << 62; /* no overflow */
     const int VGC_WINDOW_END = 1 << 28;
+    const uint64_t esc_mask = (1u << VGC_GAP_ESCAPE) - 1;
     uint64_t buf = 0, wi = 0;
     int avail = 0;
-    for (int64_t j = 0; j < count; ++j) {
+    int64_t j = 0;
+    while (j < count) {
         if (j == next_restart) {
             const uint32_t *e =
                 table + VGC_GAP_RESTART_WORDS *
@@ -244,6 +246,40 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
             next_restart = j / VGC_GAP_RESTART_CODES < R
                                ? j + VGC_GAP_RESTART_CODES
                                : count;
+        }
+        if (fast && wi < (uint64_t)G) {
+            /* The fast path's own loop, up to the next restart point
+             * while words are left to load: the window refilled without
+             * a branch (a word whenever 32 bits or fewer are left, so a
+             * code of <= 32 bits is always whole in it) and pos derived
+             * once at the end (32 wi - avail: every loaded bit not yet
+             * used).  It stops before a code it cannot take (an escape)
+             * and before the stream's last word, which the code below
+             * decodes one code at a time. */
+            const int64_t stop = next_restart < count ? next_restart : count;
+            uint64_t b = buf, w = wi;
+            int64_t av = avail, pv = prev, jj = j;
+            while (jj < stop && w < (uint64_t)G) {
+                const uint64_t need = 0 - (uint64_t)(av <= 32);
+                b |= ((uint64_t)s[w] << (av & 63)) & need;
+                w -= need; /* + 1 where a word was loaded */
+                av += (int64_t)(need & 32);
+                if (!(b & esc_mask)) break;
+                const int z = __builtin_ctzll(b);
+                const uint64_t gap = ((uint64_t)z << k) | ((b >> (z + 1)) & lowmask);
+                const int used = z + 1 + k;
+                b >>= used;
+                av -= used;
+                pv += 1 + (int64_t)gap;
+                index[jj++] = pv;
+            }
+            buf = b;
+            wi = w;
+            avail = (int)av;
+            prev = pv;
+            j = jj;
+            pos = 32 * wi - (uint64_t)avail;
+            if (j == stop) continue; /* a restart point, or the end */
         }
         if (avail <= 32) {
             if (wi < (uint64_t)G) {
@@ -261,7 +297,7 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
             avail -= used;
             pos += used;
             prev += 1 + (int64_t)gap;
-            index[j] = prev;
+            index[j++] = prev;
             continue;
         }
         /* gap < limit keeps the index below size */
@@ -304,7 +340,7 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
         pos += k;
         if (gap >= limit) return false; /* overruns the tensor */
         prev += 1 + (int64_t)gap;
-        index[j] = prev;
+        index[j++] = prev;
         /* reload the window at pos (<= total) */
         wi = pos >> 5;
         if (wi < (uint64_t)G) {
@@ -322,9 +358,16 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     if (sign_only)
         for (int64_t j = 0; j < count; ++j)
             nib[j] = (uint8_t)(((v[j >> 5] >> (j & 31)) & 1u) << 3);
-    else
-        for (int64_t j = 0; j < count; ++j)
+    else { /* eight values a word, then the last word's */
+        int64_t j = 0;
+        for (; j + 8 <= count; j += 8) {
+            const uint32_t x = v[j >> 3];
+            for (int i = 0; i < 8; ++i)
+                nib[j + i] = (uint8_t)((x >> (4 * i)) & 15u);
+        }
+        for (; j < count; ++j)
             nib[j] = (uint8_t)((v[j >> 3] >> (4 * (j & 7))) & 15u);
+    }
     return true;
 }
 
