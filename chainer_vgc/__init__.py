@@ -55,6 +55,7 @@ _LAZY = {
     'WireFormatError': ('codec', False, False),
     'create_rule': ('rules', False, False),
     'sentence_pairs': ('statistics.rows', True, False),
+    'ElasticResume': ('exchange.elastic', False, False),
     'RULES': ('rules', False, False),
 }
 

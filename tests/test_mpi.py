@@ -137,7 +137,11 @@ def test_residuals_per_name_and_snapshot_records(request, p):
     are kept; a snapshot saved on rank 0 only runs no collective and
     changes nothing; a snapshot of another method, hyperparameter, model
     or rank count is refused with an error naming both settings, unless
-    resume_other_method=True (fresh residuals, a warning)."""
+    resume_other_method=True (fresh residuals, a warning); rank 0's
+    snapshot loaded on the other ranks is refused there, naming the
+    per-rank pattern and ChainerMN's checkpointer (rank 0 itself loads
+    it), and with resume_residuals='fresh' their residuals start empty
+    with a warning while rank 0's come back."""
     check_in_suite(request)
 
 
@@ -154,6 +158,24 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
     assert records == ['failed.2'], (records, out)
     assert (tmp_path / 'failed.2').read_text() == \
         'deliberate failure on rank 2'
+
+
+@pytest.mark.parametrize('saved,resumed', [(2, 4), (4, 2)])
+def test_elastic_resume_shares_what_the_saved_ranks_held(tmp_path, saved,
+                                                          resumed):
+    """Every rank of a run at one world size saves its own snapshot; a run
+    at another loads them with resume_residuals=ElasticResume(files): each
+    rank's residuals are the NumPy oracle's share of the saved ones (r
+    their mean, v their variance, bit for bit) for vgc, hybrid, strom and
+    none, the model and optimizer as saved, and training goes on alike on
+    every rank; the default refuses the snapshot naming the option,
+    'fresh' starts the residuals empty with a warning, and a missing
+    saved rank is refused (tests/mpi/check_elastic.py)."""
+    methods = 'vgc,hybrid,strom,none'
+    run_ok(saved, 'check_elastic.py', 'save', str(tmp_path), methods,
+           expect='elastic OK: save at p={}'.format(saved))
+    run_ok(resumed, 'check_elastic.py', 'resume', str(tmp_path), methods,
+           expect='elastic OK: resume at p={}'.format(resumed))
 
 
 #: the methods of the resume test, per world size: 'topk' a rule object

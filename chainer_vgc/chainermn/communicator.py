@@ -93,6 +93,14 @@ class VGCCommunicator(Collectives):
         resume_other_method: allow loading a snapshot saved with another
             method (its residuals are then dropped, with a warning); by
             default a snapshot of other settings is an error.
+        resume_residuals: a snapshot of another rank or world size:
+            ``'own'`` (default) refuses it, naming the per-rank pattern
+            (a snapshot saved on rank 0 only would give every rank rank
+            0's residuals); ``'fresh'`` loads it with the residuals
+            started empty (a warning);
+            ``chainer_vgc.ElasticResume([every saved rank's file])``
+            merges what the saved ranks held, for a resume at another
+            world size (:mod:`chainer_vgc.exchange.elastic`).
         cuda_aware_mpi: declare that MPI accepts device pointers; by
             default (False) every collective on GPU arrays goes through
             host memory (the compressed exchange always does).
@@ -150,6 +158,8 @@ class VGCCommunicator(Collectives):
                          'examples (None: by their own layout)')
     resume_other_method = _of_state('resume_other_method',
                                     'may a snapshot of another method load')
+    resume_residuals = _of_state('resume_residuals', 'what a snapshot of '
+                                 'another rank or world size does')
     needs_sqsum = _of_state('needs_sqsum', 'whether the next exchange needs '
                             'the per-sample statistics')
     warming_up = _of_state('warming_up', 'whether the next exchange is a '
@@ -171,7 +181,8 @@ class VGCCommunicator(Collectives):
                  examples=None, spare_residuals=False,
                  resume_other_method=False, cuda_aware_mpi=False,
                  exclude=None, min_size=0, warmup=0, alpha_ramp=None,
-                 dense_dtype=None, dense_fallback=None, **hyperparams):
+                 dense_dtype=None, dense_fallback=None,
+                 resume_residuals='own', **hyperparams):
         super(VGCCommunicator, self).__init__(mpi_comm, allgatherv,
                                               chunk_words, cuda_aware_mpi)
         # checked here, on construction
@@ -181,7 +192,8 @@ class VGCCommunicator(Collectives):
             uncovered=uncovered, max_memory=max_memory, examples=examples,
             spare_residuals=spare_residuals,
             resume_other_method=resume_other_method,
-            dense_fallback=dense_fallback, **hyperparams)
+            dense_fallback=dense_fallback,
+            resume_residuals=resume_residuals, **hyperparams)
         self._unbound = self._current  # the first model's
         self._states = weakref.WeakKeyDictionary()
         self._met = 0  # models met so far (a state's index)
@@ -351,7 +363,8 @@ class VGCCommunicator(Collectives):
         if state is None:
             state = self.state(model)
         self._current = state
-        snapshot.serialize(state, model, serializer, self.size)
+        snapshot.serialize(state, model, serializer, self.size,
+                           rank=self.rank)
 
     def finalize(self):
         """Wait for the background exchanges in flight and free the

@@ -6,8 +6,20 @@ residuals are the error feedback of paper Sec. 3 (Alg. 1's r and v):
 dropping them at a resume would lose every delayed gradient element, so
 they are saved with the optimizer (``serializer['vgc_state']``), with a
 record of the method, its hyperparameters, the rank count and the model
-(its class, its name in reports and its parameters), and the run totals (the warm-up, the alpha ramp and the reports count
+(its class, its name in reports and its parameters), the rank that saved
+it, and the run totals (the warm-up, the alpha ramp and the reports count
 steps).  Loading checks that record against the run.
+
+A rank's residuals are its own: the elements of *its* gradients it has not
+sent yet.  A snapshot saved on rank 0 only and loaded on every rank would
+apply rank 0's delayed gradients p times and lose the others', so a
+snapshot of another rank, or of another world size, is refused unless
+``resume_residuals`` says otherwise
+(:func:`~chainer_vgc.exchange.elastic.check_resume_residuals`):
+``'fresh'`` (the residuals start empty, with a warning) or an
+:class:`~chainer_vgc.exchange.elastic.ElasticResume` over the saved ranks'
+files, which merges what they held
+(:meth:`chainer_vgc.rules.CompressionRule.share_residuals`).
 """
 
 import json
@@ -16,6 +28,8 @@ import warnings
 import chainer
 import numpy
 
+from chainer_vgc.exchange.elastic import PER_RANK
+from chainer_vgc.exchange.elastic import ElasticResume
 from chainer_vgc.exchange.state import hyperparams_record
 from chainer_vgc.exchange.state import initialized_params
 from chainer_vgc.exchange.state import plain_json
@@ -23,13 +37,14 @@ from chainer_vgc.params import model_params
 from chainer_vgc.rules import RULES
 from chainer_vgc.rules import create_rule
 
-#: the snapshot record's format (1: the arguments given were recorded)
-FORMAT = 2
+#: the snapshot record's format (1: the arguments given were recorded;
+#: 3: the rank that saved it)
+FORMAT = 3
 
-
-def serialize(state, model, serializer, ranks, layout=None):
+def serialize(state, model, serializer, ranks, layout=None, rank=0):
     """Save or load ``state`` (a :class:`~chainer_vgc.exchange.state.
-    MethodState`) for ``model`` in a run of ``ranks`` ranks.
+    MethodState`) for ``model`` on rank ``rank`` of a run of ``ranks``
+    ranks.
 
     Saving runs no collective (a snapshot taken on one rank only cannot
     hang): it writes what this rank holds.  Loading checks the record
@@ -42,9 +57,10 @@ def serialize(state, model, serializer, ranks, layout=None):
     nodes and local rank, in words (None: flat); loading needs the same.
     """
     if isinstance(serializer, chainer.serializer.Deserializer):
-        return _load(state, model, serializer, ranks, layout)
+        return _load(state, model, serializer, ranks, layout, rank)
     states = state.residuals()
     meta = _meta(state, model, sorted(states), ranks)
+    meta['rank'] = rank
     if layout is not None:
         meta['layout'] = layout
     serializer('meta', json.dumps(meta, default=plain_json))
@@ -62,7 +78,7 @@ def _meta(state, model, state_names, ranks):
             'states': state_names}
 
 
-def _load(state, model, serializer, ranks, layout=None):
+def _load(state, model, serializer, ranks, layout=None, rank=0):
     keys = sorted(state.rule.init_state(0, numpy.float32, numpy))
     try:
         text = str(serializer('meta', ''))
@@ -70,10 +86,27 @@ def _load(state, model, serializer, ranks, layout=None):
         text = ''
     meta = json.loads(text) if text else None
     fresh = False
+    foreign = None
     if meta is not None:
         _check_layout(meta, ranks, layout)
-        fresh = _check_meta(state, meta, model, ranks)
-    if not fresh:
+        fresh = _check_meta(state, meta, model)
+        foreign = _foreign(meta, rank, ranks)
+    if foreign is not None and not fresh:
+        mode = state.resume_residuals
+        if isinstance(mode, ElasticResume):
+            _serialize_run(state, serializer, meta, rule_state=False)
+            state.loaded = _merged(state, mode, model, ranks, keys)
+            state.compressor = None
+            return
+        if mode != 'fresh':
+            raise ValueError(foreign)
+        warnings.warn(
+            'chainer_vgc: {} Its residuals are not loaded: they start '
+            "fresh on this rank (resume_residuals='fresh')".format(
+                foreign.split('. ')[0].replace('chainer_vgc: ', '') + '.'))
+        _serialize_run(state, serializer, meta, rule_state=False)
+        fresh = True
+    elif not fresh:
         _serialize_run(state, serializer, meta)
     loaded = {}
     if meta is None:
@@ -111,9 +144,73 @@ def _check_layout(meta, ranks, layout):
             layout or flat.format(ranks)))
 
 
-def _check_meta(state, meta, model, ranks):
-    """Compare a snapshot's record with this run; returns True when the
-    method differs and ``resume_other_method`` allows it."""
+def _foreign(meta, rank, ranks):
+    """None when the snapshot was saved by this rank in a run of this
+    world size (or records no rank: saved before format 3); else the
+    error that says whose it is and what to do."""
+    if meta['ranks'] != ranks:
+        return (
+            'chainer_vgc: the snapshot was saved by a run of {} ranks; '
+            'this run has {}. Resume with the same number of ranks, or '
+            "merge what the saved ranks held: create_communicator(..., "
+            "resume_residuals=chainer_vgc.ElasticResume([every saved "
+            "rank's snapshot file])) ({}); resume_residuals='fresh' starts "
+            'the residuals empty'.format(meta['ranks'], ranks,
+                                         PER_RANK.split(', and')[0]))
+    saved = meta.get('rank')
+    if saved is None or saved == rank:
+        return None
+    return (
+        'chainer_vgc: the snapshot was saved by rank {} of {}; this is rank '
+        '{}. Its residuals are the gradient elements rank {} had not sent '
+        'yet: loaded on every rank they would be applied {} times and this '
+        "rank's own lost. {}; or create_communicator(..., "
+        "resume_residuals='fresh') starts this rank's residuals empty, with "
+        'a warning'.format(saved, ranks, rank, saved, ranks,
+                           PER_RANK[0].upper() + PER_RANK[1:]))
+
+
+def _merged(state, elastic, model, ranks, keys):
+    """This rank's ``loaded`` residuals from every saved rank's snapshot
+    (:class:`ElasticResume`): their records checked against this run and
+    against one another (each saved rank once), then each parameter's
+    :meth:`~chainer_vgc.rules.CompressionRule.share_residuals`."""
+    records = elastic.records(_state_key)
+    saved = records[0][0]['ranks']
+    for meta, _, path in records:
+        if _check_meta(state, meta, model):
+            raise ValueError(
+                'chainer_vgc: ElasticResume merges residuals of the same '
+                'method; {} was saved with {!r}'.format(path, meta['method']))
+        if meta['ranks'] != saved or meta.get('rank') is None:
+            raise ValueError(
+                'chainer_vgc: ElasticResume needs the snapshots of one run, '
+                'each recording its rank; {} was saved by rank {} of {} '
+                '(the first file: of {})'.format(
+                    path, meta.get('rank'), meta['ranks'], saved))
+    found = sorted(meta['rank'] for meta, _, _ in records)
+    if found != list(range(saved)):
+        raise ValueError(
+            'chainer_vgc: ElasticResume needs the snapshot of every saved '
+            'rank, each once: the run had {} ranks and the files are of '
+            'ranks {} ({})'.format(saved, found, elastic.paths))
+    by_rank = [states for _, states in sorted(
+        ((meta['rank'], states) for meta, states, _ in records),
+        key=lambda x: x[0])]
+    names = sorted(set().union(*[set(st) for st in by_rank]))
+    loaded = {}
+    for name in names:
+        held = [st.get(name) for st in by_rank]
+        if any(h is None or sorted(h) != keys for h in held):
+            continue  # not initialized on every saved rank: starts fresh
+        loaded[name] = state.rule.share_residuals(held)
+    return loaded
+
+
+def _check_meta(state, meta, model):
+    """Compare a snapshot's record with this run (not its ranks:
+    :func:`_foreign`); returns True when the method differs and
+    ``resume_other_method`` allows it."""
     saved_params = meta['hyperparams']
     if meta.get('format', 1) == 1 and meta['method'] in RULES:
         # format 1 recorded the arguments given: the rule they make
@@ -130,11 +227,6 @@ def _check_meta(state, meta, model, ranks):
     saved = (meta['method'], [tuple(kv) for kv in saved_params])
     here = (state.method, [tuple(kv) for kv in hyperparams_record(
         state.base_rule.hyperparams())])
-    if meta['ranks'] != ranks:
-        raise ValueError(
-            'chainer_vgc: the snapshot was saved by a run of {} ranks; '
-            'this run has {}. Resume with the same number of ranks'
-            .format(meta['ranks'], ranks))
     _check_model(meta, model)
     ours = {n: (s, d) for n, s, d in _model_record(model)}
     if ours:  # loaded before the model's lazy params: setup() checks
@@ -200,9 +292,10 @@ def _saved_name(meta):
     return name
 
 
-def _serialize_run(state, serializer, meta=None):
-    """Run totals and the rule's own state (QSGD's generator).  ``meta``:
-    the record of a snapshot being loaded."""
+def _serialize_run(state, serializer, meta=None, rule_state=True):
+    """Run totals and the rule's own state (QSGD's generator; not with
+    ``rule_state=False``: another rank's, which this rank keeps its own
+    of).  ``meta``: the record of a snapshot being loaded."""
     totals = state.totals
     for key in sorted(totals):
         try:
@@ -213,6 +306,8 @@ def _serialize_run(state, serializer, meta=None):
                 # every step exchanged the recorded model
                 totals[key] = totals['steps'] * sum(
                     int(numpy.prod(shape)) for _, shape, _ in meta['model'])
+    if not rule_state:
+        return
     extra = state.rule.get_extra_state()
     for key in sorted(extra):
         try:

@@ -24,6 +24,7 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import extensions
+from chainer_vgc.exchange import elastic
 from chainer_vgc.exchange import fallback
 from chainer_vgc.exchange import settings as groups
 from chainer_vgc.backends.native import bindings as native
@@ -47,8 +48,8 @@ class MethodState(object):
         **hyperparams: the rule's, with a method name.
 
     ``exclude``, ``min_size``, ``warmup``, ``alpha_ramp``, ``dense_dtype``,
-    ``uncovered``, ``max_memory``, ``examples``, ``spare_residuals`` and
-    ``resume_other_method`` are as in
+    ``uncovered``, ``max_memory``, ``examples``, ``spare_residuals``,
+    ``resume_other_method`` and ``resume_residuals`` are as in
     :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator`.  Every argument is
     checked here, on construction.
     """
@@ -56,7 +57,8 @@ class MethodState(object):
     def __init__(self, method='vgc', rank=0, exclude=None, min_size=0,
                  warmup=0, alpha_ramp=None, dense_dtype=None,
                  uncovered='error', max_memory=None, examples=None,
-                 spare_residuals=False, resume_other_method=False, dense_fallback=None,
+                 spare_residuals=False, resume_other_method=False,
+                 dense_fallback=None, resume_residuals='own',
                  **hyperparams):
         if uncovered not in UNCOVERED:
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
@@ -99,6 +101,10 @@ class MethodState(object):
         #: {name: elements} of the parameters counted
         self.parameter_sizes = {}
         self.resume_other_method = bool(resume_other_method)
+        #: what a snapshot of another rank or world size does
+        #: (:func:`chainer_vgc.exchange.elastic.check_resume_residuals`)
+        self.resume_residuals = elastic.check_resume_residuals(
+            resume_residuals)
         #: the compressed group's compressor and residuals (by setup())
         self.compressor = None
         self.names = None
@@ -133,7 +139,8 @@ class MethodState(object):
                     max_memory=self.max_memory, examples=self.examples,
                     spare_residuals=self.spare_residuals,
                     resume_other_method=self.resume_other_method,
-                    dense_fallback=self.dense_fallback)
+                    dense_fallback=self.dense_fallback,
+                    resume_residuals=self.resume_residuals)
 
     # -- what this step does --------------------------------------------------
     @property

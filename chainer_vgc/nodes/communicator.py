@@ -113,4 +113,5 @@ class HierarchicalCommunicator(VGCCommunicator):
         snapshot.serialize(state, model, serializer, self.size,
                            layout='{}, local rank {}'.format(
                                self.layout.describe(),
-                               self.layout.local_rank))
+                               self.layout.local_rank),
+                           rank=self.rank)

@@ -45,6 +45,46 @@ class CompressionRule(object):
         """Fresh per-parameter state: dict of flat arrays (may be empty)."""
         return {}
 
+    #: the per-parameter state keys that are delayed gradient (Alg. 1's
+    #: r: what was accumulated and not yet sent) and those that are its
+    #: variance (Alg. 1's v); :meth:`share_residuals` merges these two
+    #: kinds, and a rule with other state says how it merges its own
+    residual_keys = ('r',)
+    variance_keys = ('v',)
+
+    def share_residuals(self, saved):
+        """One new rank's state of one parameter when a run resumes at
+        another world size (``chainer_vgc.ElasticResume``): ``saved`` the
+        states the saved ranks held, ``[{key: flat array}]`` in rank
+        order.  The mean over the ranks of r is what the averaged update
+        still owes the model, ``(1 / p) sum_j r_j`` (Sec. 4.3: the update
+        is the mean of what the ranks send), so every new rank starts from
+        the saved ranks' mean r, ``R / p_old``: the update owes the same
+        at any world size.  Its variance, with the ranks' accumulations
+        independent, is ``sum_j v_j / p_old**2``, which keeps each
+        element's ratio r**2 / v (the criterion's) that of the merged sum.
+        Summed in rank order, in the state dtype."""
+        p = len(saved)
+        out = {}
+        for key in (saved[0] if saved else ()):
+            total = saved[0][key].copy()
+            for st in saved[1:]:
+                total += st[key]
+            if key in self.residual_keys:
+                total /= total.dtype.type(p)
+            elif key in self.variance_keys:
+                total /= total.dtype.type(p * p)
+            else:
+                raise ValueError(
+                    'chainer_vgc: rule {!r} keeps per-parameter state {!r}, '
+                    'which is neither a residual (residual_keys) nor its '
+                    'variance (variance_keys): it does not say how its '
+                    'state merges at another world size. Override '
+                    'CompressionRule.share_residuals, or resume with '
+                    "resume_residuals='fresh'".format(self.name, key))
+            out[key] = total
+        return out
+
     def get_extra_state(self):
         """State of the rule itself (not per parameter) as {name: str},
         saved with snapshots; empty for deterministic rules."""

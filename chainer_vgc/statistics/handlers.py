@@ -21,7 +21,14 @@ primitives:
   gamma and ``sum_{h,w} gy_z`` for beta, with x_hat normalized by the batch
   statistics.  The slices add up to the batch gradient;
 * ``EmbedID`` (with ``ignore_label``): per example, the rows of the tokens
-  it contains, combined by word id before squaring.
+  it contains, combined by word id before squaring;
+* ``LayerNormalization``, ``GroupNormalization`` and batch normalization
+  with fixed statistics (``FixedBatchNormalization``: test mode,
+  fine-tuning with frozen statistics): each row (a token, an example) is
+  normalized by statistics of its own or by constants, so the rows'
+  contributions are exact per-example ones, with nothing coupling the
+  examples: ``gy * x_hat`` for gamma, ``gy`` for beta, summed over the
+  positions and over an example's rows.
 
 :data:`_HANDLERS` is the one table of what is covered, keyed by Chainer
 function class: :func:`_supported` (is this use covered?) and
@@ -43,6 +50,8 @@ from chainer.functions.connection import deconvolution_2d as _deconv
 from chainer.functions.connection import embed_id as _embed
 from chainer.functions.connection import linear as _linear
 from chainer.functions.normalization import batch_normalization as _bn
+from chainer.functions.normalization import group_normalization as _gn
+from chainer.functions.normalization import layer_normalization as _ln
 from chainer.utils import conv as conv_utils
 import numpy
 
@@ -136,6 +145,59 @@ class _BNGamma(_Use):
             s_gx = _sum_over(self.xp, gy, self.axes, x)
             s_g = _sum_over(self.xp, gy, self.axes)
         return self.inv_std * (s_gx - self.mean * s_g)
+
+
+class _NormalizedGamma(_Use):
+    """gamma of a normalization that couples no examples: per row,
+    ``sum gy * x_hat`` over the positions, ``x_hat`` formed for the rows
+    of a chunk only.  ``normalize(x)``: the rows' x_hat (the function's
+    own definition of it); ``axes``: the axes summed (not 0, not the
+    parameter's)."""
+
+    def __init__(self, xp, dtype, x, gy, normalize, axes, param_size):
+        super(_NormalizedGamma, self).__init__(xp, dtype)
+        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
+        self.normalize, self.axes = normalize, tuple(axes)
+        self.rows = x.shape[0]
+        self.row_bytes = (2 * x[0].size + param_size) * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        x_hat = self.normalize(self.x[r0:r1])
+        return _sum_over(self.xp, self.gy[r0:r1], self.axes, x_hat)
+
+
+def _layer_norm_hat(xp, eps):
+    """x_hat of ``F.layer_normalization`` (Chainer's definition: each
+    row's mean and biased variance over its features, ``+ eps``)."""
+    def normalize(x):
+        mu = x.mean(axis=1, keepdims=True)
+        xm = x - mu
+        var = (xm * xm).mean(axis=1, keepdims=True)
+        return xm / xp.sqrt(var + x.dtype.type(eps))
+    return normalize
+
+
+def _group_norm_hat(xp, groups, eps):
+    """x_hat of ``F.group_normalization``: each example's channels in
+    ``groups`` groups, each group normalized over its channels and
+    positions."""
+    def normalize(x):
+        flat = x.reshape(x.shape[0] * groups, -1)
+        mu = flat.mean(axis=1, keepdims=True)
+        xm = flat - mu
+        var = (xm * xm).mean(axis=1, keepdims=True)
+        return (xm / xp.sqrt(var + x.dtype.type(eps))).reshape(x.shape)
+    return normalize
+
+
+def _fixed_norm_hat(xp, mean, var, eps, shape):
+    """x_hat of ``F.fixed_batch_normalization``: the given statistics,
+    broadcast to x along its key axes (``shape``)."""
+    def normalize(x):
+        m = mean.reshape(shape).astype(x.dtype, copy=False)
+        v = var.reshape(shape).astype(x.dtype, copy=False)
+        return (x - m) / xp.sqrt(v + x.dtype.type(eps))
+    return normalize
 
 
 def _sum_over(xp, a, axes, b=None):
@@ -325,6 +387,43 @@ def _bn_reduces_examples(fn):
     return 0 in tuple(fn.axis or (0,))
 
 
+def _ln_gamma(fn, in_data, gy, dtype, xp):
+    return _NormalizedGamma(xp, dtype, in_data[0], gy,
+                            _layer_norm_hat(xp, fn.eps), (), in_data[1].size)
+
+
+def _gn_gamma(fn, in_data, gy, dtype, xp):
+    return _NormalizedGamma(xp, dtype, in_data[0], gy,
+                            _group_norm_hat(xp, fn.groups, fn.eps),
+                            tuple(range(2, in_data[0].ndim)),
+                            in_data[1].size)
+
+
+def _gn_beta(fn, in_data, gy, dtype, xp):
+    return _SumOverPositions(xp, dtype, gy, tuple(range(2, gy.ndim)))
+
+
+def _fixed_key_shape(fn, x, gamma):
+    """gamma's shape broadcast to x along the function's key axes."""
+    shape = [1] * x.ndim
+    for i, a in enumerate(fn.key_axis):
+        shape[a] = gamma.shape[i]
+    return tuple(shape)
+
+
+def _fixed_bn_gamma(fn, in_data, gy, dtype, xp):
+    x, gamma, _, mean, var = in_data
+    return _NormalizedGamma(
+        xp, dtype, x, gy, _fixed_norm_hat(xp, _as(mean, dtype),
+                                          _as(var, dtype), fn.eps,
+                                          _fixed_key_shape(fn, x, gamma)),
+        tuple(a for a in fn.axis if a != 0), gamma.size)
+
+
+def _fixed_bn_beta(fn, in_data, gy, dtype, xp):
+    return _SumOverPositions(xp, dtype, gy, tuple(fn.axis))
+
+
 def _embed_weight(fn, in_data, gy, dtype, xp):
     return _EmbedW(xp, dtype, in_data[0], gy, fn._w_shape, fn.ignore_label)
 
@@ -354,6 +453,11 @@ _HANDLERS = {
     _bn.BatchNormalization: _Handler({1: _bn_gamma, 2: _bn_beta},
                                      accepts=_bn_reduces_examples),
     _embed.EmbedIDFunction: _Handler({1: _embed_weight}),
+    _ln.LayerNormalization: _Handler({1: _ln_gamma, 2: _linear_bias}),
+    _gn.GroupNormalization: _Handler({1: _gn_gamma, 2: _gn_beta}),
+    _bn.FixedBatchNormalization: _Handler(
+        {1: _fixed_bn_gamma, 2: _fixed_bn_beta},
+        accepts=_bn_reduces_examples),
 }
 
 

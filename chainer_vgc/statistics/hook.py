@@ -319,14 +319,19 @@ class PerSampleSquares(chainer.FunctionHook):
         traced rows for one of one array per example
         (:mod:`~chainer_vgc.statistics.rows`)."""
         layouts = {}
-        tracer = None
+        tracer = consumers = None
         for i, us in sorted(uses.items()):
             for fn, _, _ in us:
                 if id(fn) in layouts:
                     continue
                 if not mb.traced:
+                    if consumers is None:
+                        consumers = {}
+                        for f in functions:
+                            for node in f.inputs:
+                                consumers.setdefault(id(node), []).append(f)
                     layouts[id(fn)] = ('groups', _rows.regular_layout(
-                        fn, self.names[i], mb))
+                        fn, self.names[i], mb, consumers))
                     continue
                 if tracer is None:
                     tracer = _tracing.Tracer(

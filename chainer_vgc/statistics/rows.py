@@ -32,7 +32,12 @@ arrays belong to which example, the error names the option.
 
 import numpy
 
+from chainer.functions.array import get_item as _get_item
 from chainer.functions.array import reshape as _reshape
+from chainer.functions.connection import linear as _linear
+from chainer.functions.math import basic_math as _basic_math
+from chainer.functions.normalization import layer_normalization as \
+    _layer_norm
 import chainer
 
 
@@ -274,15 +279,47 @@ def _derived_from(array, ids):
     return False
 
 
+def _row_sources(creator, node):
+    """The inputs of function node ``creator`` whose row i makes row i of
+    its output ``node``: input 0 of ``F.linear`` and of
+    ``F.layer_normalization``; for an elementwise function (Chainer's
+    ``is_elementwise``: activations, dropout, arithmetic, broadcasting
+    included), the inputs of the output's rank and rows; for a ``GetItem``
+    that keeps the first axis whole, its input.  Other functions: none
+    (their rows are not followed)."""
+    if isinstance(creator, (_linear.LinearFunction,
+                            _layer_norm.LayerNormalization)):
+        return [creator.inputs[0]]
+    if isinstance(creator, _get_item.GetItem):
+        keys = creator.slices if isinstance(creator.slices, tuple) else (
+            creator.slices,)
+        first = keys[0] if keys else slice(None)
+        whole = isinstance(first, slice) and first == slice(None) or \
+            first is Ellipsis
+        return [creator.inputs[0]] if whole else []
+    if getattr(creator, 'is_elementwise', False):
+        return [i for i in creator.inputs
+                if len(i.shape) == len(node.shape) and len(i.shape)
+                and i.shape[0] == node.shape[0]]
+    return []
+
+
 def _example_major(node, b):
     """Whether a node's k*b rows are b contiguous groups, one per example:
     a chain of reshapes (F.reshape, F.linear's n_batch_axes) of something
-    whose first axis is the batch, or a C-order view of such an array."""
+    whose first axis is the batch, through functions that keep every row
+    where it is (:func:`_row_sources`: a Linear, a LayerNorm or an
+    activation between the reshape and this use), or a C-order view of
+    such an array."""
     while node.creator_node is not None:
         creator = node.creator_node
-        if not isinstance(creator, _reshape.Reshape):
-            return False
-        node = creator.inputs[0]
+        if isinstance(creator, _reshape.Reshape):
+            node = creator.inputs[0]
+        else:
+            sources = _row_sources(creator, node)
+            if not sources:
+                return False
+            node = sources[0]
         if len(node.shape) and node.shape[0] == b:
             return True
     data = node.data
@@ -305,11 +342,19 @@ def describe_input(fn, name):
         tuple(node.shape), type(fn).__name__, name)
 
 
-def regular_layout(fn, name, batch):
+def regular_layout(fn, name, batch, consumers=None):
     """The rows of ``fn``'s input 0 (for the parameter called ``name``) as
     B contiguous groups: the group size k; or ValueError for rows that
     cannot be attributed to examples that way (``batch``: the
-    :class:`Minibatch` of arrays of examples)."""
+    :class:`Minibatch` of arrays of examples).
+
+    An input that is a constant array (an RNN's initial state, a mask)
+    has rows that belong to no example by themselves; they are read as
+    the examples' when the rows of ``fn``'s output are (its output
+    gradient's rows are the examples' then): the output is added to,
+    subtracted from or multiplied by an operand of its own shape that is
+    not a constant (:func:`_rows_owned_downstream`; ``consumers``:
+    ``{id(variable node): [function nodes taking it]}``)."""
     node = fn.inputs[0]
     b = batch.b
     rows = node.shape[0] if len(node.shape) else 0
@@ -336,11 +381,67 @@ def regular_layout(fn, name, batch):
             'a time-major layout): per-example contributions are '
             'undefined. {}'.format(where, rows, b, fix))
     if (batch.arrays and node.creator_node is None and node.data is not None
-            and not _derived_from(node.data, batch._batch_ids)):
+            and not _derived_from(node.data, batch._batch_ids)
+            and not _rows_owned_downstream(fn, consumers, batch)):
         raise ValueError(
-            '{}: the input is a constant array, not minibatch data; '
-            'per-example contributions are undefined'.format(where))
+            '{}: the input is a constant array, not minibatch data, and '
+            'the output is not combined row by row with minibatch data '
+            'either; per-example contributions are undefined'.format(where))
     return rows // b
+
+
+#: the functions through which an output's rows take the rows of the
+#: other operand (same shape, element by element)
+_ROW_PRESERVING = (_basic_math.Add, _basic_math.AddConstant,
+                   _basic_math.Sub, _basic_math.Mul)
+
+
+def _rows_owned_downstream(fn, consumers, batch):
+    """Whether ``fn``'s output rows are the examples': some function adds
+    it to (subtracts it from, multiplies it by) an operand of the same
+    shape whose rows come from the minibatch's rows
+    (:func:`_rows_from_minibatch`), so that its row i goes where that
+    operand's row i goes, which the regular layout reads as an
+    example's."""
+    if not consumers:
+        return False
+    out = fn.outputs[0]()
+    if out is None:
+        return False
+    for nxt in consumers.get(id(out), ()):
+        if not isinstance(nxt, _ROW_PRESERVING):
+            continue
+        for other in nxt.inputs:
+            if other is out or tuple(other.shape) != tuple(out.shape):
+                continue
+            if _rows_from_minibatch(other, batch):
+                return True
+    return False
+
+
+def _rows_from_minibatch(node, batch, limit=10000):
+    """Whether ``node``'s rows come from a minibatch array's rows: going
+    back through reshapes and the functions that keep rows where they are
+    (:func:`_row_sources`; a reduction or a broadcast over the rows ends
+    that path), some path reaches one of the minibatch's arrays (or a view
+    of one)."""
+    seen, stack = set(), [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        creator = n.creator_node
+        if creator is None:
+            if n.data is not None and _derived_from(n.data,
+                                                    batch._batch_ids):
+                return True
+            continue
+        if isinstance(creator, _reshape.Reshape):
+            stack.append(creator.inputs[0])
+        else:
+            stack.extend(_row_sources(creator, n))
+    return False
 
 
 def layout(owners, b):

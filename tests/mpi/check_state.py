@@ -170,6 +170,50 @@ def check_snapshot_of_other_settings_is_refused():
                      'this run has 1')
 
 
+def check_rank0_snapshot_is_rank0s_own():
+    """ChainerCV's detection script saves a snapshot on rank 0 only and
+    resumes every rank from it: the residuals in it are rank 0's."""
+    comm, model, opt = setup('vgc', alpha=1.0)
+    for step in range(4):
+        opt.update(model, *data(step))
+    held = states(comm)
+    saved = world.bcast(snapshot(opt) if world.rank == 0 else None)
+    _, _, plain = setup('vgc', alpha=1.0)
+    if world.rank == 0:
+        load(saved, plain)  # its own
+    else:
+        expect_error(lambda: load(saved, plain), 'saved by rank 0',
+                     'this is rank {}'.format(world.rank),
+                     "snapshot_rank{}_iter", 'create_multi_node_checkpointer',
+                     "resume_residuals='fresh'")
+    comm2, model2, opt2 = setup('vgc', alpha=1.0, resume_residuals='fresh')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        load(saved, opt2)
+    comm2.setup(model2)
+    got = states(comm2)
+    if world.rank == 0:
+        assert not caught, [str(w.message) for w in caught]
+        for name, st in held.items():
+            for key in st:
+                assert numpy.array_equal(st[key], got[name][key])
+    else:
+        assert any('start fresh' in str(w.message) for w in caught)
+        assert all(not a.any() for st in got.values() for a in st.values())
+    for step in range(4, 7):  # and the run goes on, alike on every rank
+        opt2.update(model2, *data(step))
+    mine = [p.array.copy() for _, p in sorted(model2.namedparams())
+            if p.array is not None]
+    for a, b in zip(mine, world.bcast(mine)):
+        assert numpy.array_equal(a, b)
+    try:
+        setup('vgc', resume_residuals='all')
+    except ValueError as e:
+        assert 'resume_residuals' in str(e) and 'ElasticResume' in str(e)
+    else:
+        raise AssertionError('resume_residuals=all accepted')
+
+
 def check_bcast_through_host_equals_chainermn():
     """The first update's broadcast, staged through one host buffer,
     equals ChainerMN's bcast_data bit for bit (float32 and float16)."""
@@ -202,6 +246,7 @@ def main():
     check_branch_reached_mid_run_keeps_residuals()
     check_rank0_only_snapshot_neither_hangs_nor_changes_anything()
     check_snapshot_of_other_settings_is_refused()
+    check_rank0_snapshot_is_rank0s_own()
     world.Barrier()
     if world.rank == 0:
         print('state OK at p={}'.format(world.size))
