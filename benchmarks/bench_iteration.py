@@ -14,9 +14,10 @@ at a time, with a barrier before each; an iteration's time is the slowest
 rank's.  Printed: the medians, their ratio and vgc's compression.
 
 Models (``--model``): ``vgg-cifar`` (the App. D VGG at full width with
-dropout, batch 16 of 32x32x3: ChainerMN's CIFAR example's shape) and
+dropout, batch 16 of 32x32x3: ChainerMN's CIFAR example's shape),
 ``resnet50`` (``BottleneckResNet``, batch 4 of 224x224x3: its ImageNet
-example's shape)::
+example's shape) and ``transformer`` (``examples/train_transformer.py``'s
+encoder-decoder, batch 16 of padded sentence pairs)::
 
     OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python benchmarks/bench_iteration.py
 """
@@ -34,7 +35,9 @@ import numpy
 import chainer_vgc
 from chainer_vgc.extensions import run_summary
 from chainer_vgc.harness.models import BottleneckResNet
+from chainer_vgc.harness.models import Transformer
 from chainer_vgc.harness.models import VGG
+from chainer_vgc.harness.models import padded_pairs_task
 
 from bench_common import machine
 
@@ -42,17 +45,25 @@ MODELS = {
     'vgg-cifar': (lambda: VGG(10, width=1.0, dropout=True), (3, 32, 32), 16,
                   10),
     'resnet50': (lambda: BottleneckResNet(1000), (3, 224, 224), 4, 1000),
+    # examples/train_transformer.py's defaults: padded (B, T) token blocks
+    'transformer': (lambda: Transformer(40, d=64, heads=4, layers=2,
+                                        max_length=10), None, 16, 40),
 }
 
 
 def _updater(name, rank, comm, make_optimizer):
     make, shape, batch, classes = MODELS[name]
     numpy.random.seed(0)  # the same initial weights for both
-    model = L.Classifier(make())
     rng = numpy.random.default_rng(1 + rank)
-    data = chainer.datasets.TupleDataset(
-        rng.normal(size=(8 * batch,) + shape).astype(numpy.float32),
-        rng.integers(0, classes, 8 * batch).astype(numpy.int32))
+    if shape is None:  # a sequence model: its own loss, padded pairs
+        model = make()
+        data = chainer.datasets.TupleDataset(*padded_pairs_task(
+            8 * batch, classes, 10, 1 + rank))
+    else:
+        model = L.Classifier(make())
+        data = chainer.datasets.TupleDataset(
+            rng.normal(size=(8 * batch,) + shape).astype(numpy.float32),
+            rng.integers(0, classes, 8 * batch).astype(numpy.int32))
     optimizer = make_optimizer(
         chainer.optimizers.MomentumSGD(lr=0.01), comm)
     optimizer.setup(model)

@@ -68,6 +68,9 @@ def main():
     p.add_argument('--examples', type=int, default=4000,
                    help='sentence pairs in the training set')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--by-parameter', action='store_true',
+                   help="each parameter's share of the elements sent and "
+                   'its density, in the log and the summary')
     p.add_argument('--out', default='result_seq2seq')
     args = p.parse_args()
 
@@ -103,7 +106,7 @@ def main():
     keys = ['iteration', 'main/loss']
     if args.communicator == 'vgc':
         trainer.extend(chainer_vgc.extensions.CompressionReport(
-            comm, trigger=every))
+            comm, trigger=every, by_parameter=args.by_parameter))
         keys.append('vgc/interval_compression')
     if comm.rank == 0:
         trainer.extend(extensions.PrintReport(keys), trigger=every)
@@ -121,6 +124,10 @@ def main():
                                       if per_rank else None)
         summary['compression_last'] = log.log[-1].get(
             'vgc/interval_compression') if log.log else None
+        if args.by_parameter and log.log:  # the last interval's
+            summary['density_last'] = {
+                k[len('vgc/density'):]: v for k, v in log.log[-1].items()
+                if k.startswith('vgc/density')}
     if comm.rank == 0:
         print('summary ' + json.dumps(summary, sort_keys=True))
 

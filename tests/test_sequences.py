@@ -147,8 +147,11 @@ def test_recurrent_layers_equal_one_backward_per_example(link):
 
 def test_stacked_weights_are_followed_when_they_are_whole_rows():
     """A parameter that reaches F.linear through stack/reshape/concat is
-    covered when it is whole rows of the weight (the recurrent layers'
-    layout); interleaved columns are not, and the error names the path."""
+    covered by the Linear's fast sums when it is whole rows of the weight
+    (the recurrent layers' layout); interleaved columns are covered too,
+    by pulling the weight's per-example contributions back through the
+    reshape and the stack, and a path through a function that is not
+    followed is refused with an error naming the path."""
     rng = numpy.random.RandomState(2)
     with chainer.using_config('dtype', numpy.float64):
         model = chainer.Chain()
@@ -171,12 +174,25 @@ def test_stacked_weights_are_followed_when_they_are_whole_rows():
 
     def columns_loss(x):
         w = F.reshape(F.stack([model.w0, model.w1], axis=2), (3, 8))
-        return F.sum(F.linear(F.concat([x, x], axis=1), w, model.b0))
+        return F.sum(F.tanh(F.linear(F.concat([x, x * 2], axis=1), w,
+                                     model.b0))) / len(x)
+
+    want = bruteforce_sqsum(columns_loss, params, x)
+    got = PerSampleSquares(model).backward(columns_loss(x), batch=(x,))
+    assert want[names.index('/b1')] is None  # (not used here)
+    assert got[names.index('/b1')] is None
+    keep = [i for i, n in enumerate(names) if n != '/b1']
+    assert_close([names[i] for i in keep], [got[i] for i in keep],
+                 [want[i] for i in keep], rtol=1e-9)
+
+    def matmul_loss(x):
+        w = F.reshape(F.stack([model.w0, model.w1], axis=2), (3, 8))
+        return F.sum(F.matmul(F.concat([x, x], axis=1), w, transb=True))
 
     with pytest.raises(UncoveredParameterError) as info:
         PerSampleSquares(model, uncovered='error').backward(
-            columns_loss(x), batch=(x,))
-    assert 'Stack -> Reshape -> LinearFunction' in str(info.value)
+            matmul_loss(x), batch=(x,))
+    assert 'Stack -> Reshape -> MatMul' in str(info.value)
     assert sorted(info.value.names) == ['/w0', '/w1']
 
 

@@ -165,3 +165,240 @@ def test_constant_rows_combined_with_no_examples_are_refused():
         PerSampleSquares(lin).backward(F.sum(lin(table) * F.sum(lin(x))),
                                        batch=(x,))
     assert UncoveredParameterError  # (the error type of uncovered uses)
+
+
+# ---- parameters through elementwise functions and broadcasts -----------------
+
+class L2NormScale(chainer.Chain):
+    """A detector-style head: channels L2-normalized, then a learned
+    per-channel scale, indexed to (1, C, 1, 1) and multiplied by
+    broadcast, before a convolution."""
+
+    def __init__(self, c=4):
+        super(L2NormScale, self).__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, c, 3, pad=1)
+            self.scale = chainer.Parameter(
+                numpy.linspace(0.5, 2, c).astype(chainer.config.dtype))
+            self.head = L.Convolution2D(c, 2, 1)
+            self.out = L.Linear(None, 3)
+
+    def forward(self, x):
+        h = F.normalize(F.relu(self.conv(x)), axis=1)
+        h = h * F.broadcast_to(self.scale[None, :, None, None], h.shape)
+        return self.out(self.head(h))
+
+
+class MaskedConv(chainer.Chain):
+    """A pruned convolution: its weight times a constant mask (and a
+    constant factor, and a cast), then ``F.convolution_2d``."""
+
+    def __init__(self):
+        super(MaskedConv, self).__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 4, 3)
+            self.out = L.Linear(None, 3)
+        rng = numpy.random.default_rng(3)
+        self.mask = (rng.uniform(size=(4, 3, 3, 3)) > 0.4).astype(
+            chainer.config.dtype)
+
+    def forward(self, x):
+        w = F.cast(self.conv.W * self.mask * 0.5, x.dtype)
+        h = F.convolution_2d(x, w, self.conv.b)
+        return self.out(F.relu(h))
+
+
+class Binarize(chainer.FunctionNode):
+    """A user's binarizing function with a straight-through backward
+    (gradient 1 where |w| <= 1), declared elementwise."""
+
+    is_elementwise = True
+
+    def forward(self, inputs):
+        self.retain_inputs((0,))
+        (w,) = inputs
+        xp = chainer.backend.get_array_module(w)
+        return xp.where(w >= 0, 1, -1).astype(w.dtype),
+
+    def backward(self, indexes, grad_outputs):
+        (w,) = self.get_retained_inputs()
+        keep = (abs(w.array) <= 1).astype(w.dtype)
+        return grad_outputs[0] * keep,
+
+
+class BinaryLinear(chainer.Chain):
+    def __init__(self):
+        super(BinaryLinear, self).__init__()
+        with self.init_scope():
+            self.lin = L.Linear(4, 5)
+            self.out = L.Linear(5, 3)
+        self.lin.W.array[0, 0] = 3.0  # outside the straight-through range
+
+    def forward(self, x):
+        w = Binarize().apply((self.lin.W,))[0]
+        return self.out(F.tanh(F.linear(x, w, self.lin.b)))
+
+
+class BroadcastFamily(chainer.Chain):
+    """L.Scale and L.Bias (with their own W and b), PReLU, and a learned
+    positional embedding added by broadcast to (B, T, C) tokens."""
+
+    def __init__(self, t=3, c=4):
+        super(BroadcastFamily, self).__init__()
+        with self.init_scope():
+            self.inp = L.Linear(2, c)
+            self.pos = chainer.Parameter(numpy.linspace(
+                -1, 1, t * c).reshape(1, t, c).astype(chainer.config.dtype))
+            self.scale = L.Scale(axis=1, W_shape=(c,), bias_term=True)
+            self.bias = L.Bias(axis=1, shape=(c,))
+            self.prelu = L.PReLU((c,))
+            self.out = L.Linear(None, 3)
+        self.t, self.c = t, c
+
+    def forward(self, x):
+        b = x.shape[0]
+        h = F.reshape(self.inp(F.reshape(x, (b * self.t, 2))),
+                      (b, self.t, self.c))
+        h = h + self.pos
+        h = F.reshape(h, (b * self.t, self.c))
+        h = self.prelu(self.bias(self.scale(h)) - 0.3)
+        return self.out(F.reshape(h, (b, -1)))
+
+
+def test_a_per_channel_scale_through_an_index_and_a_broadcast(dtype):
+    rng = numpy.random.default_rng(21)
+    numpy.random.seed(21)
+    model = L2NormScale()
+    x = _data(rng, dtype, 4, 3, 5, 5)
+    t = rng.integers(0, 3, 4).astype(numpy.int32)
+    got = check(model, _cross_entropy(model), (x, t), dtype)
+    assert got[[n for n, _ in model.namedparams()].index('/scale')].any()
+
+
+def test_a_masked_convolution_weight(dtype):
+    rng = numpy.random.default_rng(22)
+    numpy.random.seed(22)
+    model = MaskedConv()
+    x = _data(rng, dtype, 4, 3, 6, 6)
+    t = rng.integers(0, 3, 4).astype(numpy.int32)
+    got = check(model, _cross_entropy(model), (x, t), dtype)
+    w = got[[n for n, _ in model.namedparams()].index('/conv/W')]
+    assert (w[model.mask == 0] == 0).all() and w[model.mask == 1].all()
+
+
+def test_a_users_elementwise_function_of_a_weight(dtype):
+    rng = numpy.random.default_rng(23)
+    numpy.random.seed(23)
+    model = BinaryLinear()
+    x = _data(rng, dtype, 5, 4)
+    t = rng.integers(0, 3, 5).astype(numpy.int32)
+    got = check(model, _cross_entropy(model), (x, t), dtype)
+    w = got[[n for n, _ in model.namedparams()].index('/lin/W')]
+    assert w[0, 0] == 0 and w.any()
+
+
+def test_scale_bias_prelu_and_a_positional_embedding(dtype):
+    rng = numpy.random.default_rng(24)
+    numpy.random.seed(24)
+    model = BroadcastFamily()
+    model.prelu.W.array[...] = rng.uniform(0.1, 0.5, 4)
+    x = _data(rng, dtype, 5, 3, 2)
+    t = rng.integers(0, 3, 5).astype(numpy.int32)
+    got = check(model, _cross_entropy(model), (x, t), dtype)
+    names = [n for n, _ in model.namedparams()]
+    for name in ('/pos', '/scale/W', '/scale/bias/b', '/bias/b',
+                 '/prelu/W'):
+        assert got[names.index(name)].any(), name
+
+
+class Coupled(chainer.Chain):
+    """A weight used by a matrix product over the rows (attention-like
+    mixing of the batch): truly couples examples."""
+
+    def __init__(self):
+        super(Coupled, self).__init__()
+        with self.init_scope():
+            self.w = chainer.Parameter(numpy.ones((3, 3), numpy.float32))
+
+    def forward(self, x):
+        return F.sum(F.matmul(F.matmul(x, x, transb=True), x) * 1.0
+                     + F.matmul(x, self.w) * 2.0)
+
+
+def test_what_couples_examples_is_still_refused():
+    rng = numpy.random.default_rng(25)
+    model = Coupled()
+    x = _data(rng, numpy.float32, 4, 3)
+    with pytest.raises(UncoveredParameterError, match='MatMul'):
+        PerSampleSquares(model).backward(model(x), batch=(x,))
+
+
+# ---- a Transformer encoder-decoder --------------------------------------------
+
+def test_transformer_encoder_decoder_every_parameter_exact():
+    """Every parameter of a Transformer (written here: padded blocks,
+    Linear over batch x length rows, LayerNorm, a tied embedding used by
+    EmbedID and by the output projection, a positional embedding added by
+    broadcast, the loss divided by the token count) against brute force,
+    with dropout off; with dropout on, the statistics run without a
+    refusal."""
+    from chainer_vgc.harness.models import Transformer
+    from chainer_vgc.harness.models import padded_pairs_task
+    with chainer.using_config('dtype', numpy.float64):
+        numpy.random.seed(31)
+        model = Transformer(9, d=8, heads=2, layers=1, max_length=5)
+    source, target = padded_pairs_task(4, 9, 5, seed=3)
+    assert (source < 0).any() and (target < 0).any()  # padding in both
+    count = int((target >= 0).sum())
+
+    def loss_fn(s, t):
+        # the batch's token count, fixed: the mean over the examples of
+        # this on each example alone is the batch's loss (brute force)
+        return model.loss(s, t, normalizer=count * len(s) / len(source))
+    with chainer.using_config('train', False):
+        got = check(model, loss_fn, (source, target), numpy.float64)
+    names = [n for n, _ in model.namedparams()]
+    assert len(names) > 30 and all(g is not None for g in got)
+    for name in ('/embed/W', '/pos', '/encoder/0/norm1/gamma',
+                 '/decoder/0/cross/q/W'):
+        assert got[names.index(name)].any(), name
+    with chainer.using_config('train', True):
+        model.cleargrads()
+        PerSampleSquares(model).backward(loss_fn(source, target),
+                                         batch=(source, target))
+
+
+def test_batch_renormalization_slices_against_numpy(dtype):
+    """BatchRenormalization in training couples the examples as BN does;
+    its per-example contribution is the example's slice of the batch
+    gradient, here recomputed with NumPy from the definition (x_hat from
+    the batch statistics, r and d clipped against the running ones taken
+    before the update), and the slices add up to Chainer's gradient."""
+    rng = numpy.random.default_rng(16)
+    brn = L.BatchRenormalization(3, rmax=1.5, dmax=0.5)
+    brn.avg_mean[...] = rng.normal(0, 0.5, 3)
+    brn.avg_var[...] = rng.uniform(0.5, 2, 3)
+    brn.gamma.array[...] = rng.normal(1, 0.3, 3)
+    x = _data(rng, dtype, 6, 3, 4, 4)
+    w = _data(rng, dtype, 6, 3, 4, 4)
+    mean, var = brn.avg_mean.copy(), brn.avg_var.copy()
+    brn.cleargrads()  # (a Parameter's first grad is NaN-filled)
+    with chainer.using_config('train', True):
+        got = PerSampleSquares([('gamma', brn.gamma), ('beta', brn.beta)],
+                               batch_size=6).backward(F.sum(brn(x) * w) / 6)
+    mu = x.mean(axis=(0, 2, 3))
+    std = numpy.sqrt(x.var(axis=(0, 2, 3)) + brn.eps)
+    sigma = numpy.sqrt(var + brn.eps)
+    r = numpy.clip(std / sigma, 1 / 1.5, 1.5)
+    d = numpy.clip((mu - mean) / sigma, -0.5, 0.5)
+    e = (None, slice(None), None, None)
+    hat = (x - mu[e]) / std[e] * r[e] + d[e]
+    gamma_z = (w / 6 * hat).sum(axis=(2, 3))
+    beta_z = (w / 6).sum(axis=(2, 3))
+    rtol = 1e-9 if dtype == numpy.float64 else 1e-4
+    numpy.testing.assert_allclose(gamma_z.sum(axis=0), brn.gamma.grad,
+                                  rtol=rtol)
+    numpy.testing.assert_allclose(got[0], (gamma_z ** 2).sum(axis=0),
+                                  rtol=rtol)
+    numpy.testing.assert_allclose(got[1], (beta_z ** 2).sum(axis=0),
+                                  rtol=rtol)

@@ -287,3 +287,152 @@ def sentence_pairs_task(n, vocab, max_length, seed):
                       perm[x[::-1]].astype(numpy.int32)))
     return pairs
 
+
+
+class MultiHeadAttention(chainer.Chain):
+    """Scaled dot-product attention with ``heads`` heads (written here, in
+    the usual Chainer style): query, key (no bias), value and output
+    projections are ``L.Linear`` over ``batch x length`` rows
+    (``n_batch_axes=2``);
+    the heads' products are ``F.matmul`` of activations, masked with
+    ``F.where`` (a constant mask: padding, causality)."""
+
+    def __init__(self, d, heads):
+        super(MultiHeadAttention, self).__init__()
+        self.heads = heads
+        with self.init_scope():
+            self.q = L.Linear(d, d)
+            # (a key bias shifts every score of a query alike: the
+            # softmax gives it no gradient but rounding)
+            self.k = L.Linear(d, d, nobias=True)
+            self.v = L.Linear(d, d)
+            self.o = L.Linear(d, d)
+
+    def forward(self, x, memory, mask):
+        """x (B, Tq, d) attends to memory (B, Tk, d) where mask (B, Tq,
+        Tk) is True."""
+        b, tq, d = x.shape
+        tk, h = memory.shape[1], self.heads
+
+        def heads(a, t):  # (B, t, d) -> (B * h, t, d / h)
+            a = F.transpose(F.reshape(a, (b, t, h, d // h)), (0, 2, 1, 3))
+            return F.reshape(a, (b * h, t, d // h))
+        q = heads(self.q(x, n_batch_axes=2), tq)
+        k = heads(self.k(memory, n_batch_axes=2), tk)
+        v = heads(self.v(memory, n_batch_axes=2), tk)
+        scores = F.matmul(q, k, transb=True) * (1.0 / numpy.sqrt(d // h))
+        xp = self.xp
+        keep = xp.broadcast_to(mask[:, None], (b, h, tq, tk)).reshape(
+            b * h, tq, tk)
+        scores = F.where(keep, scores,
+                         xp.full(scores.shape, -1e9, scores.dtype))
+        out = F.matmul(F.softmax(scores, axis=2), v)
+        out = F.reshape(F.transpose(F.reshape(out, (b, h, tq, d // h)),
+                                    (0, 2, 1, 3)), (b, tq, d))
+        return self.o(out, n_batch_axes=2)
+
+
+class TransformerLayer(chainer.Chain):
+    """Post-norm residual blocks: self-attention, cross-attention (a
+    decoder layer, ``cross=True``) and a ReLU feed-forward, each followed
+    by dropout and ``L.LayerNormalization`` over the ``batch x length``
+    rows."""
+
+    def __init__(self, d, heads, cross=False, dropout=0.1):
+        super(TransformerLayer, self).__init__()
+        self.dropout = dropout
+        with self.init_scope():
+            self.attend = MultiHeadAttention(d, heads)
+            self.norm1 = L.LayerNormalization(d)
+            if cross:
+                self.cross = MultiHeadAttention(d, heads)
+                self.norm2 = L.LayerNormalization(d)
+            self.ff1 = L.Linear(d, 4 * d)
+            self.ff2 = L.Linear(4 * d, d)
+            self.norm3 = L.LayerNormalization(d)
+
+    def _norm(self, norm, x, sub):
+        b, t, d = x.shape
+        h = x + F.dropout(sub, self.dropout)
+        return F.reshape(norm(F.reshape(h, (b * t, d))), (b, t, d))
+
+    def forward(self, x, mask, memory=None, memory_mask=None):
+        x = self._norm(self.norm1, x, self.attend(x, x, mask))
+        if memory is not None:
+            x = self._norm(self.norm2, x,
+                           self.cross(x, memory, memory_mask))
+        ff = self.ff2(F.relu(self.ff1(x, n_batch_axes=2)), n_batch_axes=2)
+        return self._norm(self.norm3, x, ff)
+
+
+class Transformer(chainer.Chain):
+    """An encoder-decoder Transformer in the usual Chainer style (written
+    here): padded blocks of token ids (``-1``: padding) of shape (B, T);
+    one ``EmbedID`` shared by source, target and the output projection
+    (tied: ``F.linear(h, embed.W)``), scaled by sqrt(d), plus a learned
+    positional embedding (a parameter of shape (1, max_length, d),
+    indexed to the length and added by broadcast); ``layers`` encoder and
+    decoder layers; the loss is the cross entropy of the target tokens
+    divided by their count (``normalizer``; a fixed number keeps the loss
+    a sum of per-example terms, as brute force needs).  Token 0 starts
+    the decoder's input."""
+
+    def __init__(self, vocab, d=32, heads=4, layers=2, max_length=16,
+                 dropout=0.1):
+        super(Transformer, self).__init__()
+        self.d = d
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, d, ignore_label=-1)
+            self.pos = chainer.Parameter(
+                chainer.initializers.Normal(0.1), (1, max_length + 1, d))
+            self.encoder = chainer.ChainList(*[
+                TransformerLayer(d, heads, dropout=dropout)
+                for _ in range(layers)])
+            self.decoder = chainer.ChainList(*[
+                TransformerLayer(d, heads, cross=True, dropout=dropout)
+                for _ in range(layers)])
+
+    def _embed(self, ids):
+        t = ids.shape[1]
+        return self.embed(ids) * numpy.sqrt(self.d) + self.pos[:, :t]
+
+    def loss(self, source, target, normalizer=None):
+        xp = self.xp
+        b = source.shape[0]
+        start = xp.zeros((b, 1), numpy.int32)
+        decoder_in = xp.concatenate([start, xp.where(
+            target[:, :-1] < 0, 0, target[:, :-1])], axis=1)
+        ts, tt = source.shape[1], target.shape[1]
+        source_keys = (source >= 0)[:, None, :]
+        enc_mask = xp.broadcast_to(source_keys, (b, ts, ts))
+        causal = xp.tril(xp.ones((tt, tt), bool))[None]
+        dec_mask = xp.broadcast_to(causal, (b, tt, tt))
+        mem_mask = xp.broadcast_to(source_keys, (b, tt, ts))
+        h = self._embed(source)
+        for layer in self.encoder:
+            h = layer(h, enc_mask)
+        y = self._embed(decoder_in)
+        for layer in self.decoder:
+            y = layer(y, dec_mask, h, mem_mask)
+        logits = F.linear(F.reshape(y, (b * tt, self.d)), self.embed.W)
+        token_loss = F.softmax_cross_entropy(
+            logits, target.reshape(-1), reduce='no', ignore_label=-1)
+        if normalizer is None:
+            normalizer = max(1, int((target >= 0).sum()))
+        loss = F.sum(token_loss) / normalizer
+        chainer.report({'loss': loss}, self)
+        return loss
+
+    def forward(self, source, target):
+        return self.loss(source, target)
+
+
+def padded_pairs_task(n, vocab, max_length, seed):
+    """(sources, targets) of :func:`sentence_pairs_task` as padded int32
+    blocks (n, max_length), ``-1`` after each sentence's end."""
+    pairs = sentence_pairs_task(n, vocab, max_length, seed)
+    blocks = numpy.full((2, n, max_length), -1, numpy.int32)
+    for i, (x, y) in enumerate(pairs):
+        blocks[0, i, :len(x)] = x
+        blocks[1, i, :len(y)] = y
+    return blocks[0], blocks[1]

@@ -21,6 +21,8 @@ from chainer.functions.array import reshape as _reshape
 from chainer.functions.array import stack as _stack
 from chainer.functions.connection import linear as _linear
 
+from chainer_vgc.statistics import pullback
+
 
 def _functions_of(var):
     """Every function node in the graph of ``var``."""
@@ -37,23 +39,41 @@ def _functions_of(var):
     return out
 
 
-def _scan(loss, params):
+def _scan(loss, params, batch_ids=()):
     """The function nodes of loss's graph, and the uses of each of
     ``params``: ``(functions, {index: [(fn, k, selection)]})``: fn consumes
-    the parameter as its input k, directly (selection None) or through a
-    rearrangement (a :class:`Selection`)."""
+    the parameter as its input k, directly (selection None), through a
+    rearrangement into rows of a Linear (a :class:`Selection`) or through
+    other functions of itself and constants (a
+    :class:`~chainer_vgc.statistics.pullback.Pullback`).  ``batch_ids``:
+    the ids of the minibatch's arrays (an input that is neither one of
+    them, nor computed, nor a parameter is a constant)."""
     index = {id(p.node): i for i, p in enumerate(params)}
     functions = _functions_of(loss)
     consumers = {}
     for fn in functions:
         for k, node in enumerate(fn.inputs):
             consumers.setdefault(id(node), []).append((fn, k))
+
+    def constant(node):
+        return (node.creator_node is None and id(node) not in index
+                and not node.requires_grad
+                and not _in_batch(node.data, batch_ids))
     uses = {}
     for p_id, i in index.items():
         for fn, k in consumers.get(p_id, ()):
             uses.setdefault(i, []).extend(
-                _followed(fn, k, params[i].shape, consumers))
+                _followed(fn, k, params[i].shape, consumers, constant))
     return functions, uses
+
+
+def _in_batch(array, ids):
+    """Whether ``array`` is one of the arrays ``ids`` or a view of one."""
+    while array is not None:
+        if id(array) in ids:
+            return True
+        array = getattr(array, 'base', None)
+    return False
 
 
 #: the rearranging functions followed from a parameter to its use
@@ -71,32 +91,50 @@ class Selection(object):
         self.path = path
         self.rows = rows
 
+    @property
+    def covered(self):
+        return self.rows is not None
+
     def describe(self, fn):
         return ' -> '.join(self.path + [type(fn).__name__])
 
 
-def _followed(fn, k, shape, consumers, path=(), positions=None, key=()):
+def _followed(fn, k, shape, consumers, constant, steps=()):
     """The uses ``[(fn, k, selection)]`` reached from input k of ``fn``
-    (a parameter of ``shape``, or a rearrangement of one: ``positions``
-    the flat place of each of its elements, ``key`` how they were
-    computed)."""
-    if not isinstance(fn, _REARRANGING):
-        if not path:
+    (a parameter of ``shape``, or what ``steps``, ``[(fn, k, kind)]``,
+    made of it): a rearrangement into rows of a Linear is a
+    :class:`Selection`, any other path a
+    :class:`~chainer_vgc.statistics.pullback.Pullback`."""
+    kind = pullback.step_of(fn, k, constant)
+    if kind is None:
+        if not steps:
             return [(fn, k, None)]
-        return [(fn, k, Selection(list(path), _row_selection(
-            fn, k, shape, positions, key)))]
+        if all(isinstance(f, _REARRANGING) for f, _, _ in steps):
+            rows = _rows_through(steps, fn, k, shape)
+            if rows is not None:  # whole rows of a Linear's weight
+                return [(fn, k, Selection(
+                    [type(f).__name__ for f, _, _ in steps], rows))]
+        return [(fn, k, pullback.Pullback(
+            [pullback.Step(f, kk, kd) for f, kk, kd in steps]))]
     out = fn.outputs[0]()
-    if out is None:
-        return []
-    step = (type(fn).__name__, getattr(fn, 'axis', None), k,
-            tuple(tuple(n.shape) for n in fn.inputs), tuple(out.shape))
-    key = key + (step,)
-    positions = _positions(fn, k, out, shape, positions, key)
     found = []
     for nxt, kk in consumers.get(id(out), ()):
-        found.extend(_followed(nxt, kk, shape, consumers,
-                               path + (type(fn).__name__,), positions, key))
+        found.extend(_followed(nxt, kk, shape, consumers, constant,
+                               steps + ((fn, k, kind),)))
     return found
+
+
+def _rows_through(steps, fn, k, shape):
+    """The rows of ``fn``'s weight (or bias) the parameter's rows are,
+    after the rearrangements ``steps``, or None."""
+    positions, key = None, ()
+    for f, kk, _ in steps:
+        out = f.outputs[0]()
+        key = key + ((type(f).__name__, getattr(f, 'axis', None), kk,
+                      tuple(tuple(n.shape) for n in f.inputs),
+                      tuple(out.shape)),)
+        positions = _positions(f, kk, out, shape, positions, key)
+    return _row_selection(fn, k, shape, positions, key)
 
 
 #: {key: flat positions}, {key: rows}: rearrangements repeat every step

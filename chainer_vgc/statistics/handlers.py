@@ -22,6 +22,15 @@ primitives:
   statistics.  The slices add up to the batch gradient;
 * ``EmbedID`` (with ``ignore_label``): per example, the rows of the tokens
   it contains, combined by word id before squaring;
+* a parameter combined with minibatch data element by element (with
+  broadcasting: a per-channel scale ``x * s[None, :, None, None]``,
+  ``L.Scale``, ``L.Bias``, a positional embedding ``x + pos[None]``,
+  ``PReLU``): the output gradient times the derivative with respect to the
+  parameter's operand (the other operand, for a product), summed over the
+  axes the operand was broadcast along, per row; the rows are the data
+  operand's (:func:`_row_input`);
+* ``BatchRenormalization`` in training: as batch normalization, the
+  example's slice of the batch gradient (``gy * x_hat_renorm``, ``gy``);
 * ``LayerNormalization``, ``GroupNormalization`` and batch normalization
   with fixed statistics (``FixedBatchNormalization``: test mode,
   fine-tuning with frozen statistics): each row (a token, an example) is
@@ -49,7 +58,11 @@ from chainer.functions.connection import convolution_2d as _conv
 from chainer.functions.connection import deconvolution_2d as _deconv
 from chainer.functions.connection import embed_id as _embed
 from chainer.functions.connection import linear as _linear
+from chainer import function as _function
+from chainer.functions.activation import prelu as _prelu
+from chainer.functions.math import basic_math as _math
 from chainer.functions.normalization import batch_normalization as _bn
+from chainer.functions.normalization import batch_renormalization as _brn
 from chainer.functions.normalization import group_normalization as _gn
 from chainer.functions.normalization import layer_normalization as _ln
 from chainer.utils import conv as conv_utils
@@ -198,6 +211,46 @@ def _fixed_norm_hat(xp, mean, var, eps, shape):
         v = var.reshape(shape).astype(x.dtype, copy=False)
         return (x - m) / xp.sqrt(v + x.dtype.type(eps))
     return normalize
+
+
+class _BroadcastOperand(_Use):
+    """A parameter's operand of an elementwise function of minibatch data
+    (``y = f(x, s)``): per row, ``gy * dy/ds`` (``factor``: an array that
+    broadcasts against gy, with rows or without, or None for 1) summed to
+    the operand's shape ``shape`` (numpy's alignment from the right: the
+    axes it was broadcast along, and the row axis, which a parameter's
+    operand cannot have)."""
+
+    def __init__(self, xp, dtype, gy, factor, shape, aligned=None):
+        super(_BroadcastOperand, self).__init__(xp, dtype)
+        self.gy = _as(gy, dtype)
+        self.factor = None if factor is None else _as(factor, dtype)
+        self.shape = tuple(shape)
+        # the operand's axes against gy's, the row axis first
+        self.aligned = tuple(aligned) if aligned is not None else (
+            (1,) * (gy.ndim - len(self.shape)) + self.shape)
+        if len(self.aligned) != gy.ndim or self.aligned[0] != 1:
+            raise ValueError(
+                'per-example statistics: a parameter operand of shape {} '
+                'against an output of shape {} has a value for every row '
+                '(its first axis is not broadcast), so it is not one '
+                "parameter's use by every example".format(self.shape,
+                                                          gy.shape))
+        self.axes = tuple(i for i in range(1, gy.ndim)
+                          if self.aligned[i] == 1 and gy.shape[i] != 1)
+        self.rows = gy.shape[0]
+        self.row_bytes = (2 * gy[0].size + int(numpy.prod(self.shape))) * \
+            dtype.itemsize
+
+    def per_example(self, r0, r1):
+        g = self.gy[r0:r1]
+        f = self.factor
+        if f is not None:
+            g = g * (f[r0:r1] if f.ndim == g.ndim and f.shape[0] ==
+                     self.rows else f)
+        if self.axes:
+            g = g.sum(axis=self.axes, keepdims=True)
+        return g.reshape((r1 - r0,) + self.shape)
 
 
 def _sum_over(xp, a, axes, b=None):
@@ -420,8 +473,65 @@ def _fixed_bn_gamma(fn, in_data, gy, dtype, xp):
         tuple(a for a in fn.axis if a != 0), gamma.size)
 
 
+def _brn_gamma(fn, in_data, gy, dtype, xp):
+    """``BatchRenormalization`` in training (Chainer's old-style Function,
+    through its adapter): as batch normalization, the example's slice of
+    the batch gradient, ``sum gy_z * x_hat_renorm_z`` over the positions,
+    from the renormalized x the function kept."""
+    f = fn._function
+    hat = f.x_hat_renorm
+    return _NormalizedGamma(xp, dtype, hat, gy, lambda rows: rows,
+                            tuple(range(1 + in_data[1].ndim, hat.ndim)),
+                            in_data[1].size)
+
+
+def _brn_beta(fn, in_data, gy, dtype, xp):
+    return _SumOverPositions(xp, dtype, gy,
+                             tuple(range(1 + in_data[1].ndim, gy.ndim)))
+
+
 def _fixed_bn_beta(fn, in_data, gy, dtype, xp):
     return _SumOverPositions(xp, dtype, gy, tuple(fn.axis))
+
+
+def _operand_shape(fn, k, operand):
+    """The shape a broadcasting use reduces to: ``operand`` where the
+    parameter's path ended in a broadcast (folded into the use: see
+    :meth:`~chainer_vgc.statistics.pullback.Pullback.wrap`), else the
+    input's own."""
+    return tuple(operand) if operand is not None else tuple(
+        fn.inputs[k].shape)
+
+
+def _binary(derivative):
+    """The makers of inputs 0 and 1 of an elementwise binary function
+    ``y = f(x0, x1)``: ``derivative(k, x0, x1)`` is dy/dx_k (None: 1)."""
+    def maker(k):
+        def make(fn, in_data, gy, dtype, xp, operand=None):
+            # (the inputs a derivative reads are those the function
+            # retains; Add and Sub retain none)
+            x0, x1 = (None if a is None else _as(a, dtype)
+                      for a in in_data[:2])
+            return _BroadcastOperand(xp, dtype, gy, derivative(k, x0, x1),
+                                     _operand_shape(fn, k, operand))
+        return make
+    return {0: maker(0), 1: maker(1)}
+
+
+_ADD = _binary(lambda k, x0, x1: None)
+_SUB = _binary(lambda k, x0, x1: None if k == 0 else -1.0)
+_MUL = _binary(lambda k, x0, x1: x1 if k == 0 else x0)
+_DIV = _binary(lambda k, x0, x1: 1 / x1 if k == 0 else -x0 / (x1 * x1))
+
+
+def _prelu_weight(fn, in_data, gy, dtype, xp):
+    """``F.prelu(x, W)``: y = x where x >= 0, W x elsewhere (W along the
+    axes after the first); dy/dW = x where x < 0."""
+    x, w = in_data[0], in_data[1]
+    x = _as(x, dtype)
+    factor = xp.where(x < 0, x, x.dtype.type(0))
+    aligned = (1,) + tuple(w.shape) + (1,) * (x.ndim - w.ndim - 1)
+    return _BroadcastOperand(xp, dtype, gy, factor, w.shape, aligned)
 
 
 def _embed_weight(fn, in_data, gy, dtype, xp):
@@ -432,15 +542,33 @@ def _always(fn):
     return True
 
 
+def _other_operand(fn, k):
+    return 1 - k
+
+
+def _first_input(fn, k):
+    return 0
+
+
 class _Handler(object):
     """How one Chainer function class is covered: ``makers`` maps the
     index k of a parameter input (1: W or gamma, 2: b or beta) to its
     maker; ``accepts(fn)`` is False for nodes configured in a way the
-    makers do not cover."""
+    makers do not cover; ``row_input(fn, k)``: the input whose rows are
+    the examples' (input 0, or the data operand of an elementwise
+    function); ``broadcasting``: its makers take the shape a broadcast
+    on the parameter's path started from (``operand=``)."""
 
-    def __init__(self, makers, accepts=_always):
+    def __init__(self, makers, accepts=_always, row_input=_first_input,
+                 broadcasting=False):
         self.makers = makers
         self.accepts = accepts
+        self.row_input = row_input
+        self.broadcasting = broadcasting
+
+
+def _elementwise(makers):
+    return _Handler(makers, row_input=_other_operand, broadcasting=True)
 
 
 _CONV = _Handler({1: _conv_weight, 2: _conv_bias})
@@ -458,11 +586,21 @@ _HANDLERS = {
     _bn.FixedBatchNormalization: _Handler(
         {1: _fixed_bn_gamma, 2: _fixed_bn_beta},
         accepts=_bn_reduces_examples),
+    _math.Add: _elementwise(_ADD),
+    _math.Sub: _elementwise(_SUB),
+    _math.Mul: _elementwise(_MUL),
+    _math.Div: _elementwise(_DIV),
+    _prelu.PReLUFunction: _Handler({1: _prelu_weight},
+                                   row_input=_first_input,
+                                   broadcasting=False),
 }
 
 
 def _handler(fn):
-    """The table's entry for fn's class or its nearest base, or None."""
+    """The table's entry for fn's class or its nearest base (for an
+    old-style Function, its adapter's function's), or None."""
+    if isinstance(fn, _function.FunctionAdapter):
+        return _ADAPTED.get(type(fn._function))
     for cls in type(fn).__mro__:
         handler = _HANDLERS.get(cls)
         if handler is not None:
@@ -476,16 +614,56 @@ def _takes_columns(fn):
     return _handler(fn) is _CONV
 
 
-def _supported(fn, k):
+def _supported(fn, k, operand=None):
     """Whether input k of function node fn is a parameter use covered
-    here."""
+    here; ``operand``: for a broadcasting use, the shape the broadcast on
+    the parameter's path started from (None: the input's)."""
     handler = _handler(fn)
-    return (handler is not None and k in handler.makers
-            and handler.accepts(fn))
+    if not (handler is not None and k in handler.makers
+            and handler.accepts(fn)):
+        return False
+    return not handler.broadcasting or _operand_has_no_rows(
+        fn, tuple(fn.inputs[k].shape) if operand is None else operand)
 
 
-def _uses_of(fn, k, in_data, gy, dtype, xp):
-    """The _Use for input k of function node fn, or None if unsupported."""
+def _operand_has_no_rows(fn, shape):
+    """Whether a parameter's operand of ``shape`` (numpy's alignment from
+    the right against fn's output) is broadcast along the rows: otherwise
+    it has a value of its own for every row, which no example shares."""
+    out = fn.outputs[0]()
+    if out is None or len(shape) > len(out.shape):
+        return False
+    aligned = (1,) * (len(out.shape) - len(shape)) + tuple(shape)
+    return len(aligned) == 0 or aligned[0] == 1 or out.shape[0] == 1
+
+
+#: old-style Functions covered, reached through their FunctionAdapter
+_ADAPTED = {
+    _brn.BatchRenormalizationFunction: _Handler({1: _brn_gamma,
+                                                 2: _brn_beta}),
+}
+
+
+def _row_input(fn, k):
+    """The input of fn whose rows are the examples' for its input k."""
+    handler = _handler(fn)
+    return 0 if handler is None else handler.row_input(fn, k)
+
+
+def _broadcasting(fn):
+    """Whether fn's uses take the shape a broadcast started from."""
+    handler = _handler(fn)
+    return handler is not None and handler.broadcasting
+
+
+def _uses_of(fn, k, in_data, gy, dtype, xp, operand=None):
+    """The _Use for input k of function node fn, or None if unsupported;
+    ``operand``: for a broadcasting use, the shape the broadcast on the
+    parameter's path started from (None: the input's)."""
     handler = _handler(fn)
     make = handler.makers.get(k) if handler is not None else None
-    return None if make is None else make(fn, in_data, gy, dtype, xp)
+    if make is None:
+        return None
+    if handler.broadcasting:
+        return make(fn, in_data, gy, dtype, xp, operand=operand)
+    return make(fn, in_data, gy, dtype, xp)

@@ -55,10 +55,13 @@ from chainer_vgc.statistics.contraction import Workspace
 from chainer_vgc.statistics import rows as _rows
 from chainer_vgc.statistics import tracing as _tracing
 from chainer_vgc.statistics.graph import _scan
+from chainer_vgc.statistics.handlers import _broadcasting
+from chainer_vgc.statistics.handlers import _row_input
 from chainer_vgc.statistics.handlers import _supported
 from chainer_vgc.statistics.handlers import _takes_columns
 from chainer_vgc.statistics.handlers import _uses_of
 from chainer_vgc.statistics.im2col import ColumnCapture
+from chainer_vgc.statistics.pullback import Pullback
 from chainer_vgc.statistics.uses import _combined_sqsum
 from chainer_vgc.statistics import weight_gradient as _weight_gradient
 
@@ -72,8 +75,9 @@ _NOTHING = contextlib.nullcontext()
 def _covered(fn, k, selection):
     """Whether a use (input k of fn, through ``selection`` or directly) is
     covered by the handlers."""
-    return _supported(fn, k) and (selection is None
-                                  or selection.rows is not None)
+    if isinstance(selection, Pullback):
+        return _supported(fn, k, selection.operand(_broadcasting(fn)))
+    return _supported(fn, k) and (selection is None or selection.covered)
 
 
 class UncoveredParameterError(ValueError):
@@ -257,10 +261,11 @@ class PerSampleSquares(chainer.FunctionHook):
         reports during these passes is discarded: the current reporter
         keeps only what the real pass reported.
         """
-        functions, uses = _scan(loss, self.params)
+        mb = self.minibatch(batch)
+        functions, uses = _scan(loss, self.params,
+                                {id(a) for a in mb.arrays})
         uses = {i: us for i, us in uses.items()
                 if self.names[i] not in self.skip}
-        mb = self.minibatch(batch)
         b = mb.b
         uncovered = sorted(i for i, us in uses.items()
                            if not all(_covered(fn, k, sel)
@@ -321,7 +326,7 @@ class PerSampleSquares(chainer.FunctionHook):
         layouts = {}
         tracer = consumers = None
         for i, us in sorted(uses.items()):
-            for fn, _, _ in us:
+            for fn, k, _ in us:
                 if id(fn) in layouts:
                     continue
                 if not mb.traced:
@@ -331,14 +336,16 @@ class PerSampleSquares(chainer.FunctionHook):
                             for node in f.inputs:
                                 consumers.setdefault(id(node), []).append(f)
                     layouts[id(fn)] = ('groups', _rows.regular_layout(
-                        fn, self.names[i], mb, consumers))
+                        fn, self.names[i], mb, consumers,
+                        _row_input(fn, k)))
                     continue
                 if tracer is None:
                     tracer = _tracing.Tracer(
                         functions, {id(p.node) for p in self.params}, mb,
                         mb.leaves)
                 layouts[id(fn)] = _rows.layout(
-                    tracer.owners(fn, self.names[i]), mb.b)
+                    tracer.owners(fn, self.names[i], _row_input(fn, k)),
+                    mb.b)
         return layouts
 
     def memory(self):
@@ -482,15 +489,22 @@ class PerSampleSquares(chainer.FunctionHook):
         kind, how = current.layouts[id(function)]
         x_data = in_data
         if kind == 'index':  # rows regrouped by example, once per node
-            x_data = (_rows.gather_rows(xp, in_data[0], how),) + \
-                tuple(in_data[1:])
+            r = _row_input(function, entries[0][1])
+            x_data = tuple(_rows.gather_rows(xp, a, how) if j == r else a
+                           for j, a in enumerate(in_data))
             gy_all = _rows.gather_rows(xp, gy_all, how)
         for i, k, sel in entries:
             dtype = backend.state_dtype(self.params[i].dtype)
             gy = gy_all
-            if sel is not None:  # the parameter's rows of a stacked weight
-                gy = xp.take(gy, xp.asarray(sel.rows), axis=1)
-            use = _uses_of(function, k, x_data, gy, dtype, xp)
+            if isinstance(sel, Pullback):  # through functions of itself
+                wide = _broadcasting(function)
+                use = sel.wrap(_uses_of(function, k, x_data, gy, dtype, xp,
+                                        operand=sel.operand(wide)),
+                               xp, dtype, wide)
+            else:
+                if sel is not None:  # the parameter's rows of a stack
+                    gy = xp.take(gy, xp.asarray(sel.rows), axis=1)
+                use = _uses_of(function, k, x_data, gy, dtype, xp)
             group = how if kind == 'groups' else how.shape[1]
             if kind == 'groups' and hasattr(use, 'adopt_columns'):
                 # (Chainer's columns are in the rows' own order)

@@ -32,10 +32,28 @@ arrays belong to which example, the error names the option.
 
 import numpy
 
+from chainer.functions.activation import clipped_relu as _clipped_relu
+from chainer.functions.activation import elu as _elu
+from chainer.functions.activation import leaky_relu as _leaky_relu
+from chainer.functions.activation import log_softmax as _log_softmax
+from chainer.functions.activation import prelu as _prelu
+from chainer.functions.activation import relu as _relu
+from chainer.functions.activation import sigmoid as _sigmoid
+from chainer.functions.activation import softmax as _softmax
+from chainer.functions.activation import softplus as _softplus
+from chainer.functions.activation import swish as _swish
+from chainer.functions.activation import tanh as _tanh
 from chainer.functions.array import get_item as _get_item
 from chainer.functions.array import reshape as _reshape
+from chainer.functions.array import transpose as _transpose
+from chainer.functions.array import where as _where
+from chainer.functions.connection import convolution_2d as _conv
+from chainer.functions.connection import deconvolution_2d as _deconv
+from chainer.functions.connection import embed_id as _embed
 from chainer.functions.connection import linear as _linear
-from chainer.functions.math import basic_math as _basic_math
+from chainer.functions.loss import softmax_cross_entropy as _softmax_ce
+from chainer.functions.math import matmul as _matmul
+from chainer.functions.noise import dropout as _dropout
 from chainer.functions.normalization import layer_normalization as \
     _layer_norm
 import chainer
@@ -279,29 +297,58 @@ def _derived_from(array, ids):
     return False
 
 
+#: functions whose output row i is made from row i of their input 0 (and
+#: of nothing else's rows): layers applied to each row, and functions of
+#: each row alone
+_ROW_WISE_INPUT0 = (
+    _linear.LinearFunction, _layer_norm.LayerNormalization,
+    _embed.EmbedIDFunction, _conv.Convolution2DFunction,
+    _deconv.Deconvolution2DFunction, _dropout.Dropout,
+    _relu.ReLU, _tanh.Tanh, _sigmoid.Sigmoid, _leaky_relu.LeakyReLU,
+    _elu.ELU, _softplus.Softplus, _clipped_relu.ClippedReLU,
+    _prelu.PReLUFunction, _swish.Swish)
+
+
+def _keeps_rows(fn, node=None):
+    """Whether function node fn keeps the first axis of its inputs: its
+    output's row i is computed from row i of the inputs :func:`_row_sources`
+    names (``node``: its output, for the shapes)."""
+    if isinstance(fn, _ROW_WISE_INPUT0) or getattr(fn, 'is_elementwise',
+                                                   False):
+        return True
+    if isinstance(fn, (_softmax.Softmax, _log_softmax.LogSoftmax)):
+        return fn.axis != 0
+    if isinstance(fn, _transpose.Transpose):
+        return fn.axes is not None and fn.axes[0] == 0
+    if isinstance(fn, _where.Where):
+        return True
+    if isinstance(fn, _matmul.MatMul):  # batched over the first axis
+        return all(len(i.shape) >= 3 for i in fn.inputs)
+    if isinstance(fn, _get_item.GetItem):
+        keys = fn.slices if isinstance(fn.slices, tuple) else (fn.slices,)
+        first = keys[0] if keys else slice(None)
+        return (isinstance(first, slice) and first == slice(None)) or \
+            first is Ellipsis
+    return False
+
+
 def _row_sources(creator, node):
     """The inputs of function node ``creator`` whose row i makes row i of
-    its output ``node``: input 0 of ``F.linear`` and of
-    ``F.layer_normalization``; for an elementwise function (Chainer's
-    ``is_elementwise``: activations, dropout, arithmetic, broadcasting
-    included), the inputs of the output's rank and rows; for a ``GetItem``
-    that keeps the first axis whole, its input.  Other functions: none
-    (their rows are not followed)."""
-    if isinstance(creator, (_linear.LinearFunction,
-                            _layer_norm.LayerNormalization)):
+    its output ``node``: input 0 of the layers and row functions
+    (``_ROW_WISE_INPUT0``: Linear, LayerNorm, EmbedID, convolutions,
+    activations, dropout); for an elementwise function (Chainer's
+    ``is_elementwise``: arithmetic, broadcasting included), ``F.where``, a
+    batched ``F.matmul`` and a softmax not over the rows, the inputs of
+    the output's rank and rows; for a transpose that keeps the first axis
+    first and a ``GetItem`` that keeps it whole, the input.  Other
+    functions: none (their rows are not followed)."""
+    if not _keeps_rows(creator, node):
+        return []
+    if isinstance(creator, _ROW_WISE_INPUT0):
         return [creator.inputs[0]]
-    if isinstance(creator, _get_item.GetItem):
-        keys = creator.slices if isinstance(creator.slices, tuple) else (
-            creator.slices,)
-        first = keys[0] if keys else slice(None)
-        whole = isinstance(first, slice) and first == slice(None) or \
-            first is Ellipsis
-        return [creator.inputs[0]] if whole else []
-    if getattr(creator, 'is_elementwise', False):
-        return [i for i in creator.inputs
-                if len(i.shape) == len(node.shape) and len(i.shape)
-                and i.shape[0] == node.shape[0]]
-    return []
+    return [i for i in creator.inputs
+            if len(i.shape) == len(node.shape) and len(i.shape)
+            and i.shape[0] == node.shape[0]]
 
 
 def _example_major(node, b):
@@ -335,15 +382,17 @@ def _example_major(node, b):
     return False
 
 
-def describe_input(fn, name):
-    """How an error names input 0 of ``fn``, for the parameter ``name``."""
-    node = fn.inputs[0]
+def describe_input(fn, name, index=0):
+    """How an error names input ``index`` of ``fn``, for the parameter
+    ``name``."""
+    node = fn.inputs[index]
     return '{} (input of {} for parameter {})'.format(
         tuple(node.shape), type(fn).__name__, name)
 
 
-def regular_layout(fn, name, batch, consumers=None):
-    """The rows of ``fn``'s input 0 (for the parameter called ``name``) as
+def regular_layout(fn, name, batch, consumers=None, row_input=0):
+    """The rows of ``fn``'s input ``row_input`` (0, or the data operand
+    of an elementwise function; for the parameter called ``name``) as
     B contiguous groups: the group size k; or ValueError for rows that
     cannot be attributed to examples that way (``batch``: the
     :class:`Minibatch` of arrays of examples).
@@ -355,10 +404,10 @@ def regular_layout(fn, name, batch, consumers=None):
     subtracted from or multiplied by an operand of its own shape that is
     not a constant (:func:`_rows_owned_downstream`; ``consumers``:
     ``{id(variable node): [function nodes taking it]}``)."""
-    node = fn.inputs[0]
+    node = fn.inputs[row_input]
     b = batch.b
     rows = node.shape[0] if len(node.shape) else 0
-    where = describe_input(fn, name)
+    where = describe_input(fn, name, row_input)
     fix = ('The statistics read the examples on the first axis of every '
            'input. If the rows are tokens of variable-length examples '
            '(concatenated sequences), give the minibatch as one array per '
@@ -390,32 +439,47 @@ def regular_layout(fn, name, batch, consumers=None):
     return rows // b
 
 
-#: the functions through which an output's rows take the rows of the
-#: other operand (same shape, element by element)
-_ROW_PRESERVING = (_basic_math.Add, _basic_math.AddConstant,
-                   _basic_math.Sub, _basic_math.Mul)
-
-
-def _rows_owned_downstream(fn, consumers, batch):
-    """Whether ``fn``'s output rows are the examples': some function adds
-    it to (subtracts it from, multiplies it by) an operand of the same
-    shape whose rows come from the minibatch's rows
-    (:func:`_rows_from_minibatch`), so that its row i goes where that
-    operand's row i goes, which the regular layout reads as an
-    example's."""
+def _rows_owned_downstream(fn, consumers, batch, limit=20000):
+    """Whether ``fn``'s output rows are the examples': following its output
+    forward through functions that keep rows where they are
+    (:func:`_keeps_rows`, reshapes), it meets, row for row, an operand
+    whose rows come from the minibatch's (:func:`_rows_from_minibatch`):
+    the other operand of an elementwise function, of ``F.where`` or of a
+    batched ``F.matmul`` (attention over an encoder's memory), or the
+    labels of a loss (``softmax_cross_entropy(logits, t)``).  Then its row
+    i belongs to the example whose row i that operand is, which the
+    regular layout reads as an example's (an RNN's constant initial state,
+    a decoder's input computed from the batch's targets with NumPy)."""
     if not consumers:
         return False
-    out = fn.outputs[0]()
-    if out is None:
+    start = fn.outputs[0]()
+    if start is None:
         return False
-    for nxt in consumers.get(id(out), ()):
-        if not isinstance(nxt, _ROW_PRESERVING):
+    seen, stack = set(), [start]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if id(node) in seen or not len(node.shape):
             continue
-        for other in nxt.inputs:
-            if other is out or tuple(other.shape) != tuple(out.shape):
+        seen.add(id(node))
+        for nxt in consumers.get(id(node), ()):
+            others = [o for o in nxt.inputs if o is not node]
+            if isinstance(nxt, _softmax_ce.SoftmaxCrossEntropy):
+                if nxt.inputs[0] is node and _rows_from_minibatch(
+                        nxt.inputs[1], batch):
+                    return True
                 continue
-            if _rows_from_minibatch(other, batch):
-                return True
+            if not (isinstance(nxt, _reshape.Reshape) or
+                    _keeps_rows(nxt)):
+                continue
+            if not isinstance(nxt, (_reshape.Reshape, _ROW_WISE_INPUT0)):
+                for other in others:
+                    if (len(other.shape) == len(node.shape) and
+                            other.shape[0] == node.shape[0] and
+                            _rows_from_minibatch(other, batch)):
+                        return True
+            out = nxt.outputs[0]() if len(nxt.outputs) == 1 else None
+            if out is not None:
+                stack.append(out)
     return False
 
 

@@ -302,13 +302,14 @@ class Tracer(object):
             numpy.maximum.at(high, r, z)
         self._low, self._high = low, high
 
-    def owners(self, fn, name):
-        """The example of each row of ``fn``'s input 0 (an int64 array), or
-        ValueError naming the parameter ``name`` and the fix."""
-        node = fn.inputs[0]
+    def owners(self, fn, name, row_input=0):
+        """The example of each row of ``fn``'s input ``row_input`` (an
+        int64 array), or ValueError naming the parameter ``name`` and the
+        fix."""
+        node = fn.inputs[row_input]
         start = self._start.get(id(node))
         rows = _rows_of(node)
-        where = describe_input(fn, name)
+        where = describe_input(fn, name, row_input)
         if start is None or rows is None:
             raise ValueError(
                 '{}: its rows are not traced to the examples of the '
