@@ -198,6 +198,28 @@ def test_train_seq2seq_compresses_variable_length_sentences(tmp_path):
     assert summary['compression_run'] > 2, summary
 
 
+def test_train_transformer_with_the_two_lines_and_no_option(tmp_path):
+    """examples/train_transformer.py at 2 ranks: a Transformer (LayerNorm,
+    a tied embedding, a positional embedding added by broadcast, dropout,
+    a decoder input built with NumPy) trains with the README's two lines
+    and no option, every parameter compressed (none dense), sending fewer
+    elements than it has; --by-parameter gives every parameter's
+    density."""
+    proc = example(2, 'train_transformer.py', '--iterations', 12,
+                   '--batchsize', 8, '--units', 16, '--layers', 1,
+                   '--by-parameter', '--out', str(tmp_path),
+                   expect='summary ')
+    line = [x for x in proc.stdout.splitlines() if x.startswith('summary ')]
+    summary = json.loads(line[-1][len('summary '):])
+    assert summary['ranks'] == 2 and summary['iterations'] == 12
+    assert numpy.isfinite(summary['loss'])
+    assert summary['dense'] == [], summary['dense']
+    assert summary['compression_run'] > 2, summary
+    density = summary['density_last']
+    assert '/embed/W' in density and '/encoder/0/norm1/gamma' in density
+    assert all(0 <= d <= 1 for d in density.values()), density
+
+
 def test_train_cifar_synthetic_smoke(tmp_path):
     out = str(tmp_path)
     example(2, 'train_cifar.py', '--synthetic', '--iterations', 4,
