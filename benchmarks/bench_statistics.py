@@ -25,6 +25,9 @@ model:
   dropout, the projection over every token) at 256 units, batch 64 of
   sentence pairs of 2..30 words from 1,000 (its minibatch: the flat tuple
   of that example's converter, ``examples=sentence_pairs``);
+* ``transformer``: ``Transformer``, ``examples/train_transformer.py``'s
+  encoder-decoder (LayerNorm, a tied embedding, a positional embedding
+  added by broadcast), batch 16 of padded sentence pairs;
 * ``dcgan``: a DCGAN-shaped generator (Linear, three stride-2
   Deconvolution2D with BatchNormalization) and discriminator (seven
   Convolution2D with BatchNormalization), updated in turn as in ChainerMN's
@@ -57,6 +60,8 @@ from chainer_vgc.harness.models import DCGANDiscriminator
 from chainer_vgc.harness.models import DCGANGenerator
 from chainer_vgc.harness.models import MLP
 from chainer_vgc.harness.models import Seq2seq
+from chainer_vgc.harness.models import Transformer
+from chainer_vgc.harness.models import padded_pairs_task
 from chainer_vgc.harness.models import sentence_pairs_task
 from chainer_vgc.harness.models import VGG
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
@@ -66,7 +71,7 @@ from chainer_vgc.statistics.rows import sentence_pairs
 from bench_common import machine
 
 MODELS = ('mlp', 'vgg', 'vgg-full', 'vgg-cifar', 'resnet50', 'seq2seq',
-          'dcgan')
+          'dcgan', 'transformer')
 
 
 class _Classifier(object):
@@ -119,6 +124,32 @@ class _Sentences(object):
         self.opt.update()
 
 
+class _Tokens(object):
+    """``examples/train_transformer.py``'s Transformer on padded blocks of
+    sentence pairs (its default shape: 2 layers each side, d = 64, 4
+    heads, batch 16 of up to 10 tokens, dropout 0.1)."""
+
+    def __init__(self, batch, device, max_memory, rng):
+        self.net = Transformer(40, d=64, heads=4, layers=2, max_length=10)
+        self.net.to_device(device)
+        self.nets = [self.net]
+        source, target = padded_pairs_task(batch, 40, 10,
+                                           int(rng.integers(1 << 30)))
+        self.batch = (device.send(source), device.send(target))
+        self.opt = chainer.optimizers.Adam()
+        self.opt.setup(self.net)
+        self.stats = PerSampleSquares(self.net, max_memory=max_memory)
+
+    def step(self, with_stats):
+        self.net.cleargrads()
+        loss = self.net(*self.batch)
+        if with_stats:
+            self.stats.backward(loss, batch=self.batch)
+        else:
+            loss.backward()
+        self.opt.update()
+
+
 class _GAN(object):
     """The DCGAN updater's step: the discriminator on real and generated
     images, then the generator through the discriminator."""
@@ -161,6 +192,8 @@ def build(name, device, max_memory, rng):
         return _GAN(16, device, max_memory, rng)
     if name == 'seq2seq':
         return _Sentences(64, device, max_memory, rng)
+    if name == 'transformer':
+        return _Tokens(16, device, max_memory, rng)
     n_class = 10
     if name == 'mlp':
         net, shape, b = MLP((200, 200), 10), (784,), 32

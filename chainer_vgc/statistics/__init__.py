@@ -13,7 +13,13 @@ module:
   parameters, shared parameters);
 * :mod:`~chainer_vgc.statistics.handlers`: each covered Chainer function's
   per-example contributions (Linear, Convolution2D, Deconvolution2D,
-  BatchNormalization, EmbedID), in one table keyed by function class;
+  the normalizations, EmbedID), in one table keyed by function class;
+* :mod:`~chainer_vgc.statistics.broadcasts`: a parameter combined with
+  minibatch data element by element (a scale, a bias, a positional
+  embedding, PReLU);
+* :mod:`~chainer_vgc.statistics.pullback`: a parameter's contributions
+  carried back through the functions between it and its use (a mask, a
+  cast, an index, a broadcast, an elementwise function);
 * :mod:`~chainer_vgc.statistics.uses`: one use of a parameter, and the
   readable definition of its sum of squares;
 * :mod:`~chainer_vgc.statistics.contraction`: the fast exact sums for

@@ -119,6 +119,8 @@ class Step(object):
         ones = xp.ones(outs, dtype=fn.inputs[k].dtype)
         with chainer.no_backprop_mode():
             grads = fn.backward((k,), (chainer.Variable(ones),))
+        if grads[0] is None:  # no gradient reaches the parameter here
+            return lambda c: xp.zeros((c.shape[0],) + ins, c.dtype)
         d = grads[0].array.astype(dtype, copy=False)
         return lambda c: c * d
 

@@ -44,7 +44,7 @@ CASES = [
     ('vgc', dict(alpha=1.0, warmup=3, min_size=10,
                  exclude=['/predictor/0/W']), {}),
     ('vgc', dict(alpha=2.0, alpha_ramp=(1.0, 6)), {}),
-    ('vgc', dict(alpha=1.0, uncovered='dense'), dict(bias=True)),
+    ('vgc', dict(alpha=1.0, uncovered='dense'), dict(matmul=True)),
     ('vgc', dict(alpha=1.5), dict(dtype=numpy.float16, scaling=True)),
     ('hybrid', dict(tau=0.001), dict(dtype=numpy.float16, scaling=True)),
 ]
@@ -52,14 +52,26 @@ STEPS = 12
 OVERFLOW_STEP = 5
 
 
-def make(dtype, bias=False):
-    """bias=True: an L.Bias link last (F.bias: no per-sample statistics,
-    so uncovered='dense' sends it densely)."""
+class MatmulLast(chainer.Link):
+    """A weight used through F.matmul: no per-sample statistics, so
+    uncovered='dense' sends it densely."""
+
+    def __init__(self, n):
+        super(MatmulLast, self).__init__()
+        with self.init_scope():
+            self.W = chainer.Parameter(numpy.eye(n, dtype=chainer.config.dtype))
+
+    def forward(self, x):
+        return F.matmul(x, self.W)
+
+
+def make(dtype, matmul=False):
+    """matmul=True: a MatmulLast link last."""
     numpy.random.seed(0)
     with chainer.using_config('dtype', dtype):
         layers = [L.Linear(6, 32), F.relu, L.Linear(32, 3)]
-        if bias:
-            layers.append(L.Bias(shape=(3,)))
+        if matmul:
+            layers.append(MatmulLast(3))
         model = L.Classifier(chainer.Sequential(*layers))
         model(numpy.zeros((1, 6), dtype), numpy.zeros(1, numpy.int32))
     return model
@@ -87,9 +99,9 @@ def params(model):
 
 
 def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False,
-                        bias=False):
+                        matmul=False):
     comm = chainer_vgc.create_communicator(method, world, **kw)
-    model = make(dtype, bias)
+    model = make(dtype, matmul)
     inner = chainer.optimizers.Adam(alpha=0.01)
     opt = chainer_vgc.create_multi_node_optimizer(
         inner, comm, double_buffering=True).setup(model)
@@ -102,11 +114,11 @@ def run_double_buffered(method, kw, dtype=numpy.float32, scaling=False,
     return model, comm, scales
 
 
-def run_oracle(method, kw, dtype=numpy.float32, scaling=False, bias=False,
+def run_oracle(method, kw, dtype=numpy.float32, scaling=False, matmul=False,
                figures=None):
     """``figures``: a list that gets each exchange's reported figures."""
     comm = chainer_vgc.create_communicator(method, world, **kw)
-    model = make(dtype, bias)
+    model = make(dtype, matmul)
     inner = chainer.optimizers.Adam(alpha=0.01)
     inner.setup(model)
     setup(inner, model, dtype, scaling)
@@ -159,10 +171,10 @@ def check_against_oracle(method, kw, settings):
     assert comm_a.totals == comm_b.totals, (comm_a.totals, comm_b.totals)
     if settings.get('scaling'):
         assert comm_a.totals['skipped'] >= 1, 'no overflow was provoked'
-    if settings.get('bias'):
-        bias = a.predictor[-1].b
+    if settings.get('matmul'):
+        weight = a.predictor[-1].W
         assert comm_a.dense_group(a) == {n for n, p in a.namedparams()
-                                         if p is bias}
+                                         if p is weight}
     # the parameters moved: the check is not of an idle run
     assert not numpy.array_equal(params(a)[0].array, params(make(
         settings.get('dtype', numpy.float32)))[0].array)
