@@ -1,5 +1,6 @@
 """What the example scripts share (train_mnist.py, train_cifar.py,
-paper_table.py, demo_core.py).
+paper_table.py, demo_core.py; train_seq2seq.py and train_transformer.py
+their run and summary).
 
 - The compression method's flags, built from the rule registry
   (:data:`chainer_vgc.RULES`): ``--method`` is one of its names, and every
@@ -611,3 +612,75 @@ def print_summary(r):
     print('| traffic saved | {} |'.format(
         '{:,.1f}x'.format(dense / sent) if sent else 'n/a (1 worker)'
         if not dense else 'all'))
+
+
+# -- the sequence examples' run (train_seq2seq.py, train_transformer.py) ----
+
+def add_sequence_args(p, out):
+    """The sequence examples' flags: the communicator (``vgc`` or
+    ChainerMN's ``naive``), the method and its alpha, the run, the model's
+    size, the synthetic task and ``--by-parameter``."""
+    p.add_argument('--communicator', choices=('vgc', 'naive'),
+                   default='vgc')
+    p.add_argument('--method', default='vgc')
+    p.add_argument('--alpha', type=float, default=2.0)
+    p.add_argument('--iterations', type=int, default=300)
+    p.add_argument('--batchsize', type=int, default=16,
+                   help='sentence pairs per rank and step')
+    p.add_argument('--layers', type=int, default=2)
+    p.add_argument('--units', type=int, default=64)
+    p.add_argument('--vocab', type=int, default=40)
+    p.add_argument('--max-length', type=int, default=10)
+    p.add_argument('--examples', type=int, default=4000,
+                   help='sentence pairs in the training set')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--by-parameter', action='store_true',
+                   help="each parameter's share of the elements sent and "
+                   'its density, in the log and the summary')
+    p.add_argument('--out', default=out)
+
+
+def train_and_summarize(updater, comm, model, args):
+    """Run ``updater`` for ``args.iterations`` with a log every fifth of
+    the run (the loss; with vgc the interval's compression and, with
+    ``args.by_parameter``, each parameter's share and density), then print
+    on rank 0 the JSON summary the sequence examples end with: the loss of
+    the last interval, seconds per iteration, the compression of the last
+    interval and of the whole run, each parameter's density in the last
+    interval where asked, and the parameters sent dense."""
+    import json
+    import time
+    trainer = training.Trainer(updater, (args.iterations, 'iteration'),
+                               out=args.out)
+    every = (max(1, args.iterations // 5), 'iteration')
+    log = extensions.LogReport(trigger=every)
+    trainer.extend(log)
+    keys = ['iteration', 'main/loss']
+    if args.communicator == 'vgc':
+        trainer.extend(CompressionReport(
+            comm, trigger=every, by_parameter=args.by_parameter))
+        keys.append('vgc/interval_compression')
+    if comm.rank == 0:
+        trainer.extend(extensions.PrintReport(keys), trigger=every)
+    start = time.perf_counter()
+    trainer.run()
+    seconds = time.perf_counter() - start
+    last = log.log[-1] if log.log else {}
+    summary = {'communicator': args.communicator, 'ranks': comm.size,
+               'iterations': args.iterations,
+               'seconds_per_iteration': seconds / args.iterations,
+               'loss': last.get('main/loss')}
+    if args.communicator == 'vgc':
+        state = comm.state(model)
+        per_rank = state.totals['elements'] / comm.size
+        summary['compression_run'] = (state.totals['param_elements'] /
+                                      per_rank if per_rank else None)
+        summary['compression_last'] = last.get('vgc/interval_compression')
+        if args.by_parameter and last:
+            summary['density_last'] = {
+                k[len('vgc/density'):]: v for k, v in last.items()
+                if k.startswith('vgc/density')}
+        summary['dense'] = sorted(state.dense)
+    if comm.rank == 0:
+        print('summary ' + json.dumps(summary, sort_keys=True))
+    return summary

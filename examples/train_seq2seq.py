@@ -32,17 +32,16 @@ compression of the last interval and of the whole run.
 """
 
 import argparse
-import json
-import time
 
 import chainer
 from chainer import training
-from chainer.training import extensions
 import numpy
 
 import chainer_vgc
 from chainer_vgc.harness.models import Seq2seq
 from chainer_vgc.harness.models import sentence_pairs_task
+from example_common import add_sequence_args
+from example_common import train_and_summarize
 
 def convert(batch, device=None):
     """ChainerMN's seq2seq converter's layout: the B sources, then the B
@@ -54,24 +53,7 @@ def convert(batch, device=None):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--communicator', choices=('vgc', 'naive'),
-                   default='vgc')
-    p.add_argument('--method', default='vgc')
-    p.add_argument('--alpha', type=float, default=2.0)
-    p.add_argument('--iterations', type=int, default=300)
-    p.add_argument('--batchsize', type=int, default=16,
-                   help='sentence pairs per rank and step')
-    p.add_argument('--layers', type=int, default=2)
-    p.add_argument('--units', type=int, default=64)
-    p.add_argument('--vocab', type=int, default=40)
-    p.add_argument('--max-length', type=int, default=10)
-    p.add_argument('--examples', type=int, default=4000,
-                   help='sentence pairs in the training set')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--by-parameter', action='store_true',
-                   help="each parameter's share of the elements sent and "
-                   'its density, in the log and the summary')
-    p.add_argument('--out', default='result_seq2seq')
+    add_sequence_args(p, 'result_seq2seq')
     args = p.parse_args()
 
     if args.communicator == 'naive':
@@ -98,38 +80,7 @@ def main():
     shard = pairs[comm.rank::comm.size]
     it = chainer.iterators.SerialIterator(shard, args.batchsize)
     updater = training.StandardUpdater(it, optimizer, converter=convert)
-    trainer = training.Trainer(updater, (args.iterations, 'iteration'),
-                               out=args.out)
-    every = (max(1, args.iterations // 5), 'iteration')
-    log = extensions.LogReport(trigger=every)
-    trainer.extend(log)
-    keys = ['iteration', 'main/loss']
-    if args.communicator == 'vgc':
-        trainer.extend(chainer_vgc.extensions.CompressionReport(
-            comm, trigger=every, by_parameter=args.by_parameter))
-        keys.append('vgc/interval_compression')
-    if comm.rank == 0:
-        trainer.extend(extensions.PrintReport(keys), trigger=every)
-    start = time.perf_counter()
-    trainer.run()
-    seconds = time.perf_counter() - start
-    summary = {'communicator': args.communicator, 'ranks': comm.size,
-               'iterations': args.iterations,
-               'seconds_per_iteration': seconds / args.iterations,
-               'loss': log.log[-1].get('main/loss') if log.log else None}
-    if args.communicator == 'vgc':
-        totals = comm.state(model).totals
-        per_rank = totals['elements'] / comm.size
-        summary['compression_run'] = (totals['param_elements'] / per_rank
-                                      if per_rank else None)
-        summary['compression_last'] = log.log[-1].get(
-            'vgc/interval_compression') if log.log else None
-        if args.by_parameter and log.log:  # the last interval's
-            summary['density_last'] = {
-                k[len('vgc/density'):]: v for k, v in log.log[-1].items()
-                if k.startswith('vgc/density')}
-    if comm.rank == 0:
-        print('summary ' + json.dumps(summary, sort_keys=True))
+    train_and_summarize(updater, comm, model, args)
 
 
 if __name__ == '__main__':

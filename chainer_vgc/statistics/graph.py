@@ -22,6 +22,7 @@ from chainer.functions.array import stack as _stack
 from chainer.functions.connection import linear as _linear
 
 from chainer_vgc.statistics import pullback
+from chainer_vgc.statistics.rows import _derived_from
 
 
 def _functions_of(var):
@@ -58,22 +59,13 @@ def _scan(loss, params, batch_ids=()):
     def constant(node):
         return (node.creator_node is None and id(node) not in index
                 and not node.requires_grad
-                and not _in_batch(node.data, batch_ids))
+                and not _derived_from(node.data, batch_ids))
     uses = {}
     for p_id, i in index.items():
         for fn, k in consumers.get(p_id, ()):
             uses.setdefault(i, []).extend(
                 _followed(fn, k, params[i].shape, consumers, constant))
     return functions, uses
-
-
-def _in_batch(array, ids):
-    """Whether ``array`` is one of the arrays ``ids`` or a view of one."""
-    while array is not None:
-        if id(array) in ids:
-            return True
-        array = getattr(array, 'base', None)
-    return False
 
 
 #: the rearranging functions followed from a parameter to its use
