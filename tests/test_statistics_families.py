@@ -402,3 +402,41 @@ def test_batch_renormalization_slices_against_numpy(dtype):
                                   rtol=rtol)
     numpy.testing.assert_allclose(got[1], (beta_z ** 2).sum(axis=0),
                                   rtol=rtol)
+
+
+class IndexedWeight(chainer.Chain):
+    """A weight through a transpose with negative axes, or an index whose
+    advanced entries are split by a slice (numpy moves those axes first),
+    then multiplied into the batch by broadcast."""
+
+    def __init__(self, kind):
+        super(IndexedWeight, self).__init__()
+        self.kind = kind
+        with self.init_scope():
+            self.w = chainer.Parameter(numpy.linspace(
+                -1, 1, 24).reshape(2, 3, 4).astype(chainer.config.dtype))
+
+    def forward(self, x):
+        if self.kind == 'transpose':
+            s = F.transpose(self.w, (0, -1, 1))  # (2, 4, 3)
+        elif self.kind == 'split':
+            s = self.w[1, :, [0, 2]]  # (2, 3): the advanced axis first
+        else:
+            s = self.w[[0, 1, 1, 0, 1], :, [1, 1, 0, 2, 2]]  # (5, 3)
+        return F.sum(F.tanh(x * F.broadcast_to(s, x.shape)),
+                     axis=tuple(range(1, x.ndim)))
+
+
+@pytest.mark.parametrize('kind,shape', [('transpose', (4, 3)),
+                                        ('split', (3,)),
+                                        ('repeated', (3,))])
+@pytest.mark.parametrize('b', [2, 3, 5])
+def test_transposes_and_split_advanced_indices_of_a_weight(kind, shape, b):
+    rng = numpy.random.default_rng(26)
+    with chainer.using_config('dtype', numpy.float64):
+        model = IndexedWeight(kind)
+        lead = {'transpose': (2,), 'split': (2,), 'repeated': (5,)}[kind]
+        x = rng.normal(size=(b,) + lead + shape)
+        t = rng.normal(size=(b,))
+        check(model, lambda x, t: F.mean_squared_error(model(x), t),
+              (x, t), numpy.float64)

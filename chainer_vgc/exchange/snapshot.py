@@ -158,6 +158,13 @@ def _foreign(meta, rank, ranks):
             'the residuals empty'.format(meta['ranks'], ranks,
                                          PER_RANK.split(', and')[0]))
     saved = meta.get('rank')
+    if saved is None and ranks > 1:
+        warnings.warn(
+            'chainer_vgc: the snapshot records no rank (saved before '
+            'format 3), so whose residuals it holds cannot be checked: if '
+            'it was saved on one rank only and every rank loads it, that '
+            "rank's delayed gradients are applied {} times and the others' "
+            'lost. {}'.format(ranks, PER_RANK[0].upper() + PER_RANK[1:]))
     if saved is None or saved == rank:
         return None
     return (

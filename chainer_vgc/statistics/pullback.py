@@ -97,8 +97,8 @@ class Step(object):
         if self.kind in ('reshape', 'cast'):
             return lambda c: c.reshape((c.shape[0],) + ins)
         if self.kind == 'transpose':
-            axes = fn.axes if fn.axes is not None else tuple(
-                reversed(range(len(ins))))
+            axes = tuple(a % len(ins) for a in fn.axes) \
+                if fn.axes is not None else tuple(reversed(range(len(ins))))
             back = numpy.argsort(axes)
             return lambda c: c.transpose((0,) + tuple(int(a) + 1
                                                       for a in back))
@@ -109,8 +109,12 @@ class Step(object):
                 fn.slices,)
 
             def scatter(c):
+                # one example at a time: its contribution has the shape
+                # of the index's result, whatever numpy does with the
+                # axes of advanced indices (split ones go first)
                 out = xp.zeros((c.shape[0],) + ins, c.dtype)
-                _add_at(xp, out, (slice(None),) + slices, c)
+                for z in range(c.shape[0]):
+                    _add_at(xp, out[z], slices, c[z])
                 return out
             return scatter
         if self.kind == 'slice':

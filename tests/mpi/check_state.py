@@ -206,6 +206,21 @@ def check_rank0_snapshot_is_rank0s_own():
             if p.array is not None]
     for a, b in zip(mine, world.bcast(mine)):
         assert numpy.array_equal(a, b)
+    # a snapshot from before format 3 records no rank: it loads (as
+    # before), with a warning that says what cannot be checked
+    import json
+    old = dict(saved)
+    meta = json.loads(str(old['vgc_state/meta']))
+    del meta['rank']
+    old['vgc_state/meta'] = numpy.array(json.dumps(meta))
+    _, _, legacy = setup('vgc', alpha=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        load(old, legacy)
+    assert any('records no rank' in str(w.message) and
+               'create_multi_node_checkpointer' in str(w.message)
+               for w in caught) == (world.size > 1), [
+        str(w.message) for w in caught]
     try:
         setup('vgc', resume_residuals='all')
     except ValueError as e:
