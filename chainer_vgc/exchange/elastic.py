@@ -20,13 +20,13 @@ import numpy
 #: (besides an :class:`ElasticResume`)
 RESUME_RESIDUALS = ('own', 'fresh')
 
-#: how per-rank snapshot files are named, for the messages
-PER_RANK = (
-    "save a snapshot on every rank, each to its own file "
+#: how per-rank snapshot files are saved, and resumed, for the messages
+SAVE_PER_RANK = (
+    "Save a snapshot on every rank, each to its own file "
     "(extensions.snapshot(filename='snapshot_rank{}_iter_{{.updater."
     "iteration}}'.format(comm.rank)), or ChainerMN's "
-    "chainermn.create_multi_node_checkpointer(name, comm)), and resume "
-    "every rank from its own")
+    "chainermn.create_multi_node_checkpointer(name, comm))")
+PER_RANK = SAVE_PER_RANK + ', and resume every rank from its own'
 
 
 class ElasticResume(object):
@@ -75,8 +75,8 @@ class ElasticResume(object):
                 meta = json.loads(str(npz[metas[0]]))
                 states = {}
                 for name in meta['states']:
+                    head = base + key_of(name, '')
                     for k in npz.files:
-                        head = base + key_of(name, '')
                         if k.startswith(head) and '/' not in k[len(head):]:
                             states.setdefault(name, {})[
                                 k[len(head):]] = numpy.array(npz[k])

@@ -29,6 +29,7 @@ import chainer
 import numpy
 
 from chainer_vgc.exchange.elastic import PER_RANK
+from chainer_vgc.exchange.elastic import SAVE_PER_RANK
 from chainer_vgc.exchange.elastic import ElasticResume
 from chainer_vgc.exchange.state import hyperparams_record
 from chainer_vgc.exchange.state import initialized_params
@@ -92,6 +93,7 @@ def _load(state, model, serializer, ranks, layout=None, rank=0):
         fresh = _check_meta(state, meta, model)
         foreign = _foreign(meta, rank, ranks)
     if foreign is not None and not fresh:
+        whose, fix = foreign
         mode = state.resume_residuals
         if isinstance(mode, ElasticResume):
             _serialize_run(state, serializer, meta, rule_state=False)
@@ -99,11 +101,10 @@ def _load(state, model, serializer, ranks, layout=None, rank=0):
             state.compressor = None
             return
         if mode != 'fresh':
-            raise ValueError(foreign)
+            raise ValueError('chainer_vgc: {}. {}'.format(whose, fix))
         warnings.warn(
-            'chainer_vgc: {} Its residuals are not loaded: they start '
-            "fresh on this rank (resume_residuals='fresh')".format(
-                foreign.split('. ')[0].replace('chainer_vgc: ', '') + '.'))
+            'chainer_vgc: {}. Its residuals are not loaded: they start '
+            "fresh on this rank (resume_residuals='fresh')".format(whose))
         _serialize_run(state, serializer, meta, rule_state=False)
         fresh = True
     elif not fresh:
@@ -146,17 +147,17 @@ def _check_layout(meta, ranks, layout):
 
 def _foreign(meta, rank, ranks):
     """None when the snapshot was saved by this rank in a run of this
-    world size (or records no rank: saved before format 3); else the
-    error that says whose it is and what to do."""
+    world size (or records no rank: saved before format 3, which at more
+    than one rank is said in a warning); else ``(whose, fix)``: whose
+    snapshot it is, and what to do."""
     if meta['ranks'] != ranks:
-        return (
-            'chainer_vgc: the snapshot was saved by a run of {} ranks; '
-            'this run has {}. Resume with the same number of ranks, or '
-            "merge what the saved ranks held: create_communicator(..., "
-            "resume_residuals=chainer_vgc.ElasticResume([every saved "
-            "rank's snapshot file])) ({}); resume_residuals='fresh' starts "
-            'the residuals empty'.format(meta['ranks'], ranks,
-                                         PER_RANK.split(', and')[0]))
+        return ('the snapshot was saved by a run of {} ranks; this run has '
+                '{}'.format(meta['ranks'], ranks),
+                'Resume with the same number of ranks, or merge what the '
+                "saved ranks held: create_communicator(..., resume_residuals="
+                "chainer_vgc.ElasticResume([every saved rank's snapshot "
+                "file])) ({}); resume_residuals='fresh' starts the "
+                'residuals empty'.format(SAVE_PER_RANK))
     saved = meta.get('rank')
     if saved is None and ranks > 1:
         warnings.warn(
@@ -164,17 +165,16 @@ def _foreign(meta, rank, ranks):
             'format 3), so whose residuals it holds cannot be checked: if '
             'it was saved on one rank only and every rank loads it, that '
             "rank's delayed gradients are applied {} times and the others' "
-            'lost. {}'.format(ranks, PER_RANK[0].upper() + PER_RANK[1:]))
+            'lost. {}'.format(ranks, PER_RANK))
     if saved is None or saved == rank:
         return None
-    return (
-        'chainer_vgc: the snapshot was saved by rank {} of {}; this is rank '
-        '{}. Its residuals are the gradient elements rank {} had not sent '
-        'yet: loaded on every rank they would be applied {} times and this '
-        "rank's own lost. {}; or create_communicator(..., "
-        "resume_residuals='fresh') starts this rank's residuals empty, with "
-        'a warning'.format(saved, ranks, rank, saved, ranks,
-                           PER_RANK[0].upper() + PER_RANK[1:]))
+    return ('the snapshot was saved by rank {} of {}; this is rank '
+            '{}'.format(saved, ranks, rank),
+            'Its residuals are the gradient elements rank {} had not sent '
+            'yet: loaded on every rank they would be applied {} times and '
+            "this rank's own lost. {}; or create_communicator(..., "
+            "resume_residuals='fresh') starts this rank's residuals empty, "
+            'with a warning'.format(saved, ranks, PER_RANK))
 
 
 def _merged(state, elastic, model, ranks, keys):
@@ -201,9 +201,8 @@ def _merged(state, elastic, model, ranks, keys):
             'chainer_vgc: ElasticResume needs the snapshot of every saved '
             'rank, each once: the run had {} ranks and the files are of '
             'ranks {} ({})'.format(saved, found, elastic.paths))
-    by_rank = [states for _, states in sorted(
-        ((meta['rank'], states) for meta, states, _ in records),
-        key=lambda x: x[0])]
+    held_by = {meta['rank']: states for meta, states, _ in records}
+    by_rank = [held_by[r] for r in range(saved)]
     names = sorted(set().union(*[set(st) for st in by_rank]))
     loaded = {}
     for name in names:

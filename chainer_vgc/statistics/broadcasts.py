@@ -19,6 +19,7 @@ forming the broadcast per example.  The makers are the table's, in
 
 import numpy
 
+from chainer_vgc.statistics.pullback import sum_to
 from chainer_vgc.statistics.uses import _as
 from chainer_vgc.statistics.uses import _Use
 
@@ -26,28 +27,22 @@ from chainer_vgc.statistics.uses import _Use
 class BroadcastOperand(_Use):
     """A parameter's operand of an elementwise function of minibatch data
     (``y = f(x, s)``): per row, ``gy * dy/ds`` (``factor``: an array that
-    broadcasts against gy, with rows or without, or None for 1) summed to
-    the operand's shape ``shape`` (numpy's alignment from the right: the
-    axes it was broadcast along, and the row axis, which a parameter's
-    operand cannot have)."""
+    broadcasts against gy, with rows or without, or None for 1) summed
+    over the axes the operand was broadcast along
+    (:func:`~chainer_vgc.statistics.pullback.sum_to`) to its shape
+    ``shape``.  ``aligned``: the operand's axes against gy's after the
+    row axis, when they are not numpy's alignment from the right (PReLU's
+    weight runs from axis 1).  An operand with a value for every row is
+    refused before the backward pass (:func:`operand_has_no_rows`)."""
 
     def __init__(self, xp, dtype, gy, factor, shape, aligned=None):
         super(BroadcastOperand, self).__init__(xp, dtype)
         self.gy = _as(gy, dtype)
         self.factor = None if factor is None else _as(factor, dtype)
         self.shape = tuple(shape)
-        # the operand's axes against gy's, the row axis first
-        self.aligned = tuple(aligned) if aligned is not None else (
-            (1,) * (gy.ndim - len(self.shape)) + self.shape)
-        if len(self.aligned) != gy.ndim or self.aligned[0] != 1:
-            raise ValueError(
-                'per-example statistics: a parameter operand of shape {} '
-                'against an output of shape {} has a value for every row '
-                '(its first axis is not broadcast), so it is not one '
-                "parameter's use by every example".format(self.shape,
-                                                          gy.shape))
-        self.axes = tuple(i for i in range(1, gy.ndim)
-                          if self.aligned[i] == 1 and gy.shape[i] != 1)
+        if aligned is None:  # numpy's: from the right, rows first
+            aligned = ((1,) * (gy.ndim - len(self.shape)) + self.shape)[1:]
+        self.aligned = tuple(aligned)
         self.rows = gy.shape[0]
         self.row_bytes = (2 * gy[0].size + int(numpy.prod(self.shape))) * \
             dtype.itemsize
@@ -58,9 +53,8 @@ class BroadcastOperand(_Use):
         if f is not None:
             g = g * (f[r0:r1] if f.ndim == g.ndim and f.shape[0] ==
                      self.rows else f)
-        if self.axes:
-            g = g.sum(axis=self.axes, keepdims=True)
-        return g.reshape((r1 - r0,) + self.shape)
+        return sum_to(self.xp, g, self.aligned).reshape((r1 - r0,) +
+                                                        self.shape)
 
 
 def _operand_shape(fn, k, operand):
@@ -99,14 +93,16 @@ def prelu_weight(fn, in_data, gy, dtype, xp):
     x, w = in_data[0], in_data[1]
     x = _as(x, dtype)
     factor = xp.where(x < 0, x, x.dtype.type(0))
-    aligned = (1,) + tuple(w.shape) + (1,) * (x.ndim - w.ndim - 1)
+    aligned = tuple(w.shape) + (1,) * (x.ndim - w.ndim - 1)
     return BroadcastOperand(xp, dtype, gy, factor, w.shape, aligned)
 
 
-def operand_has_no_rows(fn, shape):
-    """Whether a parameter's operand of ``shape`` (numpy's alignment from
-    the right against fn's output) is broadcast along the rows: otherwise
-    it has a value of its own for every row, which no example shares."""
+def operand_has_no_rows(fn, k, operand=None):
+    """Whether the parameter's operand, input k of fn (of the shape
+    :func:`_operand_shape` gives; numpy's alignment from the right against
+    fn's output), is broadcast along the rows: otherwise it has a value
+    of its own for every row, which no example shares."""
+    shape = _operand_shape(fn, k, operand)
     out = fn.outputs[0]()
     if out is None or len(shape) > len(out.shape):
         return False

@@ -41,8 +41,9 @@ def _functions_of(var):
 
 
 def _scan(loss, params, batch_ids=()):
-    """The function nodes of loss's graph, and the uses of each of
-    ``params``: ``(functions, {index: [(fn, k, selection)]})``: fn consumes
+    """The function nodes of loss's graph, the uses of each of ``params``
+    and who consumes each variable node: ``(functions, {index: [(fn, k,
+    selection)]}, {id(node): [(fn, k)]})``: fn consumes
     the parameter as its input k, directly (selection None), through a
     rearrangement into rows of a Linear (a :class:`Selection`) or through
     other functions of itself and constants (a
@@ -65,7 +66,7 @@ def _scan(loss, params, batch_ids=()):
         for fn, k in consumers.get(p_id, ()):
             uses.setdefault(i, []).extend(
                 _followed(fn, k, params[i].shape, consumers, constant))
-    return functions, uses
+    return functions, uses, consumers
 
 
 #: the rearranging functions followed from a parameter to its use

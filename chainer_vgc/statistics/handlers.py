@@ -195,12 +195,10 @@ def _group_norm_hat(xp, groups, eps):
     """x_hat of ``F.group_normalization``: each example's channels in
     ``groups`` groups, each group normalized over its channels and
     positions."""
+    rows = _layer_norm_hat(xp, eps)  # each group a row
+
     def normalize(x):
-        flat = x.reshape(x.shape[0] * groups, -1)
-        mu = flat.mean(axis=1, keepdims=True)
-        xm = flat - mu
-        var = (xm * xm).mean(axis=1, keepdims=True)
-        return (xm / xp.sqrt(var + x.dtype.type(eps))).reshape(x.shape)
+        return rows(x.reshape(x.shape[0] * groups, -1)).reshape(x.shape)
     return normalize
 
 
@@ -511,9 +509,7 @@ _HANDLERS = {
     _math.Sub: _elementwise(broadcasts.SUB),
     _math.Mul: _elementwise(broadcasts.MUL),
     _math.Div: _elementwise(broadcasts.DIV),
-    _prelu.PReLUFunction: _Handler({1: broadcasts.prelu_weight},
-                                   row_input=_first_input,
-                                   broadcasting=False),
+    _prelu.PReLUFunction: _Handler({1: broadcasts.prelu_weight}),
 }
 
 
@@ -544,7 +540,7 @@ def _supported(fn, k, operand=None):
             and handler.accepts(fn)):
         return False
     return not handler.broadcasting or broadcasts.operand_has_no_rows(
-        fn, tuple(fn.inputs[k].shape) if operand is None else operand)
+        fn, k, operand)
 
 
 #: old-style Functions covered, reached through their FunctionAdapter

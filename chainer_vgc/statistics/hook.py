@@ -262,8 +262,8 @@ class PerSampleSquares(chainer.FunctionHook):
         keeps only what the real pass reported.
         """
         mb = self.minibatch(batch)
-        functions, uses = _scan(loss, self.params,
-                                {id(a) for a in mb.arrays})
+        functions, uses, consumers = _scan(loss, self.params,
+                                           {id(a) for a in mb.arrays})
         uses = {i: us for i, us in uses.items()
                 if self.names[i] not in self.skip}
         b = mb.b
@@ -289,7 +289,7 @@ class PerSampleSquares(chainer.FunctionHook):
         # (a local: its function nodes hold the graph, and with it the
         # activations they retain, which must not outlive this pass)
         uses = {i: us for i, us in uses.items() if i not in brute}
-        layouts = self._layouts(uses, functions, mb)
+        layouts = self._layouts(uses, functions, consumers, mb)
         self.covered_names = [self.names[i] for i in sorted(uses)]
         current = _Pass(uses, b, layouts, self._arena_views())
         self.sqsums = [None] * len(self.params)
@@ -318,23 +318,18 @@ class PerSampleSquares(chainer.FunctionHook):
                     p.dtype))
         return self.sqsums
 
-    def _layouts(self, uses, functions, mb):
+    def _layouts(self, uses, functions, consumers, mb):
         """{id(fn): layout} of every use's function node: B contiguous
         groups of the first axis for a minibatch of arrays of examples,
         traced rows for one of one array per example
         (:mod:`~chainer_vgc.statistics.rows`)."""
         layouts = {}
-        tracer = consumers = None
+        tracer = None
         for i, us in sorted(uses.items()):
             for fn, k, _ in us:
                 if id(fn) in layouts:
                     continue
                 if not mb.traced:
-                    if consumers is None:
-                        consumers = {}
-                        for f in functions:
-                            for node in f.inputs:
-                                consumers.setdefault(id(node), []).append(f)
                     layouts[id(fn)] = ('groups', _rows.regular_layout(
                         fn, self.names[i], mb, consumers,
                         _row_input(fn, k)))

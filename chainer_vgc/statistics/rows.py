@@ -309,10 +309,10 @@ _ROW_WISE_INPUT0 = (
     _prelu.PReLUFunction, _swish.Swish)
 
 
-def _keeps_rows(fn, node=None):
+def _keeps_rows(fn):
     """Whether function node fn keeps the first axis of its inputs: its
     output's row i is computed from row i of the inputs :func:`_row_sources`
-    names (``node``: its output, for the shapes)."""
+    names."""
     if isinstance(fn, _ROW_WISE_INPUT0) or getattr(fn, 'is_elementwise',
                                                    False):
         return True
@@ -342,7 +342,7 @@ def _row_sources(creator, node):
     the output's rank and rows; for a transpose that keeps the first axis
     first and a ``GetItem`` that keeps it whole, the input.  Other
     functions: none (their rows are not followed)."""
-    if not _keeps_rows(creator, node):
+    if not _keeps_rows(creator):
         return []
     if isinstance(creator, _ROW_WISE_INPUT0):
         return [creator.inputs[0]]
@@ -400,10 +400,10 @@ def regular_layout(fn, name, batch, consumers=None, row_input=0):
     An input that is a constant array (an RNN's initial state, a mask)
     has rows that belong to no example by themselves; they are read as
     the examples' when the rows of ``fn``'s output are (its output
-    gradient's rows are the examples' then): the output is added to,
-    subtracted from or multiplied by an operand of its own shape that is
-    not a constant (:func:`_rows_owned_downstream`; ``consumers``:
-    ``{id(variable node): [function nodes taking it]}``)."""
+    gradient's rows are the examples' then): the output, followed forward,
+    meets minibatch rows row for row (:func:`_rows_owned_downstream`;
+    ``consumers``: ``{id(variable node): [(function node, input index)]}``,
+    :func:`~chainer_vgc.statistics.graph._scan`'s)."""
     node = fn.inputs[row_input]
     b = batch.b
     rows = node.shape[0] if len(node.shape) else 0
@@ -461,7 +461,7 @@ def _rows_owned_downstream(fn, consumers, batch, limit=20000):
         if id(node) in seen or not len(node.shape):
             continue
         seen.add(id(node))
-        for nxt in consumers.get(id(node), ()):
+        for nxt, _ in consumers.get(id(node), ()):
             others = [o for o in nxt.inputs if o is not node]
             if isinstance(nxt, _softmax_ce.SoftmaxCrossEntropy):
                 if nxt.inputs[0] is node and _rows_from_minibatch(
