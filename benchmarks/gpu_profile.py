@@ -422,11 +422,14 @@ def statistics_patches(patches):
     """The statistics' phases inside ``PerSampleSquares.backward``: the
     hook's per-function work, the uses it builds, the contraction (Gram or
     blocked), im2col and the square sums, each where the caller looks it
-    up (a name imported into ``hook`` or ``handlers`` is wrapped there)."""
+    up (a name imported into ``hook``, ``handlers`` or ``normalizations``
+    is wrapped there)."""
     from chainer_vgc.statistics import contraction
     from chainer_vgc.statistics import handlers
     from chainer_vgc.statistics import hook
     from chainer_vgc.statistics import im2col
+    from chainer_vgc.statistics import normalizations
+    from chainer_vgc.statistics import uses
     for owner, name, label in [
             (hook.PerSampleSquares, 'backward_postprocess',
              'PerSampleSquares.backward_postprocess'),
@@ -438,7 +441,8 @@ def statistics_patches(patches):
             (contraction, '_blocked_into', 'contraction._blocked_into'),
             (contraction, 'sum_squares', 'contraction.sum_squares'),
             (handlers, 'im2col', 'handlers.im2col'),
-            (handlers, '_sum_over', 'handlers._sum_over'),
+            (uses, '_sum_over', 'uses._sum_over'),
+            (normalizations, '_sum_over', 'normalizations._sum_over'),
             (im2col.ColumnCapture, 'take', 'ColumnCapture.take')]:
         patches.wrap(owner, name, label)
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from chainer_vgc.statistics import PerSampleSquares
 from chainer_vgc.statistics import contraction
 from chainer_vgc.statistics import handlers
+from chainer_vgc.statistics import normalizations
 from chainer_vgc.statistics import uses as use_module
 
 # on both stacks (make test): its results depend on NumPy, the native
@@ -259,7 +260,7 @@ def test_batch_normalization_gamma_without_x_hat(shape):
         with Hook():
             F.sum(F.tanh(y) * rng.normal(size=shape)).backward()
     (fn, in_data, gy), = rec
-    use = handlers._bn_gamma(fn, in_data, gy, numpy.dtype('f8'), numpy)
+    use = normalizations.bn_gamma(fn, in_data, gy, numpy.dtype('f8'), numpy)
     axes = tuple(a for a in fn.axis if a != 0)
     x_hat = (in_data[0] - fn.mean[fn.expander]) * fn.inv_std[fn.expander]
     want = (gy * x_hat).sum(axis=axes) if axes else gy * x_hat
@@ -414,3 +415,87 @@ def test_linear_one_row_is_the_earlier_shortcut_bit_for_bit():
     got = use.sqsum(rows, 64 * 2 ** 20, work=contraction.Workspace())
     gy, xs = use.gy, use.x
     numpy.testing.assert_array_equal(got, numpy.dot((gy * gy).T, xs * xs))
+
+
+@pytest.mark.parametrize('t,m,n', [(10, 4, 5), (6, 7, 3), (2, 5, 5)])
+def test_linear_one_block_is_the_blocked_product_bit_for_bit(t, m, n):
+    """Rows of T tokens per example whose products fit one block take
+    _LinearW._one_block: the same matmul and square-sum as the general
+    blocked loop of sum_squared_products, so the same bits; past a block
+    (a tiny max_memory) it is not taken and the general loop runs."""
+    rng = numpy.random.default_rng(40 + t)
+    b = 6
+    x = rng.normal(size=(b * t, n)).astype(numpy.float32)
+    gy = rng.normal(size=(b * t, m)).astype(numpy.float32)
+    use = handlers._LinearW(numpy, numpy.dtype(numpy.float32), x, gy)
+    work = contraction.Workspace()
+    fast = use._one_block(t, 2 ** 30, None, work)
+    if contraction.uses_gram(numpy, t):
+        assert fast is None  # few tokens: the Gram formulation instead
+        return
+    general = contraction.sum_squared_products(
+        use.operands(), b, 2 ** 30, contraction.Workspace(), rows=t)
+    numpy.testing.assert_array_equal(fast, general)
+    numpy.testing.assert_array_equal(use.sqsum(t, 2 ** 30, work=work),
+                                     general)
+    assert use._one_block(t, 16, None, work) is None
+    want = use.reference_sqsum(t, 2 ** 30)
+    numpy.testing.assert_allclose(use.sqsum(t, 16), want, rtol=1e-5)
+
+
+def _embed_use(rng, ids_shape, vocab, d, ignore):
+    ids = rng.integers(0, vocab, ids_shape).astype(numpy.int32)
+    if ignore is not None:
+        ids.reshape(-1)[::3] = ignore
+    gy = rng.normal(size=ids_shape + (d,))
+    return handlers._EmbedW(numpy, numpy.dtype(numpy.float64), ids, gy,
+                            (vocab, d), ignore)
+
+
+@pytest.mark.parametrize('ids_shape,group', [((8,), 1), ((4, 5), 1),
+                                             ((12,), 3)])
+@pytest.mark.parametrize('ignore', [None, -1])
+def test_embed_one_hot_operands_are_its_sparse_sums(ids_shape, group,
+                                                    ignore):
+    """EmbedID's one-hot product (the one a tied output projection
+    concatenates with) gives the sums of its sparse path and of the
+    definition, with ignored tokens and rows of several examples."""
+    rng = numpy.random.default_rng(41)
+    use = _embed_use(rng, ids_shape, 7, 3, ignore)
+    b = use.rows // group
+    want = use.reference_sqsum(group, 2 ** 30)
+    assert_close(use.sqsum(group, 2 ** 30), want, 'sparse')
+    for mem in (2 ** 30, 200):
+        got = contraction.sum_squared_products(
+            use.operands(), b, mem, contraction.Workspace(), rows=group)
+        assert_close(got, want, 'one-hot, max_memory {}'.format(mem))
+
+
+def test_embed_alone_stays_sparse_and_tied_uses_take_the_product(
+        monkeypatch):
+    """Two EmbedID uses of one table are combined by the readable
+    definition (no dense one-hot product of a large vocabulary); with a
+    tied output projection, by the concatenated product; both equal the
+    definition."""
+    rng = numpy.random.default_rng(42)
+    a = _embed_use(rng, (4, 5), 7, 3, -1)
+    b = _embed_use(rng, (4, 2), 7, 3, None)
+    taken = []
+    real = contraction.concatenate
+    monkeypatch.setattr(contraction, 'concatenate',
+                        lambda parts: taken.append(len(parts)) or
+                        real(parts))
+    pair = [(a, 1), (b, 1)]
+    assert_close(use_module._combined_sqsum(pair, 4, 2 ** 30),
+                 use_module._reference_combined_sqsum(pair, 4, 2 ** 30),
+                 'two embeddings')
+    assert taken == []
+    h = rng.normal(size=(4 * 6, 3))
+    g_logits = rng.normal(size=(4 * 6, 7))  # the projection F.linear(h, W)
+    proj = handlers._LinearW(numpy, numpy.dtype(numpy.float64), h, g_logits)
+    tied = [(a, 1), (b, 1), (proj, 6)]
+    assert_close(use_module._combined_sqsum(tied, 4, 2 ** 30, None,
+                                            contraction.Workspace()),
+                 use_module._reference_combined_sqsum(tied, 4, 2 ** 30),
+                 'tied')
+    assert taken == [3]

@@ -405,9 +405,10 @@ def test_batch_renormalization_slices_against_numpy(dtype):
 
 
 class IndexedWeight(chainer.Chain):
-    """A weight through a transpose with negative axes, or an index whose
+    """A weight through a transpose with negative axes, an index whose
     advanced entries are split by a slice (numpy moves those axes first),
-    then multiplied into the batch by broadcast."""
+    or a basic index (a view: slices, a reversed one, None, an int,
+    Ellipsis), then multiplied into the batch by broadcast."""
 
     def __init__(self, kind):
         super(IndexedWeight, self).__init__()
@@ -421,6 +422,10 @@ class IndexedWeight(chainer.Chain):
             s = F.transpose(self.w, (0, -1, 1))  # (2, 4, 3)
         elif self.kind == 'split':
             s = self.w[1, :, [0, 2]]  # (2, 3): the advanced axis first
+        elif self.kind == 'basic':  # a view: placed for all examples
+            s = self.w[::-1, None, 1:, -1]  # (2, 1, 2)
+        elif self.kind == 'ellipsis':
+            s = self.w[..., 1::2]  # (2, 3, 2)
         else:
             s = self.w[[0, 1, 1, 0, 1], :, [1, 1, 0, 2, 2]]  # (5, 3)
         return F.sum(F.tanh(x * F.broadcast_to(s, x.shape)),
@@ -429,14 +434,56 @@ class IndexedWeight(chainer.Chain):
 
 @pytest.mark.parametrize('kind,shape', [('transpose', (4, 3)),
                                         ('split', (3,)),
-                                        ('repeated', (3,))])
+                                        ('repeated', (3,)),
+                                        ('basic', (1, 2)),
+                                        ('ellipsis', (3, 2))])
 @pytest.mark.parametrize('b', [2, 3, 5])
 def test_transposes_and_split_advanced_indices_of_a_weight(kind, shape, b):
     rng = numpy.random.default_rng(26)
     with chainer.using_config('dtype', numpy.float64):
         model = IndexedWeight(kind)
-        lead = {'transpose': (2,), 'split': (2,), 'repeated': (5,)}[kind]
+        lead = {'transpose': (2,), 'split': (2,), 'repeated': (5,),
+                'basic': (2,), 'ellipsis': (2,)}[kind]
         x = rng.normal(size=(b,) + lead + shape)
         t = rng.normal(size=(b,))
         check(model, lambda x, t: F.mean_squared_error(model(x), t),
               (x, t), numpy.float64)
+
+
+def test_small_uses_squared_after_the_pass_give_the_same_bits(monkeypatch):
+    """The single uses whose arrays are small wait for the end of the
+    backward pass (hook.DEFER_BYTES): the sums are the very bits of
+    squaring each use at once, and the arrays kept never exceed the bound
+    (a bound of a few uses defers those and squares the rest at once)."""
+    from chainer_vgc.harness.models import Transformer
+    from chainer_vgc.harness.models import padded_pairs_task
+    from chainer_vgc.statistics import hook
+    numpy.random.seed(32)
+    model = Transformer(9, d=8, heads=2, layers=1, max_length=5)
+    source, target = padded_pairs_task(4, 9, 5, seed=4)
+    kept = []
+    real = hook._Pass.defer
+
+    def defer(self, *args):
+        taken = real(self, *args)
+        kept.append((taken, self.deferred_bytes, self.defer_bytes))
+        return taken
+
+    monkeypatch.setattr(hook._Pass, 'defer', defer)
+    runs = {}
+    for bound in (0, 3000, hook.DEFER_BYTES):
+        monkeypatch.setattr(hook, 'DEFER_BYTES', bound)
+        del kept[:]
+        model.cleargrads()
+        with chainer.using_config('train', False):
+            loss = model(source, target)
+        runs[bound] = [None if s is None else s.copy() for s in
+                       PerSampleSquares(model).backward(
+                           loss, batch=(source, target))]
+        assert all(held <= limit for _, held, limit in kept)
+        runs[bound, 'deferred'] = sum(t for t, _, _ in kept)
+    assert runs[0, 'deferred'] == 0
+    assert 0 < runs[3000, 'deferred'] < runs[hook.DEFER_BYTES, 'deferred']
+    for bound in (3000, hook.DEFER_BYTES):
+        for got, want in zip(runs[bound], runs[0]):
+            numpy.testing.assert_array_equal(got, want)

@@ -25,18 +25,26 @@ from chainer_vgc.statistics import pullback
 from chainer_vgc.statistics.rows import _derived_from
 
 
-def _functions_of(var):
-    """Every function node in the graph of ``var``."""
+def _functions_of(var, consumers=None):
+    """Every function node in the graph of ``var``; ``consumers`` (a
+    dict), when given, receives who consumes each variable node:
+    ``{id(node): [(fn, k)]}`` in the order of the nodes returned (one walk
+    for both)."""
     seen, out = set(), []
-    stack = [var.creator_node] if var.creator_node is not None else []
+    first = var.creator_node
+    stack = [first] if first is not None else []
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
             continue
         seen.add(id(fn))
         out.append(fn)
-        stack.extend(node.creator_node for node in fn.inputs
-                     if node.creator_node is not None)
+        for k, node in enumerate(fn.inputs):
+            if consumers is not None:
+                consumers.setdefault(id(node), []).append((fn, k))
+            creator = node.creator_node
+            if creator is not None and id(creator) not in seen:
+                stack.append(creator)
     return out
 
 
@@ -51,11 +59,8 @@ def _scan(loss, params, batch_ids=()):
     the ids of the minibatch's arrays (an input that is neither one of
     them, nor computed, nor a parameter is a constant)."""
     index = {id(p.node): i for i, p in enumerate(params)}
-    functions = _functions_of(loss)
     consumers = {}
-    for fn in functions:
-        for k, node in enumerate(fn.inputs):
-            consumers.setdefault(id(node), []).append((fn, k))
+    functions = _functions_of(loss, consumers)
 
     def constant(node):
         return (node.creator_node is None and id(node) not in index

@@ -15,11 +15,10 @@ primitives:
   ``im2col(x_z)`` with ``gy_z`` (a batched matmul), then squares and sums
   over the batch.  ``(gy**2)^T (x**2)`` would be wrong here;
 * ``Deconvolution2D``: the same with ``im2col(gy_z)`` and ``x_z``;
-* ``BatchNormalization`` (training mode): BN couples the examples through
-  the batch mean and variance, so "per-example gradient" is defined as the
-  example's slice of the batch gradient: ``sum_{h,w} gy_z * x_hat_z`` for
-  gamma and ``sum_{h,w} gy_z`` for beta, with x_hat normalized by the batch
-  statistics.  The slices add up to the batch gradient;
+* normalization layers' gamma and beta (``BatchNormalization``,
+  ``BatchRenormalization``, ``LayerNormalization``,
+  ``GroupNormalization``, ``FixedBatchNormalization``):
+  :mod:`~chainer_vgc.statistics.normalizations`;
 * ``EmbedID`` (with ``ignore_label``): per example, the rows of the tokens
   it contains, combined by word id before squaring;
 * a parameter combined with minibatch data element by element (with
@@ -28,16 +27,8 @@ primitives:
   ``PReLU``): the output gradient times the derivative with respect to the
   parameter's operand (the other operand, for a product), summed over the
   axes the operand was broadcast along, per row; the rows are the data
-  operand's (:func:`_row_input`);
-* ``BatchRenormalization`` in training: as batch normalization, the
-  example's slice of the batch gradient (``gy * x_hat_renorm``, ``gy``);
-* ``LayerNormalization``, ``GroupNormalization`` and batch normalization
-  with fixed statistics (``FixedBatchNormalization``: test mode,
-  fine-tuning with frozen statistics): each row (a token, an example) is
-  normalized by statistics of its own or by constants, so the rows'
-  contributions are exact per-example ones, with nothing coupling the
-  examples: ``gy * x_hat`` for gamma, ``gy`` for beta, summed over the
-  positions and over an example's rows.
+  operand's (:func:`_row_input`): :mod:`~chainer_vgc.statistics.
+  broadcasts`.
 
 :data:`_HANDLERS` is the one table of what is covered, keyed by Chainer
 function class: :func:`_supported` (is this use covered?) and
@@ -71,9 +62,11 @@ import numpy
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.statistics import broadcasts
 from chainer_vgc.statistics import contraction
+from chainer_vgc.statistics import normalizations
 from chainer_vgc.statistics.im2col import im2col
 from chainer_vgc.statistics.uses import _as
 from chainer_vgc.statistics.uses import _chunk
+from chainer_vgc.statistics.uses import _SumOverPositions
 from chainer_vgc.statistics.uses import _Use
 
 
@@ -89,6 +82,9 @@ class _LinearW(_Use):
 
     def sqsum(self, group, max_memory, out=None, work=None):
         if group > 1:
+            fast = self._one_block(group, max_memory, out, work)
+            if fast is not None:
+                return fast
             return super(_LinearW, self).sqsum(group, max_memory, out, work)
         # one row per example: (gy_z x_z^T)**2 = gy_z**2 (x_z**2)^T exactly
         # (the Gram formulation of one position, without its generality)
@@ -107,6 +103,30 @@ class _LinearW(_Use):
                                    lambda dst: xp.dot(gy2.T, x2, out=dst))
         return out
 
+    def _one_block(self, group, max_memory, out, work):
+        """The blocked formulation of :func:`~chainer_vgc.statistics.
+        contraction.sum_squared_products` where it is one batched matmul
+        and one square-sum (CPU; every example's product fits one block
+        and the operands one chunk), without its general loops: the same
+        calls on the same views, so the same bits (tested).  Rows of
+        examples of many tokens and small weights (a Transformer's
+        projections: 64 x 64, 10 tokens, 16 examples) spend more time in
+        those loops than in the products.  None where it does not apply."""
+        xp, dtype = self.xp, self.dtype
+        b, (m, n) = self.rows // group, (self.gy.shape[1], self.x.shape[1])
+        if (xp is not numpy or contraction.uses_gram(xp, group) or
+                b * m * n * dtype.itemsize > min(contraction.BLOCK_BYTES,
+                                                 max_memory) or
+                b * group * (m + n) * dtype.itemsize > max_memory):
+            return None
+        work = work if work is not None else contraction.Workspace()
+        prod = work.get(xp, 'block', (b, m, n), dtype)
+        xp.matmul(self.gy.reshape(b, group, m).transpose(0, 2, 1),
+                  self.x.reshape(b, group, n), out=prod)
+        if out is None:
+            out = xp.empty((m, n), dtype)
+        return contraction.sum_squares(xp, prod, out)
+
     def operands(self):
         """A_z = gy_z (one column per row), B_z = x_z: with one row per
         example the Gram formulation is ``(gy**2)^T (x**2)``."""
@@ -118,111 +138,6 @@ class _LinearW(_Use):
         return contraction.Operands(self.xp, self.dtype, 1, gy.shape[1],
                                     x.shape[1], 1, make,
                                     (gy.shape[1], x.shape[1]))
-
-
-class _SumOverPositions(_Use):
-    """Bias-like parameters (biases, BN's beta): per-example sum of gy
-    over every axis but the example axis and the parameter axes."""
-
-    def __init__(self, xp, dtype, gy, axes):
-        super(_SumOverPositions, self).__init__(xp, dtype)
-        self.gy = _as(gy, dtype)
-        self.axes = tuple(a for a in axes if a != 0)
-        self.rows = gy.shape[0]
-        self.row_bytes = gy[0].size * dtype.itemsize
-
-    def per_example(self, r0, r1):
-        g = self.gy[r0:r1]
-        return _sum_over(self.xp, g, self.axes) if self.axes else g
-
-
-class _BNGamma(_Use):
-    """BatchNormalization's gamma: the example's slice of the batch
-    gradient, ``sum gy_z * x_hat_z`` over the positions, computed as
-    ``inv_std * (sum gy_z * x_z - mean * sum gy_z)`` so that neither x_hat
-    nor the product is formed as an array of x's size (NumPy's einsum; on
-    the GPU one product per chunk)."""
-
-    def __init__(self, xp, dtype, fn, x, gy):
-        super(_BNGamma, self).__init__(xp, dtype)
-        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
-        self.mean, self.inv_std = _as(fn.mean, dtype), _as(fn.inv_std, dtype)
-        self.axes = tuple(a for a in fn.axis if a != 0)
-        self.rows = x.shape[0]
-        self.row_bytes = 3 * self.mean.size * dtype.itemsize
-
-    def per_example(self, r0, r1):
-        x, gy = self.x[r0:r1], self.gy[r0:r1]
-        if not self.axes:
-            s_gx, s_g = gy * x, gy
-        else:
-            s_gx = _sum_over(self.xp, gy, self.axes, x)
-            s_g = _sum_over(self.xp, gy, self.axes)
-        return self.inv_std * (s_gx - self.mean * s_g)
-
-
-class _NormalizedGamma(_Use):
-    """gamma of a normalization that couples no examples: per row,
-    ``sum gy * x_hat`` over the positions, ``x_hat`` formed for the rows
-    of a chunk only.  ``normalize(x)``: the rows' x_hat (the function's
-    own definition of it); ``axes``: the axes summed (not 0, not the
-    parameter's)."""
-
-    def __init__(self, xp, dtype, x, gy, normalize, axes, param_size):
-        super(_NormalizedGamma, self).__init__(xp, dtype)
-        self.x, self.gy = _as(x, dtype), _as(gy, dtype)
-        self.normalize, self.axes = normalize, tuple(axes)
-        self.rows = x.shape[0]
-        self.row_bytes = (2 * x[0].size + param_size) * dtype.itemsize
-
-    def per_example(self, r0, r1):
-        x_hat = self.normalize(self.x[r0:r1])
-        return _sum_over(self.xp, self.gy[r0:r1], self.axes, x_hat)
-
-
-def _layer_norm_hat(xp, eps):
-    """x_hat of ``F.layer_normalization`` (Chainer's definition: each
-    row's mean and biased variance over its features, ``+ eps``)."""
-    def normalize(x):
-        mu = x.mean(axis=1, keepdims=True)
-        xm = x - mu
-        var = (xm * xm).mean(axis=1, keepdims=True)
-        return xm / xp.sqrt(var + x.dtype.type(eps))
-    return normalize
-
-
-def _group_norm_hat(xp, groups, eps):
-    """x_hat of ``F.group_normalization``: each example's channels in
-    ``groups`` groups, each group normalized over its channels and
-    positions."""
-    rows = _layer_norm_hat(xp, eps)  # each group a row
-
-    def normalize(x):
-        return rows(x.reshape(x.shape[0] * groups, -1)).reshape(x.shape)
-    return normalize
-
-
-def _fixed_norm_hat(xp, mean, var, eps, shape):
-    """x_hat of ``F.fixed_batch_normalization``: the given statistics,
-    broadcast to x along its key axes (``shape``)."""
-    def normalize(x):
-        m = mean.reshape(shape).astype(x.dtype, copy=False)
-        v = var.reshape(shape).astype(x.dtype, copy=False)
-        return (x - m) / xp.sqrt(v + x.dtype.type(eps))
-    return normalize
-
-
-def _sum_over(xp, a, axes, b=None):
-    """``a`` (times ``b``) summed over ``axes``: NumPy's einsum, which on
-    the 2-core machine summed (n, C, h, w) over h, w 1.5-4x faster than
-    ``sum`` and forms no product array; CuPy's ``sum`` on the GPU."""
-    if xp is not numpy:
-        return (a if b is None else a * b).sum(axis=axes)
-    letters = 'abcdefghij'[:a.ndim]
-    kept = ''.join(c for k, c in enumerate(letters) if k not in axes)
-    if b is None:
-        return numpy.einsum('{}->{}'.format(letters, kept), a)
-    return numpy.einsum('{0},{0}->{1}'.format(letters, kept), a, b)
 
 
 class _ConvW(_Use):
@@ -328,6 +243,34 @@ class _EmbedW(_Use):
         _scatter_add(self.xp, out, (example, ids), gy)
         return out
 
+    #: its own :meth:`sqsum` is sparse; the one-hot :meth:`operands` are
+    #: for a product it is combined with (a tied output projection)
+    sparse = True
+
+    def operands(self):
+        """A_z = the one-hot matrix of the row's tokens (vocabulary x
+        tokens; ignored tokens have no 1), B_z = their output gradients:
+        the product a tied output projection ``F.linear(h, embed.W)`` has
+        too, so that the two concatenate (:func:`~chainer_vgc.statistics.
+        uses._combined_sqsum`)."""
+        xp, (vocab, d) = self.xp, self.w_shape
+        per_row = max(1, self.ids[0].size)
+
+        def make(r0, r1, work):
+            n = r1 - r0
+            ids = self.ids[r0:r1].reshape(n, per_row)
+            gy = self.gy[r0:r1].reshape(n, 1, per_row, d)
+            a = work.get(xp, 'onehot', (n, 1, vocab, per_row), self.dtype)
+            a.fill(0)
+            keep = (ids != self.ignore if self.ignore is not None
+                    else xp.ones(ids.shape, bool))
+            row, pos = xp.nonzero(keep)
+            a[row, 0, ids[row, pos], pos] = 1
+            return a, gy
+
+        return contraction.Operands(xp, self.dtype, 1, vocab, d, per_row,
+                                    make, self.w_shape)
+
     def sqsum(self, group, max_memory, out=None, work=None):
         # sparse: combine each example's tokens by word id, square, scatter
         xp = self.xp
@@ -385,74 +328,6 @@ def _conv_bias(fn, in_data, gy, dtype, xp):
     return _SumOverPositions(xp, dtype, gy, (2, 3))
 
 
-def _bn_gamma(fn, in_data, gy, dtype, xp):
-    return _BNGamma(xp, dtype, fn, in_data[0], gy)
-
-
-def _bn_beta(fn, in_data, gy, dtype, xp):
-    return _SumOverPositions(xp, dtype, gy, tuple(fn.axis))
-
-
-def _bn_reduces_examples(fn):
-    """BN statistics taken over the example axis (axis 0): otherwise an
-    example's slice of the batch gradient is not defined here."""
-    return 0 in tuple(fn.axis or (0,))
-
-
-def _ln_gamma(fn, in_data, gy, dtype, xp):
-    return _NormalizedGamma(xp, dtype, in_data[0], gy,
-                            _layer_norm_hat(xp, fn.eps), (), in_data[1].size)
-
-
-def _gn_gamma(fn, in_data, gy, dtype, xp):
-    return _NormalizedGamma(xp, dtype, in_data[0], gy,
-                            _group_norm_hat(xp, fn.groups, fn.eps),
-                            tuple(range(2, in_data[0].ndim)),
-                            in_data[1].size)
-
-
-def _gn_beta(fn, in_data, gy, dtype, xp):
-    return _SumOverPositions(xp, dtype, gy, tuple(range(2, gy.ndim)))
-
-
-def _fixed_key_shape(fn, x, gamma):
-    """gamma's shape broadcast to x along the function's key axes."""
-    shape = [1] * x.ndim
-    for i, a in enumerate(fn.key_axis):
-        shape[a] = gamma.shape[i]
-    return tuple(shape)
-
-
-def _fixed_bn_gamma(fn, in_data, gy, dtype, xp):
-    x, gamma, _, mean, var = in_data
-    return _NormalizedGamma(
-        xp, dtype, x, gy, _fixed_norm_hat(xp, _as(mean, dtype),
-                                          _as(var, dtype), fn.eps,
-                                          _fixed_key_shape(fn, x, gamma)),
-        tuple(a for a in fn.axis if a != 0), gamma.size)
-
-
-def _brn_gamma(fn, in_data, gy, dtype, xp):
-    """``BatchRenormalization`` in training (Chainer's old-style Function,
-    through its adapter): as batch normalization, the example's slice of
-    the batch gradient, ``sum gy_z * x_hat_renorm_z`` over the positions,
-    from the renormalized x the function kept."""
-    f = fn._function
-    hat = f.x_hat_renorm
-    return _NormalizedGamma(xp, dtype, hat, gy, lambda rows: rows,
-                            tuple(range(1 + in_data[1].ndim, hat.ndim)),
-                            in_data[1].size)
-
-
-def _brn_beta(fn, in_data, gy, dtype, xp):
-    return _SumOverPositions(xp, dtype, gy,
-                             tuple(range(1 + in_data[1].ndim, gy.ndim)))
-
-
-def _fixed_bn_beta(fn, in_data, gy, dtype, xp):
-    return _SumOverPositions(xp, dtype, gy, tuple(fn.axis))
-
-
 def _embed_weight(fn, in_data, gy, dtype, xp):
     return _EmbedW(xp, dtype, in_data[0], gy, fn._w_shape, fn.ignore_label)
 
@@ -497,14 +372,17 @@ _HANDLERS = {
     _linear.LinearFunction: _Handler({1: _linear_weight, 2: _linear_bias}),
     _conv.Convolution2DFunction: _CONV,
     _deconv.Deconvolution2DFunction: _CONV,
-    _bn.BatchNormalization: _Handler({1: _bn_gamma, 2: _bn_beta},
-                                     accepts=_bn_reduces_examples),
+    _bn.BatchNormalization: _Handler(
+        {1: normalizations.bn_gamma, 2: normalizations.bn_beta},
+        accepts=normalizations.reduces_examples),
     _embed.EmbedIDFunction: _Handler({1: _embed_weight}),
-    _ln.LayerNormalization: _Handler({1: _ln_gamma, 2: _linear_bias}),
-    _gn.GroupNormalization: _Handler({1: _gn_gamma, 2: _gn_beta}),
+    _ln.LayerNormalization: _Handler({1: normalizations.ln_gamma,
+                                      2: normalizations.ln_beta}),
+    _gn.GroupNormalization: _Handler({1: normalizations.gn_gamma,
+                                      2: normalizations.gn_beta}),
     _bn.FixedBatchNormalization: _Handler(
-        {1: _fixed_bn_gamma, 2: _fixed_bn_beta},
-        accepts=_bn_reduces_examples),
+        {1: normalizations.fixed_bn_gamma, 2: normalizations.fixed_bn_beta},
+        accepts=normalizations.reduces_examples),
     _math.Add: _elementwise(broadcasts.ADD),
     _math.Sub: _elementwise(broadcasts.SUB),
     _math.Mul: _elementwise(broadcasts.MUL),
@@ -518,11 +396,15 @@ def _handler(fn):
     old-style Function, its adapter's function's), or None."""
     if isinstance(fn, _function.FunctionAdapter):
         return _ADAPTED.get(type(fn._function))
-    for cls in type(fn).__mro__:
-        handler = _HANDLERS.get(cls)
-        if handler is not None:
-            return handler
-    return None
+    cls = type(fn)
+    if cls not in _BY_CLASS:  # (the backward asks for every node)
+        _BY_CLASS[cls] = next((_HANDLERS[c] for c in cls.__mro__
+                               if c in _HANDLERS), None)
+    return _BY_CLASS[cls]
+
+
+#: {function class: its _HANDLERS entry or None}, as _handler found it
+_BY_CLASS = {}
 
 
 def _takes_columns(fn):
@@ -545,8 +427,8 @@ def _supported(fn, k, operand=None):
 
 #: old-style Functions covered, reached through their FunctionAdapter
 _ADAPTED = {
-    _brn.BatchRenormalizationFunction: _Handler({1: _brn_gamma,
-                                                 2: _brn_beta}),
+    _brn.BatchRenormalizationFunction: _Handler(
+        {1: normalizations.brn_gamma, 2: normalizations.brn_beta}),
 }
 
 

@@ -67,6 +67,15 @@ from chainer_vgc.statistics import weight_gradient as _weight_gradient
 
 #: default bound of each per-example intermediate (bytes)
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
+#: bound of the arrays held by the uses whose sums wait for the end of the
+#: backward pass (:meth:`_Pass.defer`; at most ``max_memory``).  Squared
+#: between Chainer's own backward steps, the small sums of a Transformer's
+#: 80 parameters slowed those steps too: its statistics step went from
+#: 1.32-1.36x a plain one to 1.24-1.28x when they waited (one process,
+#: alternating in one run, three runs).  16 MiB holds every such use of
+#: the Transformer of ``bench_statistics.py`` (10 MiB); larger uses are
+#: squared at once
+DEFER_BYTES = 16 * 2 ** 20
 
 
 _NOTHING = contextlib.nullcontext()
@@ -97,7 +106,9 @@ class _Pass(object):
     (not brute force, not dense); ``b``: the number of examples;
     ``layouts``: {id(fn): (kind, k or idx)}, how the rows of fn's input
     become the b examples (:func:`~chainer_vgc.statistics.rows.layout`);
-    ``single``: the indices with one use (squared as soon as it is seen);
+    ``single``: the indices with one use (squared as soon as it is seen,
+    or, when what it holds is small, once the pass is over:
+    :meth:`defer`);
     ``by_fn``: {id(fn): [(index, k, selection)]}; ``pending``: {index:
     [(use, group)]} the uses of shared parameters, combined when the
     backward pass is over; ``results``: {index: sum of squares};
@@ -105,7 +116,7 @@ class _Pass(object):
     :meth:`PerSampleSquares._arena_views`), or None.
     """
 
-    def __init__(self, uses, b, layouts, views=None):
+    def __init__(self, uses, b, layouts, views=None, defer_bytes=0):
         self.uses = uses
         self.b = b
         self.layouts = layouts
@@ -119,6 +130,21 @@ class _Pass(object):
         #: bytes of Chainer's columns the pending uses keep
         self.held = 0
         self.results = {}
+        #: [(index, use, group)] squared when the pass is over, and the
+        #: bytes of the arrays they hold (at most ``defer_bytes``)
+        self.deferred = []
+        self.deferred_bytes = 0
+        self.defer_bytes = defer_bytes
+
+    def defer(self, i, use, group, nbytes):
+        """Keep parameter i's single use, which holds arrays of ``nbytes``,
+        to be squared when the backward pass is over, if they fit in what
+        is left of ``defer_bytes`` (True); False: square it now."""
+        if self.deferred_bytes + nbytes > self.defer_bytes:
+            return False
+        self.deferred.append((i, use, group))
+        self.deferred_bytes += nbytes
+        return True
 
     def out(self, i):
         """Where parameter i's sum is written (None: a new array)."""
@@ -291,7 +317,8 @@ class PerSampleSquares(chainer.FunctionHook):
         uses = {i: us for i, us in uses.items() if i not in brute}
         layouts = self._layouts(uses, functions, consumers, mb)
         self.covered_names = [self.names[i] for i in sorted(uses)]
-        current = _Pass(uses, b, layouts, self._arena_views())
+        current = _Pass(uses, b, layouts, self._arena_views(),
+                        min(self.max_memory, DEFER_BYTES))
         self.sqsums = [None] * len(self.params)
         self._fused.reset()
         try:
@@ -302,6 +329,9 @@ class PerSampleSquares(chainer.FunctionHook):
                     self._fused if convolutions and
                     self.fused_weight_gradient else _NOTHING):
                 loss.backward(**backward_kwargs)
+            for i, use, group in current.deferred:
+                current.results[i] = use.sqsum(group, self.max_memory,
+                                               current.out(i), self.work)
             for i, use_list in current.pending.items():
                 current.results[i] = _combined_sqsum(
                     use_list, b, self.max_memory, current.out(i), self.work)
@@ -504,7 +534,10 @@ class PerSampleSquares(chainer.FunctionHook):
             if kind == 'groups' and hasattr(use, 'adopt_columns'):
                 # (Chainer's columns are in the rows' own order)
                 use.adopt_columns(self._capture)
-            if i in current.single:  # done now: nothing is kept
+            if i in current.single:  # now, or with the small ones at the end
+                if getattr(use, 'columns', None) is None and current.defer(
+                        i, use, group, _nbytes(gy, *x_data)):
+                    continue
                 current.results[i] = use.sqsum(group, self.max_memory,
                                                current.out(i), self.work)
                 continue
@@ -527,3 +560,8 @@ class PerSampleSquares(chainer.FunctionHook):
                 current.held -= sum(u.columns.nbytes for u, _ in pending
                                     if getattr(u, 'columns', None)
                                     is not None)
+
+
+def _nbytes(*arrays):
+    """Bytes of the arrays (None: nothing)."""
+    return sum(int(a.nbytes) for a in arrays if a is not None)

@@ -107,6 +107,13 @@ class Step(object):
         if self.kind == 'index':
             slices = fn.slices if isinstance(fn.slices, tuple) else (
                 fn.slices,)
+            if all(_basic(s) for s in slices):
+                def place(c):
+                    # a view, each element once: written for all examples
+                    out = xp.zeros((c.shape[0],) + ins, c.dtype)
+                    out[(slice(None),) + slices] = c
+                    return out
+                return place
 
             def scatter(c):
                 # one example at a time: its contribution has the shape
@@ -197,6 +204,14 @@ def sum_to(xp, c, shape):
     if axes:
         c = c.sum(axis=axes, keepdims=True)
     return c.reshape((c.shape[0],) + tuple(shape))
+
+
+def _basic(entry):
+    """Whether an index entry is basic indexing (a view: an int, a slice,
+    None or Ellipsis), not an advanced one (an array, a list, a bool)."""
+    return (entry is None or entry is Ellipsis or isinstance(entry, slice)
+            or (isinstance(entry, (int, numpy.integer))
+                and not isinstance(entry, (bool, numpy.bool_))))
 
 
 def _add_at(xp, out, index, values):

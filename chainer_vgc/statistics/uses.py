@@ -3,13 +3,18 @@ contributions and the sum over the batch of their squares (paper Sec. 4.1,
 Fig. "Basic").
 
 :class:`_Use` is the base of :mod:`~chainer_vgc.statistics.handlers`'
-classes.  Its :meth:`_Use.reference_sqsum` and
+classes (and :mod:`~chainer_vgc.statistics.normalizations`',
+:mod:`~chainer_vgc.statistics.broadcasts`'); :class:`_SumOverPositions`
+is the one of bias-like parameters (biases, betas), which both tables
+use.  Its :meth:`_Use.reference_sqsum` and
 :func:`_reference_combined_sqsum` are the readable definitions: each
 example's contribution, formed for chunks of examples under
 ``max_memory``, squared and summed.  Weights whose contributions are
 products (Linear, convolutions) take the faster exact formulations of
 :mod:`~chainer_vgc.statistics.contraction` instead, tested against these.
 """
+
+import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.backends.cuda import kernels
@@ -49,6 +54,10 @@ class _Use(object):
     #: ``operands()`` gives their :class:`~chainer_vgc.statistics.
     #: contraction.Operands`; None for the others
     operands = None
+    #: True where :meth:`sqsum` is a sparse shortcut that the dense
+    #: ``operands`` would lose (EmbedID's one-hot rows): such operands
+    #: join only a product with another, dense use
+    sparse = False
 
     def sqsum(self, group, max_memory, out=None, work=None, grad=None):
         """The sum over examples of the squared contributions; ``out``
@@ -78,6 +87,36 @@ class _Use(object):
             _chunk(max_memory, self.row_bytes * group), out)
 
 
+class _SumOverPositions(_Use):
+    """Bias-like parameters (biases, BN's beta): per-example sum of gy
+    over every axis but the example axis and the parameter axes."""
+
+    def __init__(self, xp, dtype, gy, axes):
+        super(_SumOverPositions, self).__init__(xp, dtype)
+        self.gy = _as(gy, dtype)
+        self.axes = tuple(a for a in axes if a != 0)
+        self.rows = gy.shape[0]
+        self.row_bytes = gy[0].size * dtype.itemsize
+
+    def per_example(self, r0, r1):
+        g = self.gy[r0:r1]
+        return _sum_over(self.xp, g, self.axes) if self.axes else g
+
+
+def _sum_over(xp, a, axes, b=None):
+    """``a`` (times ``b``) summed over ``axes``: NumPy's einsum, which on
+    the 2-core machine summed (n, C, h, w) over h, w 1.5-4x faster than
+    ``sum`` and forms no product array; CuPy's ``sum`` on the GPU."""
+    if xp is not numpy:
+        return (a if b is None else a * b).sum(axis=axes)
+    letters = 'abcdefghij'[:a.ndim]
+    kept = ''.join(c for k, c in enumerate(letters) if k not in axes)
+    if b is None:
+        return numpy.einsum('{}->{}'.format(letters, kept), a)
+    return numpy.einsum('{0},{0}->{1}'.format(letters, kept), a, b)
+
+
+
 def _chunked_sqsum(examples, b, step, out):
     """sum_z g_z**2 over the examples 0..b-1, ``examples(z0, z1)`` giving
     the contributions of a chunk; the last chunk's reduction (or the
@@ -101,8 +140,11 @@ def _combined_sqsum(use_list, b, max_memory, out=None, work=None):
     ``[(use, group)]`` of one parameter (shared weights, RNN-style reuse),
     b examples, chunk by chunk (into ``out``, as :meth:`_Use.sqsum`).
     Uses that are products of one shape concatenate along their positions
-    (:func:`~chainer_vgc.statistics.contraction.concatenate`)."""
-    if all(u.operands is not None for u, _ in use_list):
+    (:func:`~chainer_vgc.statistics.contraction.concatenate`): Linear's
+    weight with itself, or an EmbedID's table with the output projection
+    tied to it, but not sparse uses alone."""
+    if all(u.operands is not None for u, _ in use_list) and not all(
+            u.sparse for u, _ in use_list):
         parts = [(u.operands(), g) for u, g in use_list]
         if all(parts[0][0].same_product(op) for op, _ in parts):
             work = work if work is not None else contraction.Workspace()
