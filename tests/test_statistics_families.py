@@ -487,3 +487,38 @@ def test_small_uses_squared_after_the_pass_give_the_same_bits(monkeypatch):
     for bound in (3000, hook.DEFER_BYTES):
         for got, want in zip(runs[bound], runs[0]):
             numpy.testing.assert_array_equal(got, want)
+
+
+class PooledSum(chainer.Chain):
+    """A Linear's output added to an average pooling with
+    ``pad_value=None``, whose backward divides its own output gradient in
+    place: Add hands that same array to the Linear, whose use, kept for
+    the pass's end (or, applied twice, for its second use), must not see
+    the division."""
+
+    def __init__(self, twice):
+        super(PooledSum, self).__init__()
+        self.twice = twice
+        with self.init_scope():
+            self.lin = L.Linear(3, 5)
+
+    def forward(self, x, x2):
+        h = self.lin(x)
+        if self.twice:
+            h = h + self.lin(F.tanh(x))
+        # (a variable that needs its gradient, so that the pooling's
+        # backward runs, as over a layer's activations)
+        pooled = F.average_pooling_nd(chainer.Variable(x2), 2,
+                                      pad_value=None)
+        y = h + F.reshape(pooled, h.shape)
+        return F.sum(y * y) / len(x)
+
+
+@pytest.mark.parametrize('twice', [False, True])
+def test_uses_kept_past_their_node_own_their_output_gradient(dtype, twice):
+    rng = numpy.random.default_rng(33)
+    numpy.random.seed(33)
+    model = PooledSum(twice)
+    x, x2 = _data(rng, dtype, 4, 3), _data(rng, dtype, 4, 5, 2)
+    got = check(model, model, (x, x2), dtype)
+    assert all(g is not None and g.any() for g in got)

@@ -46,6 +46,7 @@ import contextlib
 
 import chainer
 from chainer import backend as chainer_backend
+import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.params import model_params
@@ -107,7 +108,8 @@ class _Pass(object):
     ``layouts``: {id(fn): (kind, k or idx)}, how the rows of fn's input
     become the b examples (:func:`~chainer_vgc.statistics.rows.layout`);
     ``single``: the indices with one use (squared as soon as it is seen,
-    or, when what it holds is small, once the pass is over:
+    or, when what it holds is small and not a convolution's, once the
+    pass is over, from its own copy of the output gradient:
     :meth:`defer`);
     ``by_fn``: {id(fn): [(index, k, selection)]}; ``pending``: {index:
     [(use, group)]} the uses of shared parameters, combined when the
@@ -136,11 +138,16 @@ class _Pass(object):
         self.deferred_bytes = 0
         self.defer_bytes = defer_bytes
 
+    def room(self, nbytes):
+        """Whether arrays of ``nbytes`` fit in what is left of
+        ``defer_bytes``."""
+        return self.deferred_bytes + nbytes <= self.defer_bytes
+
     def defer(self, i, use, group, nbytes):
         """Keep parameter i's single use, which holds arrays of ``nbytes``,
         to be squared when the backward pass is over, if they fit in what
         is left of ``defer_bytes`` (True); False: square it now."""
-        if self.deferred_bytes + nbytes > self.defer_bytes:
+        if not self.room(nbytes):
             return False
         self.deferred.append((i, use, group))
         self.deferred_bytes += nbytes
@@ -513,11 +520,21 @@ class PerSampleSquares(chainer.FunctionHook):
         xp = chainer_backend.get_array_module(gy_all)
         kind, how = current.layouts[id(function)]
         x_data = in_data
+        # (a convolution's uses find Chainer's columns by their very gy
+        # array, and are large: squared now, or kept as they are)
+        columns = _takes_columns(function)
         if kind == 'index':  # rows regrouped by example, once per node
             r = _row_input(function, entries[0][1])
             x_data = tuple(_rows.gather_rows(xp, a, how) if j == r else a
                            for j, a in enumerate(in_data))
             gy_all = _rows.gather_rows(xp, gy_all, how)
+        elif not columns and (
+                any(i not in current.single for i, _, _ in entries) or
+                current.room(_nbytes(gy_all, *x_data))):
+            # kept past this call: a later backward may write into this
+            # very array (average pooling divides its own gy in place, and
+            # Add hands one array to both its inputs)
+            gy_all = gy_all.copy()
         for i, k, sel in entries:
             dtype = backend.state_dtype(self.params[i].dtype)
             gy = gy_all
@@ -535,8 +552,8 @@ class PerSampleSquares(chainer.FunctionHook):
                 # (Chainer's columns are in the rows' own order)
                 use.adopt_columns(self._capture)
             if i in current.single:  # now, or with the small ones at the end
-                if getattr(use, 'columns', None) is None and current.defer(
-                        i, use, group, _nbytes(gy, *x_data)):
+                if not columns and current.defer(
+                        i, use, group, _nbytes(gy, *x_data, dtype=dtype)):
                     continue
                 current.results[i] = use.sqsum(group, self.max_memory,
                                                current.out(i), self.work)
@@ -562,6 +579,11 @@ class PerSampleSquares(chainer.FunctionHook):
                                     is not None)
 
 
-def _nbytes(*arrays):
-    """Bytes of the arrays (None: nothing)."""
-    return sum(int(a.nbytes) for a in arrays if a is not None)
+def _nbytes(*arrays, **kw):
+    """Bytes of the arrays (None: nothing), each element at least of
+    ``dtype``'s size when given (a use holds float16 data as the state
+    dtype's copy).  The parameter's own array among them is counted too,
+    though it costs nothing more: a bound, not a measure."""
+    size = numpy.dtype(kw.get('dtype', numpy.int8)).itemsize
+    return sum(int(a.size) * max(a.itemsize, size) for a in arrays
+               if a is not None)

@@ -116,7 +116,6 @@ def _sum_over(xp, a, axes, b=None):
     return numpy.einsum('{0},{0}->{1}'.format(letters, kept), a, b)
 
 
-
 def _chunked_sqsum(examples, b, step, out):
     """sum_z g_z**2 over the examples 0..b-1, ``examples(z0, z1)`` giving
     the contributions of a chunk; the last chunk's reduction (or the
