@@ -46,6 +46,7 @@ import contextlib
 
 import chainer
 from chainer import backend as chainer_backend
+from chainer.functions.pooling import average_pooling_nd as _pooling_nd
 import numpy
 
 from chainer_vgc.backends import arrays as backend
@@ -70,12 +71,9 @@ from chainer_vgc.statistics import weight_gradient as _weight_gradient
 DEFAULT_MAX_MEMORY = 64 * 2 ** 20
 #: bound of the arrays held by the uses whose sums wait for the end of the
 #: backward pass (:meth:`_Pass.defer`; at most ``max_memory``).  Squared
-#: between Chainer's own backward steps, the small sums of a Transformer's
-#: 80 parameters slowed those steps too: its statistics step went from
-#: 1.32-1.36x a plain one to 1.24-1.28x when they waited (one process,
-#: alternating in one run, three runs).  16 MiB holds every such use of
-#: the Transformer of ``bench_statistics.py`` (10 MiB); larger uses are
-#: squared at once
+#: between Chainer's own backward steps, a Transformer's 80 small sums
+#: slowed those too: its statistics step went from 1.32-1.36x a plain one
+#: to 1.24-1.28x (one process, three runs); they hold 10 MiB
 DEFER_BYTES = 16 * 2 ** 20
 
 
@@ -137,6 +135,9 @@ class _Pass(object):
         self.deferred = []
         self.deferred_bytes = 0
         self.defer_bytes = defer_bytes
+        #: a function writes into its output gradient: the uses kept past
+        #: their node copy theirs (:func:`_writes_its_output_gradient`)
+        self.gy_written = False
 
     def room(self, nbytes):
         """Whether arrays of ``nbytes`` fit in what is left of
@@ -326,6 +327,7 @@ class PerSampleSquares(chainer.FunctionHook):
         self.covered_names = [self.names[i] for i in sorted(uses)]
         current = _Pass(uses, b, layouts, self._arena_views(),
                         min(self.max_memory, DEFER_BYTES))
+        current.gy_written = any(map(_writes_its_output_gradient, functions))
         self.sqsums = [None] * len(self.params)
         self._fused.reset()
         try:
@@ -528,7 +530,7 @@ class PerSampleSquares(chainer.FunctionHook):
             x_data = tuple(_rows.gather_rows(xp, a, how) if j == r else a
                            for j, a in enumerate(in_data))
             gy_all = _rows.gather_rows(xp, gy_all, how)
-        elif not columns and (
+        elif current.gy_written and not columns and (
                 any(i not in current.single for i, _, _ in entries) or
                 current.room(_nbytes(gy_all, *x_data))):
             # kept past this call: a later backward may write into this
@@ -581,9 +583,17 @@ class PerSampleSquares(chainer.FunctionHook):
 
 def _nbytes(*arrays, **kw):
     """Bytes of the arrays (None: nothing), each element at least of
-    ``dtype``'s size when given (a use holds float16 data as the state
-    dtype's copy).  The parameter's own array among them is counted too,
-    though it costs nothing more: a bound, not a measure."""
+    ``dtype``'s size (a use holds float16 data as a float32 copy): a
+    bound, not a measure."""
     size = numpy.dtype(kw.get('dtype', numpy.int8)).itemsize
     return sum(int(a.size) * max(a.itemsize, size) for a in arrays
                if a is not None)
+
+
+def _writes_its_output_gradient(fn):
+    """Whether function node fn's backward writes into the output gradient
+    it is given, which other functions may hold too: Chainer's
+    ``AveragePoolingND`` with ``pad_value=None`` divides it in place (its
+    other functions return new arrays)."""
+    return isinstance(fn, _pooling_nd.AveragePoolingND) and (
+        fn.pad_value is None)
