@@ -116,7 +116,8 @@ class _Pass(object):
     :meth:`PerSampleSquares._arena_views`), or None.
     """
 
-    def __init__(self, uses, b, layouts, views=None, defer_bytes=0):
+    def __init__(self, uses, b, layouts, views=None, defer_bytes=0,
+                 gy_written=False):
         self.uses = uses
         self.b = b
         self.layouts = layouts
@@ -137,7 +138,7 @@ class _Pass(object):
         self.defer_bytes = defer_bytes
         #: a function writes into its output gradient: the uses kept past
         #: their node copy theirs (:func:`_writes_its_output_gradient`)
-        self.gy_written = False
+        self.gy_written = gy_written
 
     def room(self, nbytes):
         """Whether arrays of ``nbytes`` fit in what is left of
@@ -326,8 +327,8 @@ class PerSampleSquares(chainer.FunctionHook):
         layouts = self._layouts(uses, functions, consumers, mb)
         self.covered_names = [self.names[i] for i in sorted(uses)]
         current = _Pass(uses, b, layouts, self._arena_views(),
-                        min(self.max_memory, DEFER_BYTES))
-        current.gy_written = any(map(_writes_its_output_gradient, functions))
+                        min(self.max_memory, DEFER_BYTES),
+                        any(map(_writes_its_output_gradient, functions)))
         self.sqsums = [None] * len(self.params)
         self._fused.reset()
         try:
@@ -581,11 +582,11 @@ class PerSampleSquares(chainer.FunctionHook):
                                     is not None)
 
 
-def _nbytes(*arrays, **kw):
+def _nbytes(*arrays, dtype=numpy.int8):
     """Bytes of the arrays (None: nothing), each element at least of
     ``dtype``'s size (a use holds float16 data as a float32 copy): a
     bound, not a measure."""
-    size = numpy.dtype(kw.get('dtype', numpy.int8)).itemsize
+    size = numpy.dtype(dtype).itemsize
     return sum(int(a.size) * max(a.itemsize, size) for a in arrays
                if a is not None)
 
