@@ -191,9 +191,18 @@ def state_dtype(dtype):
     float16 parameters keep their residual and variance in float32: small
     gradients accumulated over many steps would otherwise vanish in float16.
     """
+    found = _STATE_DTYPES.get(dtype)
+    if found is not None:
+        return found
     dtype = numpy.dtype(dtype)
     if dtype.kind != 'f':
         raise TypeError('chainer_vgc: expected a floating-point dtype, got '
                         '{}'.format(dtype))
-    return numpy.dtype(numpy.float64 if dtype == numpy.float64
-                       else numpy.float32)
+    found = _STATE_DTYPES[dtype] = numpy.dtype(
+        numpy.float64 if dtype == numpy.float64 else numpy.float32)
+    return found
+
+
+#: {floating dtype: its state dtype}, as :func:`state_dtype` found them
+#: (the statistics ask for every use of every step)
+_STATE_DTYPES = {}

@@ -17,6 +17,8 @@ forming the broadcast per example.  The makers are the table's, in
 :mod:`chainer_vgc.statistics.handlers`.
 """
 
+import math
+
 import numpy
 
 from chainer_vgc.statistics.pullback import sum_to
@@ -44,7 +46,7 @@ class BroadcastOperand(_Use):
             aligned = ((1,) * (gy.ndim - len(self.shape)) + self.shape)[1:]
         self.aligned = tuple(aligned)
         self.rows = gy.shape[0]
-        self.row_bytes = (2 * gy[0].size + int(numpy.prod(self.shape))) * \
+        self.row_bytes = (2 * gy[0].size + math.prod(self.shape)) * \
             dtype.itemsize
 
     def per_example(self, r0, r1):

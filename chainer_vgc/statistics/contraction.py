@@ -37,6 +37,8 @@ per-example product is one cuBLAS batched GEMM per chunk and the square-sum
 the ``vgc_sum_squares`` ReductionKernel.
 """
 
+import math
+
 import numpy
 
 from chainer_vgc.backends.cuda import kernels
@@ -70,7 +72,7 @@ class Workspace(object):
 
     def get(self, xp, role, shape, dtype):
         shape = tuple(int(s) for s in shape)
-        size = int(numpy.prod(shape))
+        size = math.prod(shape)
         dtype = numpy.dtype(dtype)
         key = (role, dtype.str, xp.__name__, _device_id(xp))
         buf = self._buffers.get(key)

@@ -28,22 +28,28 @@ from chainer_vgc.statistics.rows import _derived_from
 def _functions_of(var, consumers=None):
     """Every function node in the graph of ``var``; ``consumers`` (a
     dict), when given, receives who consumes each variable node:
-    ``{id(node): [(fn, k)]}`` in the order of the nodes returned (one walk
-    for both)."""
+    ``{node: [(fn, k)]}`` in the order of the nodes returned (one walk
+    for both).  The nodes are keys themselves, not their ``id()``: an
+    audit hook (filelock's, which ``import chainer`` installs) runs on
+    every ``id()`` call, about 1 us each, and a walk makes thousands."""
     seen, out = set(), []
     first = var.creator_node
     stack = [first] if first is not None else []
     while stack:
         fn = stack.pop()
-        if id(fn) in seen:
+        if fn in seen:
             continue
-        seen.add(id(fn))
+        seen.add(fn)
         out.append(fn)
         for k, node in enumerate(fn.inputs):
             if consumers is not None:
-                consumers.setdefault(id(node), []).append((fn, k))
+                held = consumers.get(node)
+                if held is None:
+                    consumers[node] = [(fn, k)]
+                else:
+                    held.append((fn, k))
             creator = node.creator_node
-            if creator is not None and id(creator) not in seen:
+            if creator is not None and creator not in seen:
                 stack.append(creator)
     return out
 
@@ -51,24 +57,24 @@ def _functions_of(var, consumers=None):
 def _scan(loss, params, batch_ids=()):
     """The function nodes of loss's graph, the uses of each of ``params``
     and who consumes each variable node: ``(functions, {index: [(fn, k,
-    selection)]}, {id(node): [(fn, k)]})``: fn consumes
+    selection)]}, {node: [(fn, k)]})``: fn consumes
     the parameter as its input k, directly (selection None), through a
     rearrangement into rows of a Linear (a :class:`Selection`) or through
     other functions of itself and constants (a
     :class:`~chainer_vgc.statistics.pullback.Pullback`).  ``batch_ids``:
     the ids of the minibatch's arrays (an input that is neither one of
     them, nor computed, nor a parameter is a constant)."""
-    index = {id(p.node): i for i, p in enumerate(params)}
+    index = {p.node: i for i, p in enumerate(params)}
     consumers = {}
     functions = _functions_of(loss, consumers)
 
     def constant(node):
-        return (node.creator_node is None and id(node) not in index
+        return (node.creator_node is None and node not in index
                 and not node.requires_grad
                 and not _derived_from(node.data, batch_ids))
     uses = {}
-    for p_id, i in index.items():
-        for fn, k in consumers.get(p_id, ()):
+    for p_node, i in index.items():
+        for fn, k in consumers.get(p_node, ()):
             uses.setdefault(i, []).extend(
                 _followed(fn, k, params[i].shape, consumers, constant))
     return functions, uses, consumers
@@ -116,7 +122,7 @@ def _followed(fn, k, shape, consumers, constant, steps=()):
             [pullback.Step(f, kk, kd) for f, kk, kd in steps]))]
     out = fn.outputs[0]()
     found = []
-    for nxt, kk in consumers.get(id(out), ()):
+    for nxt, kk in consumers.get(out, ()):
         found.extend(_followed(nxt, kk, shape, consumers, constant,
                                steps + ((fn, k, kind),)))
     return found

@@ -45,6 +45,8 @@ order.  Everything is written with ``xp`` array calls, so the same code
 runs on NumPy and CuPy arrays.
 """
 
+import math
+
 from chainer.functions.connection import convolution_2d as _conv
 from chainer.functions.connection import deconvolution_2d as _deconv
 from chainer.functions.connection import embed_id as _embed
@@ -153,7 +155,7 @@ class _ConvW(_Use):
         img, other = (gy, x) if transposed else (x, gy)
         kh, kw = w_shape[2:]
         col = img.shape[1] * kh * kw * other.shape[2] * other.shape[3]
-        self.row_bytes = (col + int(numpy.prod(w_shape))
+        self.row_bytes = (col + math.prod(w_shape)
                           + other[0].size) * dtype.itemsize
 
     def per_example(self, r0, r1):
@@ -224,7 +226,7 @@ class _EmbedW(_Use):
         self.ids, self.gy = ids, _as(gy, dtype)
         self.w_shape, self.ignore = w_shape, ignore_label
         self.rows = ids.shape[0]
-        self.row_bytes = int(numpy.prod(w_shape)) * dtype.itemsize
+        self.row_bytes = math.prod(w_shape) * dtype.itemsize
 
     def _tokens(self, r0, r1, group):
         ids = self.ids[r0:r1].reshape(r1 - r0, -1)

@@ -103,13 +103,13 @@ class _Pass(object):
 
     ``uses``: {parameter index: [(fn, k, selection)]} the hook handles
     (not brute force, not dense); ``b``: the number of examples;
-    ``layouts``: {id(fn): (kind, k or idx)}, how the rows of fn's input
+    ``layouts``: {fn: (kind, k or idx)}, how the rows of fn's input
     become the b examples (:func:`~chainer_vgc.statistics.rows.layout`);
     ``single``: the indices with one use (squared as soon as it is seen,
     or, when what it holds is small and not a convolution's, once the
     pass is over, from its own copy of the output gradient:
     :meth:`defer`);
-    ``by_fn``: {id(fn): [(index, k, selection)]}; ``pending``: {index:
+    ``by_fn``: {fn: [(index, k, selection)]}; ``pending``: {index:
     [(use, group)]} the uses of shared parameters, combined when the
     backward pass is over; ``results``: {index: sum of squares};
     ``views``: where the sums are written (see
@@ -126,7 +126,7 @@ class _Pass(object):
         self.by_fn = {}
         for i, us in uses.items():
             for fn, k, sel in us:
-                self.by_fn.setdefault(id(fn), []).append((i, k, sel))
+                self.by_fn.setdefault(fn, []).append((i, k, sel))
         self.pending = {}
         #: bytes of Chainer's columns the pending uses keep
         self.held = 0
@@ -359,7 +359,7 @@ class PerSampleSquares(chainer.FunctionHook):
         return self.sqsums
 
     def _layouts(self, uses, functions, consumers, mb):
-        """{id(fn): layout} of every use's function node: B contiguous
+        """{fn: layout} of every use's function node: B contiguous
         groups of the first axis for a minibatch of arrays of examples,
         traced rows for one of one array per example
         (:mod:`~chainer_vgc.statistics.rows`)."""
@@ -367,10 +367,10 @@ class PerSampleSquares(chainer.FunctionHook):
         tracer = None
         for i, us in sorted(uses.items()):
             for fn, k, _ in us:
-                if id(fn) in layouts:
+                if fn in layouts:
                     continue
                 if not mb.traced:
-                    layouts[id(fn)] = ('groups', _rows.regular_layout(
+                    layouts[fn] = ('groups', _rows.regular_layout(
                         fn, self.names[i], mb, consumers,
                         _row_input(fn, k)))
                     continue
@@ -378,7 +378,7 @@ class PerSampleSquares(chainer.FunctionHook):
                     tracer = _tracing.Tracer(
                         functions, {id(p.node) for p in self.params}, mb,
                         mb.leaves)
-                layouts[id(fn)] = _rows.layout(
+                layouts[fn] = _rows.layout(
                     tracer.owners(fn, self.names[i], _row_input(fn, k)),
                     mb.b)
         return layouts
@@ -474,10 +474,10 @@ class PerSampleSquares(chainer.FunctionHook):
         current = self._pass
         if current is None or not self._fused.active:
             return
-        entries = current.by_fn.get(id(function))
+        entries = current.by_fn.get(function)
         if not entries or out_grad[0] is None:
             return
-        kind, group = current.layouts[id(function)]
+        kind, group = current.layouts[function]
         if kind != 'groups':
             return
         gy = out_grad[0]
@@ -511,7 +511,7 @@ class PerSampleSquares(chainer.FunctionHook):
         current = self._pass
         if current is None:
             return
-        entries = current.by_fn.get(id(function))
+        entries = current.by_fn.get(function)
         if not entries or out_grad[0] is None:
             return
         if self._fused.active:  # handled in the weight-gradient call
@@ -521,7 +521,7 @@ class PerSampleSquares(chainer.FunctionHook):
                 return
         gy_all = out_grad[0]
         xp = chainer_backend.get_array_module(gy_all)
-        kind, how = current.layouts[id(function)]
+        kind, how = current.layouts[function]
         x_data = in_data
         # (a convolution's uses find Chainer's columns by their very gy
         # array, and are large: squared now, or kept as they are)
@@ -587,8 +587,8 @@ def _nbytes(*arrays, dtype=numpy.int8):
     ``dtype``'s size (a use holds float16 data as a float32 copy): a
     bound, not a measure."""
     size = numpy.dtype(dtype).itemsize
-    return sum(int(a.size) * max(a.itemsize, size) for a in arrays
-               if a is not None)
+    return sum([a.size * max(a.itemsize, size) for a in arrays
+                if a is not None])
 
 
 def _writes_its_output_gradient(fn):

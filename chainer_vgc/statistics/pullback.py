@@ -32,6 +32,8 @@ read once, when the use is seen in the backward pass (:meth:`Pullback.
 bind`), while the function still holds its inputs.
 """
 
+import math
+
 import chainer
 from chainer.functions.array import broadcast as _broadcast
 from chainer.functions.array import cast as _cast
@@ -235,8 +237,8 @@ class PulledBack(_Use):
         super(PulledBack, self).__init__(inner.xp, inner.dtype)
         self.inner, self.steps, self.shape = inner, steps, shape
         self.rows = inner.rows
-        self.row_bytes = inner.row_bytes + int(
-            numpy.prod(shape)) * self.dtype.itemsize
+        self.row_bytes = inner.row_bytes + math.prod(
+            shape) * self.dtype.itemsize
 
     def per_example(self, r0, r1):
         c = self.inner.per_example(r0, r1)

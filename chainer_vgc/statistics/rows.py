@@ -402,7 +402,7 @@ def regular_layout(fn, name, batch, consumers=None, row_input=0):
     the examples' when the rows of ``fn``'s output are (its output
     gradient's rows are the examples' then): the output, followed forward,
     meets minibatch rows row for row (:func:`_rows_owned_downstream`;
-    ``consumers``: ``{id(variable node): [(function node, input index)]}``,
+    ``consumers``: ``{variable node: [(function node, input index)]}``,
     :func:`~chainer_vgc.statistics.graph._scan`'s)."""
     node = fn.inputs[row_input]
     b = batch.b
@@ -458,10 +458,10 @@ def _rows_owned_downstream(fn, consumers, batch, limit=20000):
     seen, stack = set(), [start]
     while stack and len(seen) < limit:
         node = stack.pop()
-        if id(node) in seen or not len(node.shape):
+        if node in seen or not len(node.shape):
             continue
-        seen.add(id(node))
-        for nxt, _ in consumers.get(id(node), ()):
+        seen.add(node)
+        for nxt, _ in consumers.get(node, ()):
             others = [o for o in nxt.inputs if o is not node]
             if isinstance(nxt, _softmax_ce.SoftmaxCrossEntropy):
                 if nxt.inputs[0] is node and _rows_from_minibatch(
@@ -492,9 +492,9 @@ def _rows_from_minibatch(node, batch, limit=10000):
     seen, stack = set(), [node]
     while stack and len(seen) < limit:
         n = stack.pop()
-        if id(n) in seen:
+        if n in seen:
             continue
-        seen.add(id(n))
+        seen.add(n)
         creator = n.creator_node
         if creator is None:
             if n.data is not None and _derived_from(n.data,

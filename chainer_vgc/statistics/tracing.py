@@ -19,6 +19,8 @@ the fix goes.  The components are found by hooking and pointer jumping in
 whole-array NumPy operations (:func:`components`).
 """
 
+import math
+
 import numpy
 
 import chainer
@@ -260,7 +262,7 @@ class Tracer(object):
         rx, ro = _rows_of(x), _rows_of(out)
         if rx is None or ro is None or rx == 0 or ro == 0:
             return
-        size = int(numpy.prod(x.shape))
+        size = math.prod(x.shape)
         sx, so = size // rx, size // ro
         if not sx or not so:
             return
