@@ -120,7 +120,9 @@ class GradientCompressor(object):
         self._lost = None
         self._buffer = None
         self._decode_buffers = [None] * len(self.names)
-        self._device_step = None  # chainer_vgc.backends.cuda.compress, on a GPU
+        #: the GPU path's step and staging buffers (its own, reached only
+        #: through :class:`~chainer_vgc.backends.arrays.DeviceBuffers`)
+        self.device_buffers = _backend.DeviceBuffers()
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0

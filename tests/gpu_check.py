@@ -487,7 +487,7 @@ def whole_results(core, case, xp, meta, arrays):
                                             sq))
             yield ('msg/{}/{}'.format(step, w),
                    'step {} worker {} message'.format(step, w), blocks[-1])
-        if xp is not numpy and comps[0]._device_step is None:
+        if xp is not numpy and comps[0].device_buffers.step is None:
             raise Mismatch('the whole-model compress step did not run')
         params = [param(xp, m[1], m[2]) for m in model]
         core.exchange.mean_gradients(blocks, comps[0], params,

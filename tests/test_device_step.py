@@ -112,7 +112,7 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
     for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
         fake.reset()
         got = dev.compress(_on(fake, gs), _on(fake, ss))
-        assert isinstance(dev._device_step, device_step.DeviceStep)
+        assert isinstance(dev.device_buffers.step, device_step.DeviceStep)
         assert fake.count('download') == 1 and fake.count('scalar') == 0
         want = cpu.compress(gs, ss)
         assert_bitwise(got, want)
@@ -264,14 +264,14 @@ def test_settings_it_does_not_cover_take_the_per_tensor_kernels(device):
                                   **kw)
         gs, ss = _stream(shapes, dtypes, 1, 1)[0]
         comp.compress(_on(fake, gs), _on(fake, ss))
-        assert getattr(comp, '_device_step', None) is None
+        assert comp.device_buffers.step is None
     mixed = GradientCompressor('vgc', list('ab'), [(3,), (4,)], [F32, F64],
                                index_coding='fixed')
     mixed.compress([fake.asarray(numpy.ones(3, F32)),
                     fake.asarray(numpy.ones(4, F64))],
                    [fake.asarray(numpy.ones(3, F32)),
                     fake.asarray(numpy.ones(4, F64))])
-    assert getattr(mixed, '_device_step', None) is None
+    assert mixed.device_buffers.step is None
 
 
 def test_a_message_longer_than_the_last_one_takes_a_second_copy(
@@ -398,7 +398,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
     base = stream.__array_interface__['data'][0]
     where = [(v.__array_interface__['data'][0] - base) // 4 for v in views]
     assert (seen[-1] - seen[-1][1]).tolist() == where, (seen, where)
-    assert numpy.shares_memory(views[0], comps[0]._upload_staging._raw)
+    assert numpy.shares_memory(views[0], comps[0].device_buffers.staging('upload')._raw)
     for h, d in zip(host, dev):
         assert_bitwise(fake.asnumpy(d.grad), h.grad)
 
@@ -465,15 +465,15 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
             means[xp] = [backend.to_numpy(p.grad) for p in params]
             # on the device, MPI received into the buffer the decode
             # uploads from (no copy between them); on the host, anywhere
-            staging = getattr(comms[xp].state(models[xp]).compressor,
-                              '_upload_staging', None)
+            staging = comms[xp].state(
+                models[xp]).compressor.device_buffers.held('upload')
             assert (staging is not None and numpy.shares_memory(
                 received[-1][0], staging._raw)) == (xp is fake)
         for a, b in zip(means[numpy], means[fake]):
             assert_bitwise(a, b)
     comp = {xp: comms[xp].state(models[xp]).compressor
             for xp in (numpy, fake)}
-    assert isinstance(comp[fake]._device_step, device_step.DeviceStep)
+    assert isinstance(comp[fake].device_buffers.step, device_step.DeviceStep)
     _assert_states(comp[fake], comp[numpy], fake)
 
 
@@ -552,7 +552,7 @@ def test_gap_groups_of_tiny_tensors_fit_the_buffer(device, method):
     gs = [numpy.full(s, 0.5, F32) for s in shapes]
     ss = [g * g * F32(0.25) for g in gs]
     got = dev.compress(_on(fake, gs), _on(fake, ss))
-    assert isinstance(dev._device_step, device_step.DeviceStep)
+    assert isinstance(dev.device_buffers.step, device_step.DeviceStep)
     want = cpu.compress(gs, ss)
     assert_bitwise(got, want)
     assert {g.fmt for g in walk(got, dev.sizes)} == {codec.FMT_GAP}

@@ -315,12 +315,12 @@ def test_one_rank_dense_mean_keeps_device_gradients_in_place(device,
 def test_statistics_square_sum_on_device_is_the_reduction_kernel(device):
     """The statistics' per-sample square sum on device arrays runs the
     vgc_sum_squares ReductionKernel: no transfer, NumPy's einsum values."""
-    from chainer_vgc import statistics
+    from chainer_vgc.statistics import contraction
     fake = device
     g = numpy.random.default_rng(2).normal(0, 1, (16, 4, 3)).astype(F32)
     dg = fake.asarray(g)
     fake.reset()
-    got = statistics._sum_squares(fake, dg)
+    got = contraction.sum_squares(fake, dg)
     assert isinstance(got, fake.ndarray) and fake.log == []
     assert_bitwise(fake.asnumpy(got).ravel(),
                    numpy.einsum('i...,i...->...', g, g).ravel())

@@ -169,3 +169,28 @@ def test_the_profiler_adds_up_by_call_path():
     assert (kind, calls) == ('host', 1)
     assert own == pytest.approx(host - got[('outer', 'k')][3], abs=1e-6)
     assert not prof.active and prof.call('host', 'x', inner, (), {}) == 1
+
+
+def test_a_name_it_cannot_wrap_fails_the_profile():
+    """A chainer_vgc function the profile's tables name but that is gone
+    (renamed, removed) stops the profile, which would otherwise time less
+    than it says; CuPy's names are only listed (a real CuPy's ndarray
+    cannot be patched, NumPy's has no ``get``); every table of today's
+    code wraps."""
+    import types
+    from chainer_vgc.backends.cuda import decode
+
+    class Calls(object):
+        def call(self, kind, label, fn, args, kwargs):
+            return fn(*args, **kwargs)
+
+    original = decode._gap_groups
+    with gpu_profile.Patches(Calls()) as patches:
+        with pytest.raises(AttributeError, match='_no_such_step'):
+            patches.wrap(decode, '_no_such_step', 'decode._no_such_step')
+        patches.wrap(numpy.ndarray, 'get', 'ndarray.get', 'cupy')
+        assert patches.missing == ['ndarray.get (not found)']
+        gpu_profile.vgg_patches(types.SimpleNamespace(xp=numpy), patches)
+        assert 'device_decode._gap_groups' in patches.wrapped
+        assert decode._gap_groups is not original
+    assert decode._gap_groups is original  # put back

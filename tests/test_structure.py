@@ -9,6 +9,10 @@ importing it:
   between modules of one subpackage (``chainer_vgc.codec.*`` share theirs);
   nor does a test, benchmark or example use a private name of
   ``chainer_vgc.codec`` or ``chainer_vgc.backends.cuda.kernels``;
+* no module reads or sets a private attribute that a class of another
+  subpackage (or top-level module) defines, on an object that is not
+  ``self`` (:func:`reached_attributes`; by name, so a name computed at run
+  time is not seen);
 * no module passes :data:`MAX_LINES` (600): over about that, or with a
   class of more than one job, a module is a smell (issue 37: the old hard
   limit of 400 split files by size, not by concept; a module that grows
@@ -401,10 +405,47 @@ def test_readme_is_a_front_door():
         assert name in head, name
 
 
+def layout_names(page, rel):
+    """Whether the layout page names module ``rel`` (a path under
+    ``chainer_vgc/``): by its whole path anywhere, or by its file name in
+    a table row that names its folder (``chainer_vgc/statistics/``, or a
+    path of a file in it): a file name alone counts for that row's
+    folders only, so a new ``run.py`` elsewhere needs its own mention."""
+    if '`chainer_vgc/{}`'.format(rel) in page:
+        return True
+    folder, name = os.path.split(rel)
+    want = 'chainer_vgc/' + (folder + '/' if folder else '')
+    for line in page.splitlines():
+        if not line.startswith('|'):
+            continue
+        tokens = line.split('`')[1::2]
+        folders = {t for t in tokens if t.startswith('chainer_vgc/')
+                   and t.endswith('/')}
+        folders.update(t.rpartition('/')[0] + '/' for t in tokens
+                       if t.startswith('chainer_vgc/') and t.endswith('.py'))
+        if want in folders and name in tokens:
+            return True
+    return False
+
+
+def test_the_layout_check_matches_paths():
+    page = ('| stats | `hook.py`, `run.py` | `chainer_vgc/statistics/` |\n'
+            '| api | `chainer_vgc/__init__.py`, `factory.py` | |\n'
+            'prose naming `gap.py` and `chainer_vgc/codec/raw.py`\n')
+    assert layout_names(page, 'statistics/run.py')
+    assert layout_names(page, 'factory.py')
+    assert layout_names(page, 'codec/raw.py')
+    assert not layout_names(page, 'exchange/run.py')
+    assert not layout_names(page, 'codec/gap.py')
+    assert not layout_names(page, 'statistics/factory.py')
+    assert not layout_names(page, 'hook.py')
+
+
 def test_the_layout_page_names_every_module():
     """docs/layout.md, the newcomer's map, names every module of the
-    package by its file name (a package's ``__init__.py`` is named by its
-    folder): a module added without a row there fails here."""
+    package by its path (:func:`layout_names`; a package's
+    ``__init__.py`` is named by its folder): a module added without a row
+    there fails here."""
     root = os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), 'chainer_vgc')
     with open(os.path.join(os.path.dirname(root), 'docs', 'layout.md')) as f:
@@ -415,8 +456,132 @@ def test_the_layout_page_names_every_module():
             rel = os.path.relpath(os.path.join(folder, name), root)
             if not name.endswith('.py') or name == '__init__.py':
                 continue
-            if '`{}`'.format(name) not in page and \
-                    '`chainer_vgc/{}`'.format(rel) not in page:
+            if not layout_names(page, rel):
                 missing.append(rel)
     assert not missing, 'docs/layout.md does not name: {}'.format(
         ', '.join(sorted(missing)))
+
+
+# ---- no private attribute of another package's objects ----------------------
+
+def unit_of(name, modules):
+    """What owns a module's private attributes: its subpackage
+    (``chainer_vgc.exchange`` for ``chainer_vgc.exchange.mean``), or the
+    module itself at the top level (``chainer_vgc.compressor``)."""
+    parts = name.split('.')
+    if len(parts) > 2 or (len(parts) == 2 and is_package(name, modules)):
+        return '.'.join(parts[:2])
+    return name
+
+
+_ATTR_CALLS = ('getattr', 'setattr', 'hasattr', 'delattr')
+
+
+def _own(value):
+    return isinstance(value, ast.Name) and value.id in ('self', 'cls')
+
+
+def private_attributes(modules):
+    """{private attribute name: the units whose classes define it}:
+    ``self._x = ...`` (or ``cls._x``) in a method, ``getattr(self, '_x',
+    ...)`` and its kin, or ``_x`` bound in a class body (a method, a class
+    attribute)."""
+    owners = {}
+    for name, path in modules.items():
+        unit = unit_of(name, modules)
+        for node in ast.walk(parse(path)):
+            found = []
+            if (isinstance(node, ast.Attribute) and _own(node.value) and
+                    isinstance(node.ctx, ast.Store)):
+                found.append(node.attr)
+            elif (isinstance(node, ast.Call) and
+                  isinstance(node.func, ast.Name) and
+                  node.func.id in _ATTR_CALLS and len(node.args) >= 2 and
+                  _own(node.args[0]) and
+                  isinstance(node.args[1], ast.Constant) and
+                  isinstance(node.args[1].value, str)):
+                found.append(node.args[1].value)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.ClassDef)):
+                        found.append(item.name)
+                    elif isinstance(item, ast.Assign):
+                        found.extend(t.id for t in item.targets
+                                     if isinstance(t, ast.Name))
+            for attr in found:
+                if _is_private(attr):
+                    owners.setdefault(attr, set()).add(unit)
+    return owners
+
+
+def reached_attributes(modules):
+    """``{(module, attribute, line)}``: a private attribute that a class of
+    another unit defines, read, set or deleted on an object that is not
+    ``self`` or ``cls`` (``obj._x``, or ``getattr(obj, '_x')`` and its
+    kin, by a literal name), by a module whose unit does not define one
+    of that name too (names, not types: a heuristic that misses a reach
+    whose name both units use, and no false alarm on Chainer's own
+    private attributes, which no class here defines)."""
+    owners = private_attributes(modules)
+    out = set()
+    for name, path in modules.items():
+        unit = unit_of(name, modules)
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and not _own(node.value):
+                attr = node.attr
+            elif (isinstance(node, ast.Call) and
+                  isinstance(node.func, ast.Name) and
+                  node.func.id in _ATTR_CALLS and len(node.args) >= 2 and
+                  not _own(node.args[0]) and
+                  isinstance(node.args[1], ast.Constant) and
+                  isinstance(node.args[1].value, str)):
+                attr = node.args[1].value
+            else:
+                continue
+            if attr in owners and unit not in owners[attr]:
+                out.add((name, attr, node.lineno))
+    return out
+
+
+def test_reached_attribute_check_can_fail(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / 'backends').mkdir(parents=True)
+    (pkg / '__init__.py').write_text('')
+    (pkg / 'backends' / '__init__.py').write_text('')
+    (pkg / 'comp.py').write_text(
+        'class C(object):\n'
+        '    _kind = 1\n'
+        '    def __init__(self):\n'
+        '        self._step = None\n'
+        '    def _helper(self):\n'
+        '        return self._step\n')
+    (pkg / 'backends' / 'steps.py').write_text(
+        'def find(c, fn):\n'
+        '    c._step = fn._chainer_private\n'
+        '    getattr(c, "_kind")\n'
+        '    setattr(c, "_step", None)\n'
+        '    return c._helper()\n')
+    (pkg / 'backends' / 'other.py').write_text(
+        'class D(object):\n'
+        '    def run(self):\n'
+        '        self._step = 2\n'
+        '        return self._kind\n')
+    (pkg / 'backends' / 'more.py').write_text(
+        'def g(d):\n'
+        '    return d._step\n')
+    modules = package_modules(str(tmp_path))
+    assert reached_attributes(modules) == {
+        ('chainer_vgc.backends.steps', '_kind', 3),
+        ('chainer_vgc.backends.steps', '_helper', 5),
+    }  # (not c._step: a class of backends defines one of that name too)
+
+
+def test_no_module_reaches_another_packages_private_attributes():
+    """The compressor's GPU buffers are reached through its public
+    ``device_buffers``, a duplicate's finalizer through
+    ``Collectives.free_when_collected``: no module reads or sets a private
+    attribute that a class of another subpackage (or top-level module)
+    defines."""
+    found = reached_attributes(package_modules())
+    assert not found, 'private attributes of another package: {}'.format(
+        sorted(found))

@@ -69,9 +69,17 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         sweep) does not exhaust MPI's communicators."""
         dup = Collectives(self.mpi_comm.Dup(), self.allgatherv_method,
                           self.chunk_words, self.cuda_aware_mpi)
-        dup._free = weakref.finalize(dup, free_mpi_comm, dup.mpi_comm)
-        dup._free.atexit = False  # (MPI_Finalize frees what is left)
+        dup.free_when_collected(free_mpi_comm, dup.mpi_comm)
         return dup
+
+    def free_when_collected(self, release, *args):
+        """``release(*args)`` (what frees this duplicate's MPI
+        communicators) runs at :meth:`free`, or when this object is
+        garbage-collected, whichever comes first, once; not at exit
+        (``MPI_Finalize`` frees what is left).  For :meth:`duplicate` and
+        its overrides (``args`` must not refer to this object)."""
+        self._free = weakref.finalize(self, release, *args)
+        self._free.atexit = False
 
     def free(self):
         """Free the MPI communicator of one made by :meth:`duplicate` (at

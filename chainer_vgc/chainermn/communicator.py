@@ -249,9 +249,6 @@ class VGCCommunicator(Collectives):
         """Names of ``model``'s parameters exchanged densely."""
         return self.state(model).dense_group(model)
 
-    def needs_sqsum_after(self, steps):
-        return self._current.needs_sqsum_after(steps)
-
     def statistics(self, model):
         """The per-sample statistics hook for ``model`` (kept between steps;
         dense parameters skipped), for code that drives the backward pass

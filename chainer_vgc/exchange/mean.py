@@ -348,7 +348,7 @@ def _device_mean(blocks, compressor, params, grads, size, zero_fill, dense,
     xp = backend.get_array_module(*arrays)
     first = next(a for a in arrays if backend.get_array_module(a) is xp)
     device = upload_blocks(blocks, xp, first, device_decode.upload_staging(
-        compressor, '_fallback_staging'))  # (the blocks may be in the other)
+        compressor, 'fallback'))  # (the blocks may be in the other)
 
     def adder(host, dev):
         def add(outs):

@@ -15,7 +15,6 @@ statistics add up (Sec. 4.1), the result is VGC with p/k workers of batch
 kB.  ``create_communicator(..., hierarchy='node')`` makes one.
 """
 
-import weakref
 
 from chainer_vgc.nodes import run as node_step
 from chainer_vgc.exchange import snapshot
@@ -41,13 +40,18 @@ class NodeCollectives(Collectives):
                                  cuda_aware_mpi)
 
     def duplicate(self):
-        dup = NodeCollectives(self.mpi_comm.Dup(), self.layout.duplicate(),
-                              self.allgatherv_method, self.chunk_words,
-                              self.cuda_aware_mpi)
-        dup._free = weakref.finalize(dup, _free_node, dup.mpi_comm,
-                                     dup.layout)
-        dup._free.atexit = False
-        return dup
+        return _duplicate_nodes(self)
+
+
+def _duplicate_nodes(comm):
+    """:class:`NodeCollectives` over duplicates of ``comm``'s MPI
+    communicator and node layout (``comm``: a :class:`NodeCollectives` or
+    a :class:`HierarchicalCommunicator`; collective), freed with them."""
+    dup = NodeCollectives(comm.mpi_comm.Dup(), comm.layout.duplicate(),
+                          comm.allgatherv_method, comm.chunk_words,
+                          comm.cuda_aware_mpi)
+    dup.free_when_collected(_free_node, dup.mpi_comm, dup.layout)
+    return dup
 
 
 def _free_node(mpi_comm, layout):
@@ -93,7 +97,7 @@ class HierarchicalCommunicator(VGCCommunicator):
         self._current.setup_node(model, self)
 
     def duplicate(self):
-        return NodeCollectives.duplicate(self)
+        return _duplicate_nodes(self)
 
     def split(self, color, key):
         return self.__class__(

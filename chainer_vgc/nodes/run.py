@@ -12,7 +12,7 @@ So, on every rank:
 
 1. every rank checks that all ranks have the same model and settings,
    and the parameters are given to the local ranks (:func:`chainer_vgc.
-   node_layout.owners`: whole parameters, so that each tensor is
+   nodes.layout.owners`: whole parameters, so that each tensor is
    quantized as the flat exchange would, Sec. 4.2);
 2. inside the node, one dense reduce-scatter (``Alltoallv``, then the sum
    in local-rank order): each local rank holds its node's g and s of the

@@ -41,8 +41,6 @@ everywhere, is re-exported here.
 
 from chainer_vgc.params import model_params  # NOQA
 from chainer_vgc.statistics.bruteforce import bruteforce_sqsum  # NOQA
-from chainer_vgc.statistics.contraction import (  # NOQA
-    sum_squares as _sum_squares)
 from chainer_vgc.statistics.hook import DEFAULT_MAX_MEMORY  # NOQA
 from chainer_vgc.statistics.hook import PerSampleSquares  # NOQA
 from chainer_vgc.statistics.hook import UncoveredParameterError  # NOQA

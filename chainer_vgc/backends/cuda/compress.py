@@ -119,11 +119,11 @@ def find(compressor, grads):
     device = present[0].device
     if any(g.device != device for g in present):
         return None
-    step = getattr(compressor, '_device_step', None)
+    step = compressor.device_buffers.step
     if step is None or step.kind != kind or step.device != device:
         with device:
             step = DeviceStep(compressor, kind, device)
-        compressor._device_step = step
+        compressor.device_buffers.step = step
     return step
 
 

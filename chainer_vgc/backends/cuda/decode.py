@@ -161,17 +161,14 @@ def _dtype_groups(params, sizes):
     return out
 
 
-def upload_staging(compressor, name='_upload_staging'):
+def upload_staging(compressor, role='upload'):
     """The compressor's host buffer for the upload, kept from step to step
-    (:class:`chainer_vgc.backends.arrays.HostStaging`: the upload's size changes
-    every step, and a new pinned buffer a step would pin more memory each
-    step); ``name``: another one (the tensor-by-tensor fallback's, which
-    copies from the first)."""
-    staging = getattr(compressor, name, None)
-    if staging is None:
-        staging = backend.HostStaging()
-        setattr(compressor, name, staging)
-    return staging
+    (:class:`chainer_vgc.backends.arrays.HostStaging`, of its
+    :class:`~chainer_vgc.backends.arrays.DeviceBuffers`: the upload's size
+    changes every step, and a new pinned buffer a step would pin more
+    memory each step); ``role='fallback'``: the tensor-by-tensor
+    fallback's, which copies from the first."""
+    return compressor.device_buffers.staging(role)
 
 
 def _prefix(params, sizes, ranks):

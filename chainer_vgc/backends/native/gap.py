@@ -62,14 +62,3 @@ def gap_decode(body, count, size):
     if rc != 0:
         return None
     return index, nibbles
-
-
-def codec_or_reference():
-    """``(gap_decode, gap_encode)`` where the native library loads, else
-    ``(None, None)``: the reference's (the host side of the GPU steps,
-    whatever the CPU backend, since both give the same bits)."""
-    try:
-        load()
-    except NativeBackendError:
-        return None, None
-    return gap_decode, gap_encode
