@@ -4,7 +4,7 @@ The metadata lives in setup.cfg; this file only declares the C++ extension,
 compiled from kernels/vgc_host.cpp (one translation unit), which includes
 its internal headers kernels/vgc_*.h and kernels/vgc_numerics.cuh (the
 source of the CuPy kernels).  The library is loaded with ctypes by
-chainer_vgc/backends/native/bindings.py, which compares the source hash compiled in here with
+chainer_vgc/engines/native/bindings.py, which compares the source hash compiled in here with
 the sources next to it, so a stale build is reported instead of used.
 """
 
@@ -18,7 +18,7 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # every file the library is compiled from, the translation unit first (the
-# same names, in the same order, as chainer_vgc/backends/native/bindings.py SOURCES: the hash
+# same names, in the same order, as chainer_vgc/engines/native/bindings.py SOURCES: the hash
 # compiled in must equal the one native.py computes)
 NATIVE_SOURCES = ('kernels/vgc_host.cpp', 'kernels/vgc_host_common.h',
                   'kernels/vgc_gap_coder.h', 'kernels/vgc_blocks.h',

@@ -36,7 +36,7 @@ import numpy  # NOQA: E402
 
 from chainer_vgc import GradientCompressor  # NOQA: E402
 from chainer_vgc.exchange import mean as exchange  # NOQA: E402
-from chainer_vgc.backends.native import bindings as native  # NOQA: E402
+from chainer_vgc.engines.native import bindings as native  # NOQA: E402
 
 from bench_common import machine  # NOQA: E402
 from bench_common import median_time  # NOQA: E402

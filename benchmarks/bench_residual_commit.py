@@ -30,7 +30,7 @@ os.environ.setdefault('OMP_PROC_BIND', 'close')
 
 import numpy  # NOQA: E402
 
-from chainer_vgc.backends.native import bindings as native  # NOQA: E402
+from chainer_vgc.engines.native import bindings as native  # NOQA: E402
 
 from bench_common import hyperparameters  # NOQA: E402
 from bench_common import machine  # NOQA: E402

@@ -363,8 +363,8 @@ def exchange_patches(ctx, patches):
     functions, the host phases."""
     from chainer_vgc import codec
     from chainer_vgc.backends import arrays as backend
-    from chainer_vgc.backends.cuda import decode as device_decode
-    from chainer_vgc.backends.cuda import compress as device_step
+    from chainer_vgc.engines.cuda import decode as device_decode
+    from chainer_vgc.engines.cuda import compress as device_step
     from chainer_vgc.exchange import mean as exchange
     from chainer_vgc.backends.cuda import kernels
     from chainer_vgc.compressor import GradientCompressor

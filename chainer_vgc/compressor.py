@@ -8,24 +8,29 @@ Inf, wrong shape) raises an error naming the parameter and leaves every
 residual as it was.
 
 Two CPU backends (:func:`chainer_vgc.backends.arrays.cpu_backend`): ``'native'``
-(default), the fused C++ passes of :mod:`chainer_vgc.backends.native.bindings`,
+(default), the fused C++ passes of :mod:`chainer_vgc.engines.native.bindings`,
 which by default check every input in one read-only pass, agree on it
 with the other workers and then update each tensor's state in place (with
 ``spare_residuals=True`` they write it into a second set of arrays, swapped
 in only when every tensor passed its checks, so an overflow too leaves the
 state as it was), and ``'numpy'``, the readable reference, equal bit for
-bit.  CuPy arrays always take the rules' CuPy kernels.
+bit.  CuPy arrays take the whole-model GPU step
+(:mod:`chainer_vgc.engines.cuda.compress`, the kernels of the rule's
+registered kind, its buffers in :attr:`GradientCompressor.device_buffers`)
+where it applies (every gradient on one device, one state dtype, no tensor
+over the 28-bit index), else the rule's own ``compress`` with CuPy's
+arrays and the rules' CuPy kernels.
 """
 
 import numpy
 
 from chainer_vgc.backends import arrays as _backend
 from chainer_vgc import codec
-from chainer_vgc.backends.cuda import compress as device_step
+from chainer_vgc.engines.cuda import compress as device_step
 from chainer_vgc.backends import registry as fast_paths
 from chainer_vgc import faults
-from chainer_vgc.backends.native import bindings as native
-from chainer_vgc.backends.native import gap as native_gap
+from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import gap as native_gap
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
 
@@ -330,7 +335,7 @@ class GradientCompressor(object):
         written in place into one buffer.  Only when no tensor reported a
         fault are the spares swapped in, so a NaN gradient or an overflow
         leaves every state untouched.  Without, one read-only native pass
-        (:func:`~chainer_vgc.backends.native.bindings.check_inputs`) checks
+        (:func:`~chainer_vgc.engines.native.bindings.check_inputs`) checks
         every input and the workers agree on it before the passes write
         the state in place (the class doc); a rule without state (none)
         skips that pass, since its passes move nothing.
@@ -409,7 +414,7 @@ class GradientCompressor(object):
     @staticmethod
     def settle(error, agree):
         """The second agreement of a fused step (native or
-        :mod:`~chainer_vgc.backends.cuda.compress`): every worker's fault code, and
+        :mod:`~chainer_vgc.engines.cuda.compress`): every worker's fault code, and
         ``error`` (or the others') raised on all of them when there is
         one; without ``agree``, ``error`` raised."""
         if agree is not None:

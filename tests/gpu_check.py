@@ -122,7 +122,7 @@ CASES = [
     ('qsgd', 'qsgd', dict(bits=2, bucket=64), []),
 ]
 RESCALE = 1024.0
-#: the whole-model GPU paths (issue 25: chainer_vgc.backends.cuda.compress and
+#: the whole-model GPU paths (issue 25: chainer_vgc.engines.cuda.compress and
 #: device_decode) run on a model of one dtype: MODEL's tensors and inputs
 #: in float32 (cast on the host), these cases
 WHOLE_CASES = [
@@ -239,9 +239,9 @@ def gen_sqsum(rng, g, sqdt):
 #: the chainer-free core: {the name gpu_check uses: module under chainer_vgc}
 CORE = {'cuda_support': 'backends.cuda.support', 'backend': 'backends.arrays',
         'kernels': 'backends.cuda.kernels', 'codec': 'codec',
-        'native': 'backends.native.bindings', 'rules': 'rules',
+        'native': 'engines.native.bindings', 'rules': 'rules',
         'compressor': 'compressor', 'exchange': 'exchange.mean',
-        'device_step': 'backends.cuda.compress'}
+        'device_step': 'engines.cuda.compress'}
 
 
 def import_core(no_nvrtc_preload=False):

@@ -332,7 +332,7 @@ def test_negative_zero_one_rule_for_every_decoder():
     from chainer_vgc import GradientCompressor
     from chainer_vgc.backends import arrays as backend
     from chainer_vgc.exchange import mean as exchange
-    from chainer_vgc.backends.native import bindings as native
+    from chainer_vgc.engines.native import bindings as native
     import types
     message, sizes, dtypes, where = negative_zero_message()
     sdts = [backend.state_dtype(d) for d in dtypes]

@@ -23,9 +23,9 @@ import numpy
 import pytest
 
 from chainer_vgc import codec
-from chainer_vgc.backends.cuda import decode as device_decode
+from chainer_vgc.engines.cuda import decode as device_decode
 from chainer_vgc.exchange import mean as exchange
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.codec.message import walk
 
 from reference import assert_bitwise

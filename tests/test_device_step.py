@@ -1,4 +1,4 @@
-"""The whole-model GPU compress step (chainer_vgc.backends.cuda.compress), run on the
+"""The whole-model GPU compress step (chainer_vgc.engines.cuda.compress), run on the
 CPU through the fake CuPy with its kernels compiled for the host (the
 ``device`` fixture): messages and states bit for bit those of the native
 CPU backend, step after step, faults leaving every state untouched, and a
@@ -12,7 +12,7 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
-from chainer_vgc.backends.cuda import compress as device_step
+from chainer_vgc.engines.cuda import compress as device_step
 from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import faults
 
@@ -366,7 +366,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
     MPI: the decode reads each where it lies (the descriptors point there,
     nothing is copied) and the means equal the CPU decoder's bit for
     bit."""
-    from chainer_vgc.backends.cuda import decode as device_decode
+    from chainer_vgc.engines.cuda import decode as device_decode
     fake = device
     shapes, dtypes = MODELS[model]
     ranks = 4

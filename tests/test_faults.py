@@ -241,7 +241,7 @@ def test_native_input_checks_equal_the_reference(gdtype):
     NaN, Inf, a negative value (but not -0.0) in s; at the first element,
     inside a block, in a partial last block and at a chunk boundary, in
     tensors of several sizes; None gradients and None sums."""
-    from chainer_vgc.backends.native import bindings as native
+    from chainer_vgc.engines.native import bindings as native
     from chainer_vgc.backends.arrays import state_dtype
     ws = native.Workspace()
     rng = numpy.random.default_rng(11)

@@ -13,7 +13,7 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)

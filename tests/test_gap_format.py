@@ -925,7 +925,7 @@ def test_corrupt_stream_length_costs_no_more_than_the_message():
     assert 'gap stream longer than its codes' in text
     assert peak < body.nbytes // 8, peak
     # the native decoder refuses it too (and the reference names why)
-    from chainer_vgc.backends.native import gap as native_gap
+    from chainer_vgc.engines.native import gap as native_gap
     assert native_gap.gap_decode(body, 1, 2 ** 20) is None
 
 
@@ -1153,7 +1153,7 @@ def test_coding_argument():
 def native_agree(body, count, size):
     """native_gap.gap_decode (None: invalid) and the oracle agree on one body.
     Returns True when accepted."""
-    from chainer_vgc.backends.native import gap as native_gap
+    from chainer_vgc.engines.native import gap as native_gap
     try:
         want = oracle_decode_body(body, count, size)
     except Reject as e:
@@ -1176,14 +1176,14 @@ def native_agree(body, count, size):
 
 @given(gap_cases())
 def test_native_gap_codec_matches_oracle(case):
-    from chainer_vgc.backends.native import gap as native_gap
+    from chainer_vgc.engines.native import gap as native_gap
     size, index, nibbles, k, sign_only = case
     want = _check_encoder(native_gap.gap_encode, index, nibbles, k, sign_only)
     assert native_agree(want, len(index), size)
 
 
 def test_native_worked_example_and_k_63():
-    from chainer_vgc.backends.native import gap as native_gap
+    from chainer_vgc.engines.native import gap as native_gap
     body = native_gap.gap_encode(numpy.array(WORKED_INDEX), numpy.array(
         WORKED_NIBBLES, dtype=numpy.uint8), 4, False)
     assert body.tolist() == WORKED_BODY
@@ -1822,7 +1822,7 @@ def test_every_single_bit_flip_of_a_span_message():
 def test_merge_spans_with_the_native_gap_codec():
     """merge_spans with the native backend's decoder and encoder (what the
     compressor passes on the native backend) gives the oracle's words."""
-    from chainer_vgc.backends.native import gap as native_gap
+    from chainer_vgc.engines.native import gap as native_gap
     rnd = random.Random(3)
     for trial in range(60):
         n = rnd.randrange(2, 7)

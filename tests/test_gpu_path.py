@@ -63,7 +63,7 @@ SCALAR_READS_PER_TENSOR = 6
 
 def upload_words(blocks, comp):
     """The words the decode uploads.  The whole-model decode
-    (chainer_vgc.backends.cuda.decode, every method but QSGD): each dtype's tensor
+    (chainer_vgc.engines.cuda.decode, every method but QSGD): each dtype's tensor
     offsets and ids, the model's offsets and the sums' (a float64 tensor
     takes two words an element), room for each rank's items (at most a
     group a tensor: 2 n + 1), all int64; a descriptor of 8 words per

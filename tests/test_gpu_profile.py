@@ -178,7 +178,7 @@ def test_a_name_it_cannot_wrap_fails_the_profile():
     cannot be patched, NumPy's has no ``get``); every table of today's
     code wraps."""
     import types
-    from chainer_vgc.backends.cuda import decode
+    from chainer_vgc.engines.cuda import decode
 
     class Calls(object):
         def call(self, kind, label, fn, args, kwargs):

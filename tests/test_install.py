@@ -219,7 +219,7 @@ SMOKE = textwrap.dedent("""\
     import numpy as np
     import chainer
     import chainer_vgc
-    from chainer_vgc.backends.native import bindings as native
+    from chainer_vgc.engines.native import bindings as native
     native.load()
     comm = chainer_vgc.create_communicator(method='none')
     model = chainer.links.Linear(3, 2)

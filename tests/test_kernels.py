@@ -89,7 +89,7 @@ def instances():
 
 
 def model_instances():
-    """The whole-model step's kernels (chainer_vgc.backends.cuda.compress)."""
+    """The whole-model step's kernels (chainer_vgc.engines.cuda.compress)."""
     out = []
     i64, u32 = numpy.zeros(3, numpy.int64), numpy.zeros(3, numpy.uint32)
     u64, on = numpy.zeros(3, numpy.uint64), numpy.ones(2, bool)

@@ -13,10 +13,10 @@ input when they average over 2 MiB, so the gradients and the sums are
 gathered by our own kernel through a table of addresses (uploaded only
 when an address moves); ``cupy.cumsum`` takes about 2 log_512(N) + 1
 launches for N elements, which grows with the model's size, not with its
-number of tensors.  The whole-model compress step (chainer_vgc.backends.cuda.compress:
+number of tensors.  The whole-model compress step (chainer_vgc.engines.cuda.compress:
 vgc, hybrid and Strom with every index coding, and 'none') runs at most
 :data:`COMPRESS_KERNELS` kernels of its own besides CuPy's scans; the
-whole-model decode (chainer_vgc.backends.cuda.decode) the sums zeroed, a scatter
+whole-model decode (chainer_vgc.engines.cuda.decode) the sums zeroed, a scatter
 launch per rank and a mean (the dense tree of 'none': one lookup launch),
 and with FMT_GAP groups their flags zeroed and their blocks decoded and
 checked from their restart points.  QSGD keeps its own counts, and
@@ -281,7 +281,7 @@ def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
     reference's group table, the gap expansion are never called) and the
     messages go up as received, a copy per message."""
     from chainer_vgc import codec
-    from chainer_vgc.backends.cuda import decode as device_decode
+    from chainer_vgc.engines.cuda import decode as device_decode
     from chainer_vgc.codec import message as message_module
     calls = []
 

@@ -29,8 +29,8 @@ from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
 from chainer_vgc.exchange import mean as exchange
 from chainer_vgc import GradientCompressor
-from chainer_vgc.backends.native import bindings as native
-from chainer_vgc.backends.native import gap as native_gap
+from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import gap as native_gap
 from chainer_vgc import WireFormatError
 from wire_messages import random_message
 
@@ -547,7 +547,7 @@ def test_default_threads_divide_the_cores(monkeypatch):
 
 
 def test_omp_num_threads_is_respected():
-    code = ('from chainer_vgc.backends.native import bindings; '
+    code = ('from chainer_vgc.engines.native import bindings; '
             'print(bindings.num_threads())')
     env = dict(os.environ, OMP_NUM_THREADS='3')
     out = subprocess.run([sys.executable, '-c', code], env=env, check=True,

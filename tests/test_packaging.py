@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)

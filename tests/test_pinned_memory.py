@@ -1,6 +1,6 @@
 """Pinned (page-locked) host memory stays bounded (issue 36, item 5).
 
-The whole-model decode (``chainer_vgc.backends.cuda.decode.mean``) stages every
+The whole-model decode (``chainer_vgc.engines.cuda.decode.mean``) stages every
 rank's message in one host buffer and uploads it each step; the upload's
 size changes from step to step.  CuPy's pinned pool reuses a freed block
 only for the same size, so a new pinned buffer a step would pin more host

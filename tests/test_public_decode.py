@@ -10,7 +10,7 @@ import pytest
 from chainer_vgc import GradientCompressor
 from chainer_vgc import WireFormatError
 from chainer_vgc import codec
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 
 import golden_messages as golden
 from test_native import _corrupt

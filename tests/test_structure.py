@@ -225,6 +225,22 @@ def test_kernels_is_below_codec():
     assert not constants & codec_constants
 
 
+
+def test_the_device_layer_imports_nothing_above_it():
+    """``chainer_vgc.backends`` (the array module, the registry, the
+    kernels and CuPy checks) is the ground floor: its modules import only
+    each other, none of the codec, the engines that write the codec's
+    messages, the rules or anything above (issue 50: the GPU compress and
+    decode sat in it and imported the codec, an arrow back up)."""
+    graph = import_graph(package_modules())
+    up = sorted((m, t) for m, targets in graph.items()
+                if m.startswith('chainer_vgc.backends')
+                for t in targets if not t.startswith('chainer_vgc.backends'))
+    assert not up, up
+    engines = {t for m, targets in graph.items()
+               if m.startswith('chainer_vgc.engines') for t in targets}
+    assert 'chainer_vgc.codec' in engines  # (the engines stand above it)
+
 # ---- (b) private names stay private -----------------------------------------
 
 def private_uses(importer, tree, modules):

@@ -1,7 +1,7 @@
 """The wire-format constants that chainer_vgc.codec and the C++/CUDA sources
 both define agree: the ``#define VGC_...`` lines of kernels/vgc_numerics.cuh
 (the CuPy kernels' source) and of the native backend's sources
-(kernels/vgc_host.cpp and its headers, chainer_vgc.backends.native.bindings.SOURCES) are parsed
+(kernels/vgc_host.cpp and its headers, chainer_vgc.engines.native.bindings.SOURCES) are parsed
 and compared with codec by :func:`chainer_vgc.codec.check_kernel_constants`;
 the native backend compares its compiled constants at load
 (tests/test_native.py)."""
@@ -14,7 +14,7 @@ import pytest
 from chainer_vgc import codec
 from chainer_vgc.codec.c_defines import c_int
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)

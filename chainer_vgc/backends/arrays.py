@@ -150,7 +150,7 @@ class DeviceBuffers(object):
     by the compressor and handed to that path through these members only:
 
     * ``step``: the whole-model compress of the last device it ran on
-      (:class:`chainer_vgc.backends.cuda.compress.DeviceStep`), None
+      (:class:`chainer_vgc.engines.cuda.compress.DeviceStep`), None
       until one runs; that module makes and replaces it;
     * :meth:`staging`: a :class:`HostStaging` per role, ``'upload'`` (the
       decode's one upload, which MPI may receive into) and ``'fallback'``

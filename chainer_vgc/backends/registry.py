@@ -13,12 +13,15 @@ compare them).
 One dispatch for every backend: each shipped rule's module registers its
 paths next to the rule (``chainer_vgc/rules/vgc.py`` ...): for
 ``'native'`` a factory of a :data:`FastPath` over the native backend's
-fused pass (:mod:`chainer_vgc.backends.native.bindings`), for ``'cuda'``
+fused pass (:mod:`chainer_vgc.engines.native.bindings`), for ``'cuda'``
 a factory of the name of the whole-model GPU step that runs the rule
-(:func:`chainer_vgc.backends.cuda.compress.kind_of`).  A rule of your own
+(:func:`chainer_vgc.engines.cuda.compress.kind_of`).  A rule of your own
 registers its own the same way (``register('native', MyRule,
-factory)``); nothing here names a rule, so the backends sit below the
-rules.
+factory)``).  Nothing in this module names a rule, so it sits in the
+device layer, below the codec and the rules; the GPU engine, though,
+still picks its kernels by the kind's name (``'vgc'``, ``'hybrid'``,
+``'none'``, branches of :mod:`chainer_vgc.engines.cuda.compress`), so a
+new rule's GPU step is an entry there too.
 """
 
 import collections
@@ -29,7 +32,7 @@ import collections
 #:   reads ``state``, writes the next state into ``new_state`` (same keys)
 #:   and the group into ``out`` (a uint32 array of at least ``max_words``
 #:   words), returning ``(words, elements, flags)``
-#:   (:mod:`chainer_vgc.backends.native.bindings`);
+#:   (:mod:`chainer_vgc.engines.native.bindings`);
 #: - ``max_words(size, dtype)``: the most words a group of a tensor of
 #:   ``size`` elements of ``dtype`` can take (header included);
 #: - ``checks_inputs``: whether ``compress`` checks its inputs (finite

@@ -66,8 +66,11 @@ module per format (:mod:`.pow2` with the quantization, :mod:`.raw`,
 :mod:`.qsgd`, :mod:`.gap` with its restart table in :mod:`.restarts`),
 :mod:`.index_coding` (FMT_POW2 or FMT_GAP),
 :mod:`.formats` (the table) and :mod:`.message` (pack, walk, unpack,
-decode, spans).  This package imports :mod:`chainer_vgc.backends.cuda.kernels` (the
-device primitives), never the reverse; it imports neither Chainer nor MPI.
+decode, spans).  This package imports the device layer below it
+(:mod:`chainer_vgc.backends`: the array module, the kernels), which
+imports no part of it; the engines that write and read its messages
+(:mod:`chainer_vgc.engines`) stand above it.  It imports neither Chainer
+nor MPI.
 The names below are the package's interface (``chainer_vgc.codec.NAME``);
 the modules' other public names (``message.walk``, ``gap.span_parts``, ...)
 are imported from their module.

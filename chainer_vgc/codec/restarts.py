@@ -4,7 +4,7 @@ can a decoder start in a gap stream without reading the codes before it?
 Every :data:`.GAP_RESTART_CODES` codes a FMT_GAP body records the bit
 where the next code starts and the index of the element before it, so the
 GPU decodes the blocks of a group in parallel, one thread each
-(:mod:`chainer_vgc.backends.cuda.decode`).  The values are fixed by the codes:
+(:mod:`chainer_vgc.engines.cuda.decode`).  The values are fixed by the codes:
 the encoding stays canonical, and every decoder checks each point when it
 reaches it (rule V26).
 """

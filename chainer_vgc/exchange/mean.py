@@ -16,7 +16,7 @@ step runs one way (paper Sec. 4.3):
    backend's one fused call, equal to it bit for bit).
 
 On a GPU the whole model is decoded at once where it can be
-(:mod:`chainer_vgc.backends.cuda.decode`): the messages' structure is checked on
+(:mod:`chainer_vgc.engines.cuda.decode`): the messages' structure is checked on
 the host (:func:`validate_messages` with ``codes=False``), the messages go
 up as received in one copy, and the device decodes and checks the
 gap-coded groups (FMT_GAP) from their restart points and sums the
@@ -41,9 +41,9 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
-from chainer_vgc.backends.cuda import decode as device_decode
+from chainer_vgc.engines.cuda import decode as device_decode
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 
 
 # -- this worker: what goes into the compressor ----------------------------
@@ -244,11 +244,11 @@ def validate_messages(blocks, compressor, dtypes, table=False, codes=True):
     does (the native decoder's walk where it applies: same checks, no
     output); returns the elements each carries, and with ``table`` also
     the group table that walk read (None without the native backend; see
-    :func:`chainer_vgc.backends.cuda.decode.group_rows`).  A fault raises
+    :func:`chainer_vgc.engines.cuda.decode.group_rows`).  A fault raises
     :class:`~chainer_vgc.codec.WireFormatError` as the reference names
     it.  ``codes=False`` (with the native backend): the FMT_GAP groups'
     codes are left unchecked, for the device decode, which checks them
-    (:func:`chainer_vgc.backends.cuda.decode.mean`); a message refused even so
+    (:func:`chainer_vgc.engines.cuda.decode.mean`); a message refused even so
     is checked in full, which names the fault."""
     sizes = compressor.sizes
     sdts = [backend.state_dtype(d) for d in dtypes]
@@ -274,7 +274,7 @@ def receive_into(compressor, params, grads, size):
     """Where MPI should receive this step's ``size`` messages
     (:func:`chainer_vgc.chainermn.transport.allgatherv`'s ``into``): for parameters
     on a GPU that the whole-model decode takes, the buffer it uploads from
-    (:func:`chainer_vgc.backends.cuda.decode.receive_into`); else None, a new host
+    (:func:`chainer_vgc.engines.cuda.decode.receive_into`); else None, a new host
     array."""
     if not _on_device(params) or not device_decode.applies(
             [None] * size, compressor, params, grads, False):

@@ -27,7 +27,7 @@ from chainer_vgc import extensions
 from chainer_vgc.exchange import elastic
 from chainer_vgc.exchange import fallback
 from chainer_vgc.exchange import settings as groups
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of

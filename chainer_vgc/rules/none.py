@@ -4,7 +4,7 @@ exactly (dense FMT_RAW group)."""
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.rules import base
 
 

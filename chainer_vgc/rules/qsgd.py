@@ -19,7 +19,7 @@ import numpy
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.rules import base
 
 

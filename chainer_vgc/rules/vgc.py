@@ -27,7 +27,7 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.backends.native import bindings as native
+from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.rules import base
 
 
@@ -143,5 +143,5 @@ def _native_path(rule):
 
 
 registry.register('native', VGC, _native_path)
-# the whole-model GPU step (backends/cuda/compress.py), quantized only
+# the whole-model GPU step (engines/cuda/compress.py), quantized only
 registry.register('cuda', VGC, lambda rule: 'vgc' if rule.quantize else None)

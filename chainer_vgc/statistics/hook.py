@@ -406,7 +406,7 @@ class PerSampleSquares(chainer.FunctionHook):
         parameter has data on one device and one state dtype (else
         None: each sum is its own array).  The reductions write into
         them, and a compressor on the GPU then reads the sums in place
-        instead of gathering them (:mod:`chainer_vgc.backends.cuda.compress`)."""
+        instead of gathering them (:mod:`chainer_vgc.engines.cuda.compress`)."""
         arrays = [p.array for p in self.params]
         if not arrays or any(a is None for a in arrays):
             return None

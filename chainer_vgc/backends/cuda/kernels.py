@@ -79,7 +79,7 @@ SPECS = collections.OrderedDict([
     ('vgc_gap_values', KernelSpec(
         'raw N nibbles, int64 count, bool sign_only', 'uint32 word',
         'word = vgc_gap_value_word(nibbles, count, sign_only, i)')),
-    # The whole-model step (issue 25; chainer_vgc.backends.cuda.compress): every
+    # The whole-model step (issue 25; chainer_vgc.engines.cuda.compress): every
     # tensor of a dtype group in one launch, laid end to end (offsets:
     # n_tensors + 1 element offsets; active: the tensors with a gradient
     # this step).  The select passes write the next state into r2, v2, and
@@ -146,7 +146,7 @@ SPECS = collections.OrderedDict([
         'vgc_model_none_write(i, vgc_to<typename vgc_state<G>::type>(g), '
         'offsets, n_tensors, base, msg, flags)')),
     # decode + mean of every rank's message, one thread per element of
-    # the model (chainer_vgc.backends.cuda.decode)
+    # the model (chainer_vgc.engines.cuda.decode)
     ('vgc_model_decode_mean', KernelSpec(
         'raw uint32 buf, raw uint64 gaps, raw int64 offsets, raw int64 tids, '
         'int32 n_local, int32 n_tensors, int32 ranks, bool dense, '
@@ -171,7 +171,7 @@ SPECS = collections.OrderedDict([
         'mean = vgc_model_finish<D>(i, acc, acc_at, offsets, tids, n_local, '
         'rescaled, inv, rescale, k16)')),
     # FMT_GAP bodies decoded and checked on the device, one thread per
-    # block of codes from its restart point (chainer_vgc.backends.cuda.decode)
+    # block of codes from its restart point (chainer_vgc.engines.cuda.decode)
     ('vgc_model_gap_expand', KernelSpec(
         'raw uint32 buf, raw int64 starts, raw int64 groups, '
         'int32 n_groups', 'int32 done, raw uint64 out, raw uint32 errs',

@@ -1,6 +1,6 @@
 """The native CPU backend's FMT_GAP coder: ctypes bindings of
 ``kernels/vgc_gap_coder.h`` (compiled into the library of
-:mod:`chainer_vgc.backends.native.bindings`).
+:mod:`chainer_vgc.engines.native.bindings`).
 
 The fast paths of :func:`chainer_vgc.codec.gap_body` (encode) and
 :func:`chainer_vgc.codec.gap_decode_body` (decode, with every check of the
@@ -9,8 +9,8 @@ format), equal to them bit for bit (``tests/test_gap_format.py``).
 
 import numpy
 
-from chainer_vgc.backends.native.bindings import NativeBackendError
-from chainer_vgc.backends.native.bindings import load
+from chainer_vgc.engines.native.bindings import NativeBackendError
+from chainer_vgc.engines.native.bindings import load
 
 
 def rice_parameter(count, size):

@@ -65,7 +65,7 @@ def group_rows(blocks, sizes):
     """The group table of validated host messages (int64 [groups, 8]:
     message, tensor id, format, count, a, b, the body's first word in the
     message, span), as the native validation returns it
-    (:func:`chainer_vgc.backends.native.bindings.decode_mean` with ``table``); here from
+    (:func:`chainer_vgc.engines.native.bindings.decode_mean` with ``table``); here from
     :func:`~chainer_vgc.codec.message.walk`, a Python step per group, for
     the NumPy backend."""
     rows = []
