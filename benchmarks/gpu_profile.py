@@ -379,7 +379,7 @@ def exchange_patches(ctx, patches):
     step = getattr(device_step, 'DeviceStep', None)
     for owner, name, label in [
             (GradientCompressor, 'compress', 'GradientCompressor.compress'),
-            (device_step, 'find', 'device_step.find'),
+            (device_step, 'step_for', 'device_step.step_for'),
             (step, 'compress', 'DeviceStep.compress'),
             (GradientCompressor, 'validate', 'GradientCompressor.validate'),
             (step, '_install', 'DeviceStep._install'),
@@ -402,7 +402,8 @@ def exchange_patches(ctx, patches):
             (device_decode, 'group_rows', 'device_decode.group_rows'),
             (device_decode, '_descriptors', 'device_decode._descriptors'),
             (device_decode, '_gap_groups', 'device_decode._gap_groups'),
-            (device_decode, '_mean_by_lookup', 'device_decode._mean_by_lookup'),
+            (device_decode, '_mean_by_lookup',
+             'device_decode._mean_by_lookup'),
             (device_decode, '_mean_by_scatter',
              'device_decode._mean_by_scatter'),
             (device_decode, '_items', 'device_decode._items'),
@@ -756,7 +757,7 @@ def profile_compress(ctx, label, method, kw):
         '{:.2f} s; density {:.2%}, {:,} message bytes{}'.format(
             steps, a.warmup, dev, wall, dev / max(ctx.copy_ms, 1e-9), first,
             density, comp.last_bytes, '' if on_device else
-            '; NOTE: not the whole-model device step (device_step.find '
+            '; NOTE: not the whole-model device step (device_step.step_for '
             'returned None)'))
     prof = ctx.instrumented(step, a.repeat, 0, exchange_patches)
     ctx.report.table(prof)

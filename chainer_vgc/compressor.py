@@ -224,7 +224,7 @@ class GradientCompressor(object):
         gradients were not finite, :class:`SkippedStep` is raised on all of
         them with every state untouched.
         """
-        device = device_step.find(self, grads)
+        device = device_step.step_for(self, grads)
         if device is not None or self.uses_native(grads):
             message = self._merge_spans(
                 device.compress(grads, sqsums, agree) if device else

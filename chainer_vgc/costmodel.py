@@ -84,6 +84,22 @@ def cost(params, workers, compression, bandwidth, bits_per_param=32,
     return Cost(t_r, t_v, t_r / t_v if t_v else float('inf'), bound)
 
 
+
+def ring_step_times(workers, sent_bits, dense_bits, bandwidth,
+                    latency=0.0):
+    """(T_v, T_r), seconds, of one step on a ring of ``workers`` ranks,
+    with a ``latency`` per message (the dense fallback's prediction,
+    :mod:`chainer_vgc.exchange.fallback`): the pipelined allgatherv of
+    messages of ``sent_bits`` each on average, ``(p - 1) (L + bits /
+    B)`` (each rank receives the other p - 1), and the ring allreduce of
+    ``dense_bits``, ``2 (p - 1) (L + dense_bits / (p B))``.  With L = 0
+    these are :func:`cost`'s T_r and, with p - 1 for its bound's p,
+    its T_v."""
+    p, beta = int(workers), 1.0 / parse_bandwidth(bandwidth)
+    t_v = (p - 1) * (latency + sent_bits * beta)
+    t_r = 2 * (p - 1) * (latency + dense_bits * beta / p)
+    return t_v, t_r
+
 TwoTier = collections.namedtuple(
     'TwoTier', ['flat_s', 'hierarchical_s', 'dense_s',
                 'dense_hierarchical_s', 'inter_bits_flat',

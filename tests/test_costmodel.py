@@ -146,3 +146,15 @@ def test_table_command_prints_every_p_and_k():
         for p in (8, 16, 32, 64, 128, 256, 512, 1024) for k in (4, 8)]
     # at p = 1024, k = 8 the hierarchical exchange is the fastest
     assert rows[-1].rstrip(' |').endswith('hierarchical VGC')
+
+
+def test_ring_step_times_by_hand():
+    """The dense fallback's prediction (costmodel.ring_step_times), worked
+    by hand: p = 4 ranks, 1,000-bit messages, a 32,000-bit model, 1 kbit/s,
+    0.5 s a message: T_v = 3 (0.5 + 1) = 4.5 s, T_r = 6 (0.5 + 8) = 51 s;
+    without latency its T_r is Sec. 5's (cost's) for the same model."""
+    assert costmodel.ring_step_times(4, 1000, 32000, '1kbit', 0.5) == \
+        (4.5, 51.0)
+    t_v, t_r = costmodel.ring_step_times(4, 1000, 1000 * 32, 1e3)
+    assert (t_v, t_r) == (3.0, 48.0)
+    assert t_r == costmodel.cost(1000, 4, 10, 1e3).allreduce_s

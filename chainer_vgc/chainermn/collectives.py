@@ -31,6 +31,7 @@ import numpy  # NOQA: E402
 from chainer_vgc.backends import arrays as backend  # NOQA: E402
 from chainer_vgc import extensions  # NOQA: E402
 from chainer_vgc.chainermn import transport  # NOQA: E402
+from chainer_vgc.params import model_params  # NOQA: E402
 
 
 class Collectives(mpi_communicator_base.MpiCommunicatorBase):
@@ -90,8 +91,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
 
     def multi_node_mean_grad(self, model, zero_fill=False):
         """ChainerMN's naive exchange: every gradient's mean, uncompressed."""
-        self.dense_mean([p for _, p in sorted(model.namedparams())],
-                        zero_fill)
+        self.dense_mean(model_params(model)[1], zero_fill)
 
     # -- the exchange's collectives ------------------------------------------
     def allgather_obj(self, obj):
@@ -142,8 +142,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         """
         if self.cuda_aware_mpi:
             return super(Collectives, self).bcast_data(model)
-        params = [p for _, p in sorted(model.namedparams())
-                  if p.array is not None]
+        params = [p for p in model_params(model)[1] if p.array is not None]
         hosts = [numpy.ascontiguousarray(backend.to_numpy(p.array))
                  for p in params]
         buf = numpy.empty(sum(h.nbytes for h in hosts), dtype=numpy.uint8)

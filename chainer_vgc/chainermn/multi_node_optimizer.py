@@ -15,6 +15,7 @@ import numpy
 
 from chainer_vgc.backends import arrays as backend
 from chainer_vgc.chainermn.communicator import VGCCommunicator
+from chainer_vgc.params import model_params
 from chainer_vgc.rules.base import float32_update
 
 
@@ -162,7 +163,7 @@ class VGCMultiNodeOptimizer(object):
         ChainerMN's: names and which ones are initialized)."""
         previous = self.target_params
         self.target_params = [(name, param.data is not None)
-                              for name, param in sorted(target.namedparams())]
+                              for name, param in zip(*model_params(target))]
         return previous != self.target_params
 
     def close(self):
@@ -199,7 +200,7 @@ def serialize_fp32_masters(target, serializer):
     optimizer state saved in float16 (before float32 updates were turned
     on) to float32, as the update now keeps it."""
     loading = isinstance(serializer, chainer.serializer.Deserializer)
-    for name, param in sorted(target.namedparams()):
+    for name, param in zip(*model_params(target)):
         rule = getattr(param, 'update_rule', None)
         if (rule is None or param.dtype != numpy.float16
                 or not getattr(rule, '_use_fp32_update', False)):

@@ -17,8 +17,9 @@ decision from the same numbers:
     T_v = (p - 1) (L + e * mean(count) / B)         pipelined ring allgatherv
     T_r = 2 (p - 1) (L + s * N / (p B))             ring allreduce
 
-(L: latency per message, B: bandwidth).  When T_v > T_r the step is sent
-as a warm-up step is: every parameter's gradient by allreduce, every
+(L: latency per message, B: bandwidth;
+:func:`chainer_vgc.costmodel.ring_step_times`).  When T_v > T_r the step
+is sent as a warm-up step is: every parameter's gradient by allreduce, every
 residual as it was (neither accumulated nor decayed), reported as
 ``vgc/dense_steps``.  The link (B, L) is the user's, or measured once
 with two allreduces at the first exchange (rank 0's figures, broadcast).
@@ -106,10 +107,9 @@ class DenseFallback(object):
         if p < 2:
             return Choice(False, 0.0, 0.0)
         e = self.bits_per_element or bits_per_element or 32.0
-        beta = 1.0 / self.bandwidth
         mean = float(sum(counts)) / len(counts)
-        t_v = (p - 1) * (self.latency + e * mean * beta)
-        t_r = 2 * (p - 1) * (self.latency + dense_bits * beta / p)
+        t_v, t_r = costmodel.ring_step_times(p, e * mean, dense_bits,
+                                             self.bandwidth, self.latency)
         return Choice(t_v > t_r, t_v, t_r)
 
 

@@ -37,6 +37,7 @@ from chainer_vgc import extensions
 from chainer_vgc.exchange import fallback
 from chainer_vgc import faults
 from chainer_vgc.faults import SkippedStep
+from chainer_vgc.params import model_params
 
 
 class ExchangeResult(object):
@@ -209,7 +210,7 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
         return ExchangeHandle(state, lambda: run(
             collectives, state, model, zero_fill, sqsums, loss_scale,
             uncovered, totals), False)
-    first = next((p.array for _, p in sorted(model.namedparams())
+    first = next((p.array for p in model_params(model)[1]
                   if p.array is not None), None)
     debug = chainer.is_debug()  # (Chainer's config is per thread)
     ready = backend.stream_marker(first)  # the backward's work, queued

@@ -103,7 +103,7 @@ def kind_of(rule):
     return registry.find('cuda', rule)
 
 
-def find(compressor, grads):
+def step_for(compressor, grads):
     """The compressor's :class:`DeviceStep` when it applies to ``grads``
     (CuPy arrays, every one on one device), else None."""
     first = next((g for g in grads if g is not None), None)
