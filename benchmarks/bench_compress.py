@@ -35,7 +35,7 @@ import chainer  # NOQA: E402
 import numpy  # NOQA: E402
 
 from chainer_vgc import GradientCompressor  # NOQA: E402
-from chainer_vgc.exchange import mean as exchange  # NOQA: E402
+from chainer_vgc.exchange import mean as exchange_mean  # NOQA: E402
 from chainer_vgc.engines.native import bindings as native  # NOQA: E402
 
 from bench_common import machine  # NOQA: E402
@@ -139,7 +139,7 @@ def run_decode(stream, comp, messages, repeat):
     def mean():
         for p, g in zip(params, local):
             p.grad = g
-        exchange.mean_gradients(messages, comp, params, local, 4, True,
+        exchange_mean.mean_gradients(messages, comp, params, local, 4, True,
                                 False)
     return one, median_time(mean, repeat)
 

@@ -52,11 +52,11 @@ Data flow of a measurement:
    medians over the steps.  A name that is not there (the code moved on)
    is listed, not an error.
 3. **decode+mean**: p = 4, 16, 64 received messages through
-   ``exchange.mean_gradients`` (as ``tests/test_launch_counts.py``'s
+   ``exchange_mean.mean_gradients`` (as ``tests/test_launch_counts.py``'s
    ``step_counts`` calls it), the messages drawn each step from a pool of
    messages of different sizes (compress steps of gradients with
    different noise), so that the sizes change from step to step; the host
-   validation (``exchange.validate_messages``, the step's first part) is
+   validation (``exchange_mean.validate_messages``, the step's first part) is
    also timed alone on the same draws, and the rest of the step is the
    whole step less it.
 4. **VGG**: the runbook's App. D VGG step (``gpu_runbook.vgg_update``:
@@ -365,7 +365,7 @@ def exchange_patches(ctx, patches):
     from chainer_vgc.backends import arrays as backend
     from chainer_vgc.engines.cuda import decode as device_decode
     from chainer_vgc.engines.cuda import compress as device_step
-    from chainer_vgc.exchange import mean as exchange
+    from chainer_vgc.exchange import mean as exchange_mean
     from chainer_vgc.backends.cuda import kernels
     from chainer_vgc.compressor import GradientCompressor
     xp = ctx.xp
@@ -393,10 +393,10 @@ def exchange_patches(ctx, patches):
             (GradientCompressor, '_merge_spans',
              'GradientCompressor._merge_spans'),
             (codec, 'merge_spans', 'codec.merge_spans'),
-            (exchange, 'mean_gradients', 'exchange.mean_gradients'),
-            (exchange, '_device_mean', 'exchange._device_mean'),
-            (exchange, 'validate_messages',
-             'exchange.validate_messages (host validation)'),
+            (exchange_mean, 'mean_gradients', 'exchange_mean.mean_gradients'),
+            (exchange_mean, '_device_mean', 'exchange_mean._device_mean'),
+            (exchange_mean, 'validate_messages',
+             'exchange_mean.validate_messages (host validation)'),
             (device_decode, 'applies', 'device_decode.applies'),
             (device_decode, 'mean', 'device_decode.mean'),
             (device_decode, 'group_rows', 'device_decode.group_rows'),
@@ -410,7 +410,7 @@ def exchange_patches(ctx, patches):
             (device_decode, '_dtype_groups', 'device_decode._dtype_groups'),
             (backend.HostStaging, 'view', 'HostStaging.view'),
             (backend, 'host_buffer', 'backend.host_buffer'),
-            (exchange, 'upload_blocks', 'exchange.upload_blocks'),
+            (exchange_mean, 'upload_blocks', 'exchange_mean.upload_blocks'),
             (codec, 'expand_gap', 'codec.expand_gap')]:
         patches.wrap(owner, name, label)
 
@@ -781,11 +781,11 @@ def message_pool(ctx, coding, count):
 def mpi_receive(receiver, params, grads, blocks):
     """What MPI does in training before the decode: the messages copied
     into the buffer the decode uploads from (``transport.allgatherv``'s
-    ``into``, from ``exchange.receive_into``); the blocks there (or the
+    ``into``, from ``exchange_mean.receive_into``); the blocks there (or the
     blocks themselves where the decode takes no such buffer).  Its own row
     in the tables: a copy that the allgatherv makes in training."""
-    from chainer_vgc.exchange import mean as exchange
-    into = exchange.receive_into(receiver, params, grads, len(blocks))
+    from chainer_vgc.exchange import mean as exchange_mean
+    into = exchange_mean.receive_into(receiver, params, grads, len(blocks))
     if into is None:
         return blocks
     buf = into(sum(int(b.size) for b in blocks))
@@ -803,11 +803,11 @@ def decode_step(ctx, coding, messages, ranks, seed):
     step k: sizes change from step to step) into device parameters by
     ``receiver``, a new compressor of the same settings (what it keeps
     from step to step starts afresh), as ``tests/test_launch_counts.py``'s
-    ``step_counts`` calls ``exchange.mean_gradients``; ``validate(k)`` is
+    ``step_counts`` calls ``exchange_mean.mean_gradients``; ``validate(k)`` is
     the host validation of the same draw alone
-    (``exchange.validate_messages``, which the step runs first);
+    (``exchange_mean.validate_messages``, which the step runs first);
     ``words[k]``, the draw's words."""
-    from chainer_vgc.exchange import mean as exchange
+    from chainer_vgc.exchange import mean as exchange_mean
     xp = ctx.xp
     receiver = compressor(ctx, 'vgc', dict(HYPERPARAMETERS['vgc'],
                                            index_coding=coding))
@@ -821,15 +821,15 @@ def decode_step(ctx, coding, messages, ranks, seed):
     def step(k):
         blocks = mpi_receive(receiver, params, zeros,
                              [messages[i] for i in draws[k % len(draws)]])
-        exchange.mean_gradients(blocks, receiver, params, zeros, ranks, True,
+        exchange_mean.mean_gradients(blocks, receiver, params, zeros, ranks, True,
                                 False)
 
     def validate(k):  # as the step validates (the device checks codes)
         blocks = [messages[i] for i in draws[k % len(draws)]]
-        exchange.validate_messages(blocks, receiver,
+        exchange_mean.validate_messages(blocks, receiver,
                                    [p.dtype for p in params], True,
                                    codes=False)
-    if getattr(exchange, 'validate_messages', None) is None:
+    if getattr(exchange_mean, 'validate_messages', None) is None:
         validate = None  # (validated elsewhere, e.g. on the device)
     words = [sum(int(messages[i].size) for i in d) for d in draws]
     return step, validate, receiver, words
@@ -846,10 +846,10 @@ def profile_decode(ctx, coding, ranks, messages):
     if validate is not None:
         _, check, _ = ctx.timed_steps(validate, steps, warmup)
         split = ('of which host validation {:.4f} ms '
-                 '(exchange.validate_messages alone, the same draws), the '
+                 '(exchange_mean.validate_messages alone, the same draws), the '
                  'rest {:.4f} ms'.format(check, wall - check))
     else:
-        split = 'host validation not timed: exchange.validate_messages gone'
+        split = 'host validation not timed: exchange_mean.validate_messages gone'
     sizes = [int(m.size) for m in messages]
     say('whole step ({} steps, nothing wrapped): device {:.4f} ms, wall '
         '{:.4f} ms = {:.1f}x the copy (wall / copy device); {}; messages of '

@@ -24,7 +24,7 @@ import pytest
 
 from chainer_vgc import codec
 from chainer_vgc.engines.cuda import decode as device_decode
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.codec.message import walk
 
@@ -82,7 +82,7 @@ def _reference_verdict(message, comp):
 def _host_means(blocks, comp, shapes, dtypes):
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
-    exchange.mean_gradients(blocks, comp, host, [p.grad for p in host],
+    exchange_mean.mean_gradients(blocks, comp, host, [p.grad for p in host],
                             len(blocks), True, False)
     return [p.grad for p in host]
 
@@ -109,14 +109,14 @@ def _fuzz(fake, case, trials, seed):
                                                          grads)]
         if verdict is not None:
             with pytest.raises(codec.WireFormatError) as err:
-                exchange.mean_gradients([blocks[0], bad], comp, dev, grads,
+                exchange_mean.mean_gradients([blocks[0], bad], comp, dev, grads,
                                         2, True, False)
             assert str(err.value) == verdict
             assert all(p.grad is g for p, g in zip(dev, grads))
             assert all((fake.asnumpy(g) == 1).all() for g in grads)
             refused += 1
         else:
-            exchange.mean_gradients([blocks[0], bad], comp, dev, grads, 2,
+            exchange_mean.mean_gradients([blocks[0], bad], comp, dev, grads, 2,
                                     True, False)
             for h, d in zip(_host_means([blocks[0], bad], comp, shapes,
                                         dtypes), dev):
@@ -173,5 +173,5 @@ def test_a_device_refusal_the_host_does_not_share_is_reported(
     grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
-        exchange.mean_gradients(blocks, comp, dev, grads, 2, True, False)
+        exchange_mean.mean_gradients(blocks, comp, dev, grads, 2, True, False)
     assert all(p.grad is g for p, g in zip(dev, grads))

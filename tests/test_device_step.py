@@ -13,7 +13,7 @@ from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
 from chainer_vgc.engines.cuda import compress as device_step
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import faults
 
 from reference import assert_bitwise
@@ -323,12 +323,12 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     dense = method == 'none'
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
-    exchange.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
+    exchange_mean.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
                             ranks, True, dense, rescale=rescale)
     grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
     fake.reset()
-    elements = exchange.mean_gradients(blocks, comps[0], dev, grads, ranks,
+    elements = exchange_mean.mean_gradients(blocks, comps[0], dev, grads, ranks,
                                        True, dense, rescale=rescale)
     groups = [g for b in blocks for g in walk(b, comps[0].sizes)]
     gap = any(g.fmt == codec.FMT_GAP for g in groups)
@@ -362,7 +362,7 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
 def test_messages_received_into_the_upload_buffer_stay_where_they_are(
         device, monkeypatch, method, kw, model):
     """4 ranks' messages as the ring leaves them on rank 1 (its own first,
-    then ranks 0, 3, 2) in the buffer :func:`exchange.receive_into` hands
+    then ranks 0, 3, 2) in the buffer :func:`exchange_mean.receive_into` hands
     MPI: the decode reads each where it lies (the descriptors point there,
     nothing is copied) and the means equal the CPU decoder's bit for
     bit."""
@@ -376,11 +376,11 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
                   for r, c in enumerate(comps)]
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
-    exchange.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
+    exchange_mean.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
                             ranks, True, False)
     grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
-    into = exchange.receive_into(comps[0], dev, grads, ranks)
+    into = exchange_mean.receive_into(comps[0], dev, grads, ranks)
     stream = into(sum(b.size for b in blocks))
     views, at = [None] * ranks, 0
     for src in (1, 0, 3, 2):  # ring order on rank 1
@@ -394,7 +394,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
         seen.append(starts.copy())
         return describe(rows, sizes, p, starts)
     monkeypatch.setattr(device_decode, '_descriptors', recording)
-    exchange.mean_gradients(views, comps[0], dev, grads, ranks, True, False)
+    exchange_mean.mean_gradients(views, comps[0], dev, grads, ranks, True, False)
     base = stream.__array_interface__['data'][0]
     where = [(v.__array_interface__['data'][0] - base) // 4 for v in views]
     assert (seen[-1] - seen[-1][1]).tolist() == where, (seen, where)
@@ -493,13 +493,13 @@ def test_a_bad_message_never_reaches_the_decode_kernel(device):
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
     fake.reset()
     with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
-        exchange.mean_gradients([good, bad], comp, dev, grads, 2, True,
+        exchange_mean.mean_gradients([good, bad], comp, dev, grads, 2, True,
                                 False)
     assert fake.count('upload') == 0 and fake.launches == []
     assert all(p.grad is g for p, g in zip(dev, grads))
     assert all((fake.asnumpy(g) == 1).all() for g in grads)
     # and the good messages alone do take the whole-model decode
-    exchange.mean_gradients([good, good], comp, dev, grads, 2, True, False)
+    exchange_mean.mean_gradients([good, good], comp, dev, grads, 2, True, False)
     assert fake.launches == ['zeros'] + ['vgc_model_scatter'] * 2 + [
         'vgc_model_finish']
 

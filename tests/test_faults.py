@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 from chainer_vgc import codec
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import GradientCompressor
 from chainer_vgc.faults import NONFINITE, OK, OVERFLOW, SkippedStep
 
@@ -91,7 +91,7 @@ def _mean(backend, sums, dtype, rescale):
     msg = codec.pack([codec.raw_group(0, None, sums, n)])
     p = chainer.Parameter(numpy.zeros(n, dtype))
     p.grad = numpy.zeros(n, dtype)
-    exchange.mean_gradients([msg, msg], comp, [p], [p.grad], 2, True,
+    exchange_mean.mean_gradients([msg, msg], comp, [p], [p.grad], 2, True,
                                 False, rescale=rescale)
     return p.grad
 

@@ -18,7 +18,7 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.chainermn import communicator
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 
 from reference import assert_bitwise
 
@@ -126,7 +126,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
         params = [param(fake, fake.zeros(s, d), g)
                   for s, d, g in zip(SHAPES, DTYPES, grads)]
         fake.reset()
-        elements = exchange.mean_gradients(
+        elements = exchange_mean.mean_gradients(
             blocks, comps[0], params, grads, RANKS, True, False)
         assert fake.count('upload') == 1
         assert fake.bytes('upload') == 4 * upload_words(blocks, comps[0])
@@ -139,7 +139,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
         # the CPU decoder's means of the same messages, bit for bit
         host = [param(numpy, numpy.zeros(s, d), numpy.ones(s, d))
                 for s, d in zip(SHAPES, DTYPES)]
-        exchange.mean_gradients(blocks, comps[0], host,
+        exchange_mean.mean_gradients(blocks, comps[0], host,
                                     [h.grad for h in host], RANKS, True,
                                     False)
         for h, p in zip(host, params):
@@ -147,7 +147,7 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
         # and in the rank-order tree ('dense', the simulation's 'none')
         for ps in (host, params):
-            exchange.mean_gradients(blocks, comps[0], ps,
+            exchange_mean.mean_gradients(blocks, comps[0], ps,
                                         [p.grad for p in ps], RANKS, True,
                                         True)
         for h, p in zip(host, params):
@@ -173,7 +173,7 @@ def test_a_bad_message_is_refused_on_the_host_before_any_transfer(device):
         codec.unpack(bad, comp.sizes, comp.dtypes)
     fake.reset()
     with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
-        exchange.mean_gradients([good, bad], comp, params,
+        exchange_mean.mean_gradients([good, bad], comp, params,
                                     [p.grad for p in params], 2, True,
                                     False)
     assert fake.count('upload') == 0
@@ -199,7 +199,7 @@ def test_state_and_sums_live_on_the_parameters_device(device, method, kw):
     for st in comp.states:
         assert all(a.device.id == 1 for a in (st or {}).values())
     for dense in (False, True):
-        exchange.mean_gradients([message, message], comp, params,
+        exchange_mean.mean_gradients([message, message], comp, params,
                                     [p.grad for p in params], 2, True, dense)
         assert all(p.grad.device.id == 1 for p in params)
     assert fake.cuda.Device().id == 0
@@ -362,7 +362,7 @@ def test_device_decoders_keep_subnormals_where_cupy_flushes(device):
     got = [param(fake, fake.zeros(n, dt), fake.zeros(n, dt))
            for n, dt in zip(sizes, dtypes)]
     for ps in (want, got):
-        exchange.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
+        exchange_mean.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
                                     2, True, False)
     for w, g in zip(want, got):
         assert_bitwise(w.grad, fake.asnumpy(g.grad))

@@ -124,7 +124,7 @@ def test_decode_rows_for_4_16_and_64_messages(dry_run):
             # MPI's copy into the upload buffer (emulated), then the step
             assert list(got)[0] == \
                 'MPI receive (emulated: the copy into the upload buffer)'
-            assert 'exchange.mean_gradients' in got, list(got)
+            assert 'exchange_mean.mean_gradients' in got, list(got)
             kernel_rows = [r for r in got.values() if r[0] == 'kernel']
             assert kernel_rows, (coding, ranks, sorted(got))
             assert all(r[1] >= 1 and r[2] > 0 for r in kernel_rows)

@@ -31,7 +31,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 
 TENSORS = (4, 40, 400)
 METHODS = [('vgc', dict(alpha=1.0, index_coding='fixed')),
@@ -93,7 +93,7 @@ def step_counts(fake, method, kw, n_tensors, size=None):
         array=g, grad=g, dtype=g.dtype, shape=g.shape, size=g.size, xp=fake)
         for g in grads]
     fake.reset()
-    exchange.mean_gradients([message] * RANKS, comp, params, grads, RANKS,
+    exchange_mean.mean_gradients([message] * RANKS, comp, params, grads, RANKS,
                             True, False)
     out['decode'] = _counts(fake)
     return out
@@ -308,7 +308,7 @@ def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
                               (device_decode, 'group_rows'),
                               (codec, 'expand_gap'), (codec, 'unpack')]:
                 m.setattr(mod, name, forbidden(name, getattr(mod, name)))
-            exchange.mean_gradients([message] * RANKS, comp, params, grads,
+            exchange_mean.mean_gradients([message] * RANKS, comp, params, grads,
                                     RANKS, True, False)
         assert calls == [], (n, calls)
         # (the means: test_device_step's decode tests, bit for bit)

@@ -27,7 +27,7 @@ from chainer_vgc import codec
 from chainer_vgc.codec.gap import bits_to_words
 from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import GradientCompressor
 from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.engines.native import gap as native_gap
@@ -310,7 +310,7 @@ def _mean(blocks, comp, shapes, dtype, grads, zero_fill, dense=False):
     params = [_Param(s, dtype) for s in shapes]
     for p, g in zip(params, grads):
         p.grad = None if g is None else g.copy()
-    elements = exchange.mean_gradients(
+    elements = exchange_mean.mean_gradients(
         blocks, comp, params, [p.grad for p in params], len(blocks),
         zero_fill, dense)
     return [p.grad for p in params], elements
@@ -432,7 +432,7 @@ def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype):
                 for p, g in zip(params, grads):
                     p.grad = g
                 with pytest.raises(WireFormatError) as info:
-                    exchange.mean_gradients(blocks, comp, params, grads,
+                    exchange_mean.mean_gradients(blocks, comp, params, grads,
                                             len(blocks), True, False)
                 assert str(info.value) == ref_error
                 assert all((g == 5).all() for g in grads)
@@ -1414,10 +1414,10 @@ def test_a_native_refusal_the_reference_does_not_share_is_reported(
     params = [types.SimpleNamespace(array=o, grad=o.copy(), dtype=o.dtype,
                                     shape=o.shape, size=o.size) for o in outs]
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
-        exchange.mean_gradients([msg], comp, params,
+        exchange_mean.mean_gradients([msg], comp, params,
                                 [p.grad for p in params], 1, True, False)
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
-        exchange.validate_messages([msg], comp, dtypes)
+        exchange_mean.validate_messages([msg], comp, dtypes)
     bad = msg.copy()
     bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
     with pytest.raises(codec.WireFormatError):

@@ -24,7 +24,7 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc.backends import arrays as backend
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 
 from reference import assert_bitwise
 
@@ -203,7 +203,7 @@ def _decode(fake, blocks, comp, params):
     """The device decode of ``blocks``; returns the upload's bytes (the
     step's need of staging memory)."""
     fake.reset()
-    exchange.mean_gradients(blocks, comp, params, [p.grad for p in params],
+    exchange_mean.mean_gradients(blocks, comp, params, [p.grad for p in params],
                             RANKS, True, False)
     (need,) = fake._of('upload')
     return need
@@ -213,7 +213,7 @@ def _reference(blocks, sizes, cpu='native'):
     """The CPU decode of ``blocks`` on host parameters (``cpu``: the
     backend; 'native' equals 'numpy' bit for bit and is quicker)."""
     params = _params(numpy, sizes)
-    exchange.mean_gradients(blocks, _compressor(sizes, backend=cpu),
+    exchange_mean.mean_gradients(blocks, _compressor(sizes, backend=cpu),
                             params, [p.grad for p in params], RANKS, True,
                             False)
     return [p.grad for p in params]

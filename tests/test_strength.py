@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import extensions
 from chainer_vgc.chainermn import multi_node_optimizer
 from chainer_vgc.chainermn import transport
@@ -358,7 +358,7 @@ def test_vgc_with_unrepresentable_elements_matches_the_oracle(backend, dtype,
 
 def _partial_exchange(backend, alpha, grads_of, p=2, steps=4, seed=0):
     """``p`` simulated ranks exchange messages with
-    :func:`exchange.mean_gradients` (zero_fill=False); ``grads_of(rank,
+    :func:`exchange_mean.mean_gradients` (zero_fill=False); ``grads_of(rank,
     step)`` says which of the 2 tensors have a gradient.  Returns, per step,
     every rank's resulting grads and the oracle's mean."""
     rng = numpy.random.default_rng(seed)
@@ -396,7 +396,7 @@ def _partial_exchange(backend, alpha, grads_of, p=2, steps=4, seed=0):
             # communicator's agreement tells every rank
             present = [any(grads_of(r, step)[k] for r in range(p))
                        for k in range(len(shapes))]
-            exchange.mean_gradients(
+            exchange_mean.mean_gradients(
                 msgs, comps[rank], params[rank],
                 [prm.grad for prm in params[rank]], p, False, False,
                 present=present)

@@ -25,7 +25,7 @@ import gc
 import weakref
 
 from chainer_vgc.exchange import snapshot
-from chainer_vgc.exchange import run as step
+from chainer_vgc.exchange import run as exchange_run
 from chainer_vgc.chainermn import transport
 from chainer_vgc.chainermn.collectives import Collectives
 from chainer_vgc.exchange.state import MethodState
@@ -327,7 +327,7 @@ class VGCCommunicator(Collectives):
             self._wait_before(collectives, state)
         else:
             collectives = self
-        handle = step.exchange_async(collectives, state, model, zero_fill,
+        handle = exchange_run.exchange_async(collectives, state, model, zero_fill,
                                      sqsums, loss_scale, uncovered or (),
                                      background, self._run)
         if background:

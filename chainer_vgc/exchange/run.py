@@ -32,7 +32,7 @@ import chainer
 import numpy
 
 from chainer_vgc.backends import arrays as backend
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import extensions
 from chainer_vgc.exchange import fallback
 from chainer_vgc import faults
@@ -326,11 +326,11 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
             'comm.statistics(model).backward(loss) and '
             'comm.set_sqsums(...) instead of loss.backward()'.format(
                 state.method))
-    grads, sqsums = exchange.local_gradients(params, sqsums, zero_fill)
+    grads, sqsums = exchange_mean.local_gradients(params, sqsums, zero_fill)
     has_grad = tuple(g is not None for g in grads)
     present = []
     spans = []  # (arrived, left) of each agreement, perf_counter seconds
-    rule_grads, rule_sqsums = exchange.unscaled(grads, sqsums, loss_scale)
+    rule_grads, rule_sqsums = exchange_mean.unscaled(grads, sqsums, loss_scale)
     chooser, count, calls = state.fallback, None, []
     if chooser is not None:
         chooser.ensure_link(collectives.mpi_comm)
@@ -378,10 +378,10 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     # headers, checks and reports read them (on a GPU, in the buffer the
     # decode uploads from, until the next step)
     blocks, _ = collectives.allgatherv_words(
-        message, exchange.receive_into(comp, params, grads, collectives.size))
+        message, exchange_mean.receive_into(comp, params, grads, collectives.size))
     t2 = time.perf_counter()
     # the mean, times the loss scale for Chainer to divide again
-    elements = exchange.mean_gradients(blocks, comp, params, grads,
+    elements = exchange_mean.mean_gradients(blocks, comp, params, grads,
                                        collectives.size, zero_fill, False,
                                        rescale=loss_scale, present=present)
     waited = sum(left - arrived for arrived, left in spans)

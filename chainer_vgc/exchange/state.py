@@ -26,7 +26,7 @@ from chainer_vgc.backends import arrays as backend
 from chainer_vgc import extensions
 from chainer_vgc.exchange import elastic
 from chainer_vgc.exchange import fallback
-from chainer_vgc.exchange import settings as groups
+from chainer_vgc.exchange import settings
 from chainer_vgc.engines.native import bindings as native
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
@@ -63,7 +63,7 @@ class MethodState(object):
         if uncovered not in UNCOVERED:
             raise ValueError("uncovered must be 'error', 'bruteforce' or "
                              "'dense', got {!r}".format(uncovered))
-        self.base_rule = groups.make_rule(method, hyperparams)
+        self.base_rule = settings.make_rule(method, hyperparams)
         #: None, or the :class:`~chainer_vgc.exchange.fallback.DenseFallback`
         self.fallback = fallback.make(dense_fallback)
         self.dense_fallback = dense_fallback
@@ -78,11 +78,11 @@ class MethodState(object):
         self.method_arg = method
         #: this rank's rule (QSGD: its own random stream)
         self.rule = self.base_rule.for_rank(rank)
-        self.exclude = groups.check_exclude(exclude)
-        self.min_size = groups.check_count('min_size', min_size)
-        self.warmup = groups.check_count('warmup', warmup)
-        self.alpha_ramp = groups.check_ramp(alpha_ramp, self.base_rule)
-        self.dense_dtype = groups.check_dense_dtype(dense_dtype)
+        self.exclude = settings.check_exclude(exclude)
+        self.min_size = settings.check_count('min_size', min_size)
+        self.warmup = settings.check_count('warmup', warmup)
+        self.alpha_ramp = settings.check_ramp(alpha_ramp, self.base_rule)
+        self.dense_dtype = settings.check_dense_dtype(dense_dtype)
         self.uncovered = uncovered
         self.max_memory = max_memory
         if examples is not None and not callable(examples):
@@ -174,7 +174,7 @@ class MethodState(object):
     def dense_group(self, model):
         """Names of ``model``'s initialized parameters exchanged densely
         (allreduce): see :func:`chainer_vgc.exchange.settings.dense_group`."""
-        return groups.dense_group(model, self.rule, self.exclude,
+        return settings.dense_group(model, self.rule, self.exclude,
                                   self.min_size, self.uncovered_dense)
 
     def statistics(self, model, hook=None):

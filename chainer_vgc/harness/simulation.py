@@ -19,9 +19,9 @@ import time
 
 import chainer
 
-from chainer_vgc.exchange import mean as exchange
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import extensions
-from chainer_vgc.exchange import settings as groups
+from chainer_vgc.exchange import settings
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import NoCompression
 from chainer_vgc.rules.base import float32_update
@@ -42,12 +42,12 @@ class SimulatedWorkers(object):
                  zero_fill=True, exclude=None, min_size=0, warmup=0,
                  **hyperparams):
         self.model, self.optimizer, self.size = model, optimizer, size
-        self.rule = groups.make_rule(method, hyperparams)
+        self.rule = settings.make_rule(method, hyperparams)
         float32_update(optimizer, self.rule)  # as the multi-node optimizer
         self.method, self.zero_fill = self.rule.name, zero_fill
-        self.exclude = groups.check_exclude(exclude)
-        self.min_size = groups.check_count('min_size', min_size)
-        self.warmup = groups.check_count('warmup', warmup)
+        self.exclude = settings.check_exclude(exclude)
+        self.min_size = settings.check_count('min_size', min_size)
+        self.warmup = settings.check_count('warmup', warmup)
         self.names, self.params = model_params(model)
         self._rules = [self.rule.for_rank(rank) for rank in range(size)]
         self._groups = {}
@@ -125,7 +125,7 @@ class SimulatedWorkers(object):
     def compressor(self):
         """Worker 0's compressor of the compressed group (all parameters
         before the first update)."""
-        dense = groups.dense_group(self.model, self.rule, self.exclude,
+        dense = settings.dense_group(self.model, self.rule, self.exclude,
                                    self.min_size)
         return self._group([n for n in self.names if n not in dense],
                            False)[1][0]
@@ -140,7 +140,7 @@ class SimulatedWorkers(object):
         if self.steps == 1:
             return  # ChainerMN's first update broadcasts rank 0's params
         warm = self.totals['steps'] < self.warmup
-        dense = groups.dense_group(self.model, self.rule, self.exclude,
+        dense = settings.dense_group(self.model, self.rule, self.exclude,
                                    self.min_size)
         if warm:
             dense = set(self.names)
@@ -164,7 +164,7 @@ class SimulatedWorkers(object):
             t1 = time.perf_counter()
             clock['compute'] += t1 - t0
             clock['worker_steps'] += 1
-            grads, sqsums = exchange.local_gradients(self.params, sqsums,
+            grads, sqsums = exchange_mean.local_gradients(self.params, sqsums,
                                                      self.zero_fill)
             if c_idx:
                 c_msgs.append(c_comps[rank].compress(
@@ -179,13 +179,13 @@ class SimulatedWorkers(object):
         t1 = time.perf_counter()
         elements = None
         if c_idx:
-            elements = exchange.mean_gradients(
+            elements = exchange_mean.mean_gradients(
                 c_msgs, c_comps[0], [self.params[i] for i in c_idx],
                 [grads[i] for i in c_idx], self.size, self.zero_fill, False)
         n_dense, wire = 0, 0.0
         if d_idx:
             dparams = [self.params[i] for i in d_idx]
-            exchange.mean_gradients(d_msgs, d_comps[0], dparams,
+            exchange_mean.mean_gradients(d_msgs, d_comps[0], dparams,
                                     [grads[i] for i in d_idx], self.size,
                                     self.zero_fill, True)
             n_dense = sum(p.size for p in dparams)

@@ -40,7 +40,7 @@ from chainer_vgc import extensions
 from chainer_vgc import faults
 from chainer_vgc.nodes import layout as node_layout
 from chainer_vgc.nodes import transfer as node_transfer
-from chainer_vgc.exchange import run as step
+from chainer_vgc.exchange import run as exchange_run
 from chainer_vgc.exchange.state import MethodState
 from chainer_vgc.exchange.state import initialized_params
 from chainer_vgc.params import model_params
@@ -129,7 +129,7 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
     layout = collectives.layout
     state.note_uncovered(uncovered, collectives)
     state.setup_node(model, collectives)
-    result = step.ExchangeResult(totals)
+    result = exchange_run.ExchangeResult(totals)
     names, params = initialized_params(model)
     warm = totals['steps'] < state.warmup
     dense = state.whole[1]
@@ -165,20 +165,20 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
             faults.settle([c[0] for c in agree_on((faults.OK, (), None))],
                           None)
         except faults.SkippedStep as e:
-            step.skip_step([p for _, p in state.view.namedparams()], e,
+            exchange_run.skip_step([p for _, p in state.view.namedparams()], e,
                        result, state, model)
             done = None
         else:
-            done = step.exchange_parameters(collectives.inter, state,
+            done = exchange_run.exchange_parameters(collectives.inter, state,
                                             state.view, zero_fill, view_s,
                                             loss_scale, result, agree_on)
     else:
-        done = step.exchange_parameters(collectives.inter, state,
+        done = exchange_run.exchange_parameters(collectives.inter, state,
                                         state.view, zero_fill, view_s,
                                         loss_scale, result, agree_on)
     t2 = time.perf_counter()
     if done is None:  # skipped on every rank
-        step.nan_grads(params)
+        exchange_run.nan_grads(params)
         return result
     intra += node_transfer.gather_means(layout, params, state.owners, flags,
                                         zero_fill)
