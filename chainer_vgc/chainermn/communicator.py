@@ -327,9 +327,9 @@ class VGCCommunicator(Collectives):
             self._wait_before(collectives, state)
         else:
             collectives = self
-        handle = exchange_run.exchange_async(collectives, state, model, zero_fill,
-                                     sqsums, loss_scale, uncovered or (),
-                                     background, self._run)
+        handle = exchange_run.exchange_async(
+            collectives, state, model, zero_fill, sqsums, loss_scale,
+            uncovered or (), background, self._run)
         if background:
             self._in_flight.append(handle)
         return handle

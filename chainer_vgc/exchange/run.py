@@ -330,7 +330,8 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     has_grad = tuple(g is not None for g in grads)
     present = []
     spans = []  # (arrived, left) of each agreement, perf_counter seconds
-    rule_grads, rule_sqsums = exchange_mean.unscaled(grads, sqsums, loss_scale)
+    rule_grads, rule_sqsums = exchange_mean.unscaled(grads, sqsums,
+                                                     loss_scale)
     chooser, count, calls = state.fallback, None, []
     if chooser is not None:
         chooser.ensure_link(collectives.mpi_comm)
@@ -378,12 +379,14 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
     # headers, checks and reports read them (on a GPU, in the buffer the
     # decode uploads from, until the next step)
     blocks, _ = collectives.allgatherv_words(
-        message, exchange_mean.receive_into(comp, params, grads, collectives.size))
+        message, exchange_mean.receive_into(comp, params, grads,
+                                            collectives.size))
     t2 = time.perf_counter()
     # the mean, times the loss scale for Chainer to divide again
     elements = exchange_mean.mean_gradients(blocks, comp, params, grads,
-                                       collectives.size, zero_fill, False,
-                                       rescale=loss_scale, present=present)
+                                            collectives.size, zero_fill,
+                                            False, rescale=loss_scale,
+                                            present=present)
     waited = sum(left - arrived for arrived, left in spans)
     result.timing = {'compress': t1 - t0 - waited, 'agree': waited,
                      'transport': t2 - t1, 'decode': time.perf_counter() - t2,

@@ -175,7 +175,7 @@ class MethodState(object):
         """Names of ``model``'s initialized parameters exchanged densely
         (allreduce): see :func:`chainer_vgc.exchange.settings.dense_group`."""
         return settings.dense_group(model, self.rule, self.exclude,
-                                  self.min_size, self.uncovered_dense)
+                                    self.min_size, self.uncovered_dense)
 
     def statistics(self, model, hook=None):
         """A per-sample statistics hook for ``model``: ``hook`` when it

@@ -126,7 +126,7 @@ class SimulatedWorkers(object):
         """Worker 0's compressor of the compressed group (all parameters
         before the first update)."""
         dense = settings.dense_group(self.model, self.rule, self.exclude,
-                                   self.min_size)
+                                     self.min_size)
         return self._group([n for n in self.names if n not in dense],
                            False)[1][0]
 
@@ -141,7 +141,7 @@ class SimulatedWorkers(object):
             return  # ChainerMN's first update broadcasts rank 0's params
         warm = self.totals['steps'] < self.warmup
         dense = settings.dense_group(self.model, self.rule, self.exclude,
-                                   self.min_size)
+                                     self.min_size)
         if warm:
             dense = set(self.names)
         c_idx, c_comps = self._group(
@@ -164,8 +164,8 @@ class SimulatedWorkers(object):
             t1 = time.perf_counter()
             clock['compute'] += t1 - t0
             clock['worker_steps'] += 1
-            grads, sqsums = exchange_mean.local_gradients(self.params, sqsums,
-                                                     self.zero_fill)
+            grads, sqsums = exchange_mean.local_gradients(
+                self.params, sqsums, self.zero_fill)
             if c_idx:
                 c_msgs.append(c_comps[rank].compress(
                     [grads[i] for i in c_idx],
@@ -186,8 +186,8 @@ class SimulatedWorkers(object):
         if d_idx:
             dparams = [self.params[i] for i in d_idx]
             exchange_mean.mean_gradients(d_msgs, d_comps[0], dparams,
-                                    [grads[i] for i in d_idx], self.size,
-                                    self.zero_fill, True)
+                                         [grads[i] for i in d_idx],
+                                         self.size, self.zero_fill, True)
             n_dense = sum(p.size for p in dparams)
             wire = extensions.allreduce_wire(dparams, self.size)
         self.optimizer.update()

@@ -165,17 +165,18 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
             faults.settle([c[0] for c in agree_on((faults.OK, (), None))],
                           None)
         except faults.SkippedStep as e:
-            exchange_run.skip_step([p for _, p in state.view.namedparams()], e,
-                       result, state, model)
+            exchange_run.skip_step(
+                [p for _, p in state.view.namedparams()], e, result, state,
+                model)
             done = None
         else:
-            done = exchange_run.exchange_parameters(collectives.inter, state,
-                                            state.view, zero_fill, view_s,
-                                            loss_scale, result, agree_on)
+            done = exchange_run.exchange_parameters(
+                collectives.inter, state, state.view, zero_fill, view_s,
+                loss_scale, result, agree_on)
     else:
-        done = exchange_run.exchange_parameters(collectives.inter, state,
-                                        state.view, zero_fill, view_s,
-                                        loss_scale, result, agree_on)
+        done = exchange_run.exchange_parameters(
+            collectives.inter, state, state.view, zero_fill, view_s,
+            loss_scale, result, agree_on)
     t2 = time.perf_counter()
     if done is None:  # skipped on every rank
         exchange_run.nan_grads(params)
