@@ -56,7 +56,7 @@ Data flow of a measurement:
    ``step_counts`` calls it), the messages drawn each step from a pool of
    messages of different sizes (compress steps of gradients with
    different noise), so that the sizes change from step to step; the host
-   validation (``exchange_mean.validate_messages``, the step's first part) is
+   validation (the host engine's ``validate``, the step's first part) is
    also timed alone on the same draws, and the rest of the step is the
    whole step less it.
 4. **VGG**: the runbook's App. D VGG step (``gpu_runbook.vgg_update``:
@@ -365,6 +365,8 @@ def exchange_patches(ctx, patches):
     from chainer_vgc.backends import arrays as backend
     from chainer_vgc.engines.cuda import decode as device_decode
     from chainer_vgc.engines.cuda import compress as device_step
+    from chainer_vgc.engines.cuda import engine as cuda_engine
+    from chainer_vgc.engines.native import engine as native_engine
     from chainer_vgc.exchange import mean as exchange_mean
     from chainer_vgc.backends.cuda import kernels
     from chainer_vgc.compressor import GradientCompressor
@@ -379,6 +381,7 @@ def exchange_patches(ctx, patches):
     step = getattr(device_step, 'DeviceStep', None)
     for owner, name, label in [
             (GradientCompressor, 'compress', 'GradientCompressor.compress'),
+            (cuda_engine.CudaEngine, 'compress', 'CudaEngine.compress'),
             (device_step, 'step_for', 'device_step.step_for'),
             (step, 'compress', 'DeviceStep.compress'),
             (GradientCompressor, 'validate', 'GradientCompressor.validate'),
@@ -394,9 +397,9 @@ def exchange_patches(ctx, patches):
              'GradientCompressor._merge_spans'),
             (codec, 'merge_spans', 'codec.merge_spans'),
             (exchange_mean, 'mean_gradients', 'exchange_mean.mean_gradients'),
-            (exchange_mean, '_device_mean', 'exchange_mean._device_mean'),
-            (exchange_mean, 'validate_messages',
-             'exchange_mean.validate_messages (host validation)'),
+            (cuda_engine.CudaEngine, 'mean', 'CudaEngine.mean'),
+            (native_engine.NativeEngine, 'validate',
+             'NativeEngine.validate (host validation)'),
             (device_decode, 'applies', 'device_decode.applies'),
             (device_decode, 'mean', 'device_decode.mean'),
             (device_decode, 'group_rows', 'device_decode.group_rows'),
@@ -410,7 +413,7 @@ def exchange_patches(ctx, patches):
             (device_decode, '_dtype_groups', 'device_decode._dtype_groups'),
             (backend.HostStaging, 'view', 'HostStaging.view'),
             (backend, 'host_buffer', 'backend.host_buffer'),
-            (exchange_mean, 'upload_blocks', 'exchange_mean.upload_blocks'),
+            (cuda_engine, 'upload_blocks', 'cuda_engine.upload_blocks'),
             (codec, 'expand_gap', 'codec.expand_gap')]:
         patches.wrap(owner, name, label)
 
@@ -747,7 +750,7 @@ def profile_compress(ctx, label, method, kw):
     step(0)
     ctx.clock.sync()
     first = time.perf_counter() - t
-    on_device = comp.device_buffers.step is not None
+    on_device = comp.device_engine.step is not None
     for k in range(a.warmup):
         step(k + 1)
     dev, wall, steps = ctx.timed_steps(step, a.repeat)
@@ -804,8 +807,8 @@ def decode_step(ctx, coding, messages, ranks, seed):
     ``receiver``, a new compressor of the same settings (what it keeps
     from step to step starts afresh), as ``tests/test_launch_counts.py``'s
     ``step_counts`` calls ``exchange_mean.mean_gradients``; ``validate(k)`` is
-    the host validation of the same draw alone
-    (``exchange_mean.validate_messages``, which the step runs first);
+    the host validation of the same draw alone (the host engine's
+    ``validate``, which the step runs first);
     ``words[k]``, the draw's words."""
     from chainer_vgc.exchange import mean as exchange_mean
     xp = ctx.xp
@@ -821,16 +824,13 @@ def decode_step(ctx, coding, messages, ranks, seed):
     def step(k):
         blocks = mpi_receive(receiver, params, zeros,
                              [messages[i] for i in draws[k % len(draws)]])
-        exchange_mean.mean_gradients(blocks, receiver, params, zeros, ranks, True,
-                                False)
+        exchange_mean.mean_gradients(blocks, receiver, params, zeros, ranks,
+                                     True, False)
 
     def validate(k):  # as the step validates (the device checks codes)
         blocks = [messages[i] for i in draws[k % len(draws)]]
-        exchange_mean.validate_messages(blocks, receiver,
-                                   [p.dtype for p in params], True,
-                                   codes=False)
-    if getattr(exchange_mean, 'validate_messages', None) is None:
-        validate = None  # (validated elsewhere, e.g. on the device)
+        receiver.engine.validate(blocks, [p.dtype for p in params], True,
+                                 codes=False)
     words = [sum(int(messages[i].size) for i in d) for d in draws]
     return step, validate, receiver, words
 
@@ -843,13 +843,10 @@ def profile_decode(ctx, coding, ranks, messages):
     for k in range(warmup):
         step(k)
     dev, wall, steps = ctx.timed_steps(step, a.decode_repeat, warmup)
-    if validate is not None:
-        _, check, _ = ctx.timed_steps(validate, steps, warmup)
-        split = ('of which host validation {:.4f} ms '
-                 '(exchange_mean.validate_messages alone, the same draws), the '
-                 'rest {:.4f} ms'.format(check, wall - check))
-    else:
-        split = 'host validation not timed: exchange_mean.validate_messages gone'
+    _, check, _ = ctx.timed_steps(validate, steps, warmup)
+    split = ('of which host validation {:.4f} ms (the host engine\'s '
+             'validate alone, the same draws), the rest {:.4f} ms'.format(
+                 check, wall - check))
     sizes = [int(m.size) for m in messages]
     say('whole step ({} steps, nothing wrapped): device {:.4f} ms, wall '
         '{:.4f} ms = {:.1f}x the copy (wall / copy device); {}; messages of '
@@ -927,7 +924,7 @@ def profile_pinned(ctx, messages, ranks=4):
     first, last = marks[0], marks[-1]
     extra = [getattr(cupy_pool, name)() for name in ('total_bytes',)
              if cupy_pool is not None and hasattr(cupy_pool, name)]
-    staging = receiver.device_buffers.held('upload')
+    staging = receiver.device_engine.held('upload')
     if staging is not None:  # chainer_vgc.backends.arrays.HostStaging, if used
         say('the receiver\'s upload staging: {} allocations, {:,} bytes '
             'held'.format(getattr(staging, 'allocations', '?'),

@@ -7,30 +7,30 @@ All inputs are validated before any state changes, so a bad gradient (NaN,
 Inf, wrong shape) raises an error naming the parameter and leaves every
 residual as it was.
 
-Two CPU backends (:func:`chainer_vgc.backends.arrays.cpu_backend`): ``'native'``
-(default), the fused C++ passes of :mod:`chainer_vgc.engines.native.bindings`,
-which by default check every input in one read-only pass, agree on it
-with the other workers and then update each tensor's state in place (with
-``spare_residuals=True`` they write it into a second set of arrays, swapped
-in only when every tensor passed its checks, so an overflow too leaves the
-state as it was), and ``'numpy'``, the readable reference, equal bit for
-bit.  CuPy arrays take the whole-model GPU step
-(:mod:`chainer_vgc.engines.cuda.compress`, the kernels of the rule's
-registered kind, its buffers in :attr:`GradientCompressor.device_buffers`)
-where it applies (every gradient on one device, one state dtype, no tensor
-over the 28-bit index), else the rule's own ``compress`` with CuPy's
-arrays and the rules' CuPy kernels.
+The steps themselves run in an engine, both directions, each holding its
+own buffers (:mod:`chainer_vgc.engines`): for NumPy arrays the one the
+``backend`` names, chosen when the compressor is made
+(:func:`chainer_vgc.backends.arrays.cpu_backend`): ``'native'`` (default),
+the fused C++ passes (:mod:`chainer_vgc.engines.native.engine`), or
+``'numpy'``, the readable reference
+(:mod:`chainer_vgc.engines.reference`), equal bit for bit; for CuPy
+arrays the GPU engine (:mod:`chainer_vgc.engines.cuda.engine`, made on
+first use), whose whole-model step runs where it applies and the
+reference's CuPy code elsewhere.  The compressor owns what every engine
+shares: the rule and its per-tensor state (:attr:`states`), the checks of
+the inputs, the agreement with the other workers and the errors that name
+a fault.
 """
 
 import numpy
 
 from chainer_vgc.backends import arrays as _backend
 from chainer_vgc import codec
-from chainer_vgc.engines.cuda import compress as device_step
-from chainer_vgc.backends import registry as fast_paths
 from chainer_vgc import faults
+from chainer_vgc.engines import reference
+from chainer_vgc.engines.cuda import engine as cuda_engine
 from chainer_vgc.engines.native import bindings as native
-from chainer_vgc.engines.native import gap as native_gap
+from chainer_vgc.engines.native import engine as native_engine
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
 
@@ -110,24 +110,18 @@ class GradientCompressor(object):
                     .format(name, size, codec.MAX_INDEX))
         self.states = [None] * len(self.names)
         self.backend = _backend.cpu_backend(backend)
-        #: the backend's fast path for the rule (None: the rule's compress)
-        self.fast_path = fast_paths.find(self.backend, rule)
-        if self.fast_path is not None and self.backend == 'native':
-            native.load()  # a missing or stale build is reported now
-        self._workspace = None
         self.spare_residuals = bool(spare_residuals)
         #: whether the rule keeps per-parameter arrays (vgc's r and v;
         #: none keeps none, so its steps move nothing to protect)
-        self._keeps_state = bool(rule.init_state(0, numpy.float32, numpy))
-        self._spares = [None] * len(self.names)
-        #: why the residuals can no longer be trusted (in-place steps only:
-        #: a fault after the passes began), or None
-        self._lost = None
-        self._buffer = None
-        self._decode_buffers = [None] * len(self.names)
-        #: the GPU path's step and staging buffers (its own, reached only
-        #: through :class:`~chainer_vgc.backends.arrays.DeviceBuffers`)
-        self.device_buffers = _backend.DeviceBuffers()
+        self.keeps_state = bool(rule.init_state(0, numpy.float32, numpy))
+        #: the engine of NumPy arrays, chosen by ``backend`` (its buffers
+        #: its own): :class:`~chainer_vgc.engines.native.engine.NativeEngine`
+        #: or the reference,
+        #: :class:`~chainer_vgc.engines.reference.ReferenceEngine`
+        self.engine = (native_engine.NativeEngine(self)
+                       if self.backend == 'native' else
+                       reference.ReferenceEngine(self))
+        self._device_engine = None
         #: statistics of the last :meth:`compress`
         self.last_sent = 0
         self.last_bytes = 0
@@ -147,15 +141,30 @@ class GradientCompressor(object):
         first gradient)."""
         return self.states[i]
 
+    @property
+    def device_engine(self):
+        """The engine of CuPy arrays
+        (:class:`~chainer_vgc.engines.cuda.engine.CudaEngine`, made on
+        first use and kept with its buffers)."""
+        if self._device_engine is None:
+            self._device_engine = cuda_engine.CudaEngine(self, self.engine)
+        return self._device_engine
+
+    def engine_for(self, arrays):
+        """The engine that takes ``arrays`` (gradients, messages, outputs;
+        None ignored): :attr:`device_engine` when any is a CuPy array, else
+        :attr:`engine`."""
+        if any(a is not None and _backend.get_array_module(a) is not numpy
+               for a in arrays):
+            return self.device_engine
+        return self.engine
+
     def uses_native(self, grads):
         """Whether :meth:`compress` runs the native passes for ``grads``."""
-        if (self.backend != 'native' or self.fast_path is None
-                or any(dt not in native.DTYPE_CODES for dt in self.dtypes)):
-            return False
-        return all(g is None or _backend.get_array_module(g) is numpy
-                   for g in grads)
+        engine = self.engine_for(grads)
+        return engine.name == 'native' and engine.fuses(grads)
 
-    def _check(self, grads, sqsums, values=True):
+    def check_inputs(self, grads, sqsums, values=True):
         n = len(self.names)
         if len(grads) != n:
             raise ValueError('expected {} gradients (one per parameter, None '
@@ -224,45 +233,11 @@ class GradientCompressor(object):
         gradients were not finite, :class:`SkippedStep` is raised on all of
         them with every state untouched.
         """
-        device = device_step.step_for(self, grads)
-        if device is not None or self.uses_native(grads):
-            message = self._merge_spans(
-                device.compress(grads, sqsums, agree) if device else
-                self._compress_native(grads, sqsums, agree),
-                device is None or device.mergeable)
-            return message.copy() if copy and message.base is not None \
-                else message
-        sqsums = self.validate(grads, sqsums, True, agree)
-        self.rule.begin_step()
-        groups = []
-        xp = numpy
-        for i, (g, s) in enumerate(zip(grads, sqsums)):
-            if g is None:
-                continue
-            xp = _backend.get_array_module(g)
-            flat_s = None if s is None else s.reshape(-1)
-            # state and work arrays on the gradient's device
-            with _backend.device_scope(g), numpy.errstate(over='ignore',
-                                                           invalid='ignore'):
-                if self.states[i] is None:
-                    self.states[i] = self.rule.init_state(
-                        self.sizes[i], self.dtypes[i], xp)
-                group = self.rule.compress(i, g.reshape(-1), flat_s,
-                                           self.states[i])
-                overflowed = [(key, arr) for key, arr in
-                              self.states[i].items()
-                              if not faults.all_finite(arr)]
-            for key, arr in overflowed[:1]:
-                if agree is not None:  # the others must not wait
-                    faults.settle(agree(faults.OVERFLOW), faults.overflow(
-                        key, self.names[i], arr.dtype))
-                raise faults.overflow(key, self.names[i], arr.dtype)
-            if group is not None:
-                groups.append(group)
-        if agree is not None:
-            faults.settle(agree(faults.OK), None)
-        message = self._merge_spans(codec.pack(groups, xp))
-        self.last_sent = sum(grp.count for grp in groups)
+        engine = self.engine_for(grads)
+        message, mergeable, reused = engine.compress(grads, sqsums, agree)
+        message = self._merge_spans(message, mergeable)
+        if copy and reused and message.base is not None:
+            return message.copy()
         return message
 
     def _merge_spans(self, message, mergeable=True):
@@ -280,9 +255,7 @@ class GradientCompressor(object):
         """``(decoder, encoder)`` of FMT_GAP bodies for the CPU backend:
         the native ones, or ``(None, None)`` for the NumPy reference
         (:func:`chainer_vgc.codec.gap_decode_body`, ``gap_body``)."""
-        if self.backend == 'native':
-            return native_gap.gap_decode, native_gap.gap_encode
-        return None, None
+        return self.engine.gap_codec()
 
     def validate(self, grads, sqsums, values, agree):
         """:meth:`_check`, then the first of the two agreements of a step
@@ -291,7 +264,7 @@ class GradientCompressor(object):
         calls.  Returns the sums of squares."""
         error = None
         try:
-            sqsums = self._check(grads, sqsums, values=values)
+            sqsums = self.check_inputs(grads, sqsums, values=values)
         except faults.InputFault as e:
             error = e
         self.agree_inputs(error, agree)
@@ -310,113 +283,12 @@ class GradientCompressor(object):
         faults.settle(agree(faults.OK if error is None
                             else faults.NONFINITE), error)
 
-    def _flat_inputs(self, grads, sqsums):
-        """Each gradient flat and C-contiguous (None stays None), and its
-        sum of squares in the state dtype (None where the rule reads
-        none), as the native passes take them."""
-        flat_g, flat_s = [], []
-        for i, (g, s) in enumerate(zip(grads, sqsums)):
-            if g is None:
-                flat_g.append(None)
-                flat_s.append(None)
-                continue
-            flat_g.append(numpy.ascontiguousarray(g).reshape(-1))
-            flat_s.append(
-                None if s is None or not self.rule.needs_sqsum else
-                numpy.ascontiguousarray(s, dtype=_backend.state_dtype(
-                    self.dtypes[i])).reshape(-1))
-        return flat_g, flat_s
-
-    def _compress_native(self, grads, sqsums, agree=None):
-        """:meth:`compress` on the native backend.
-
-        With ``spare_residuals``, each tensor's step reads ``states[i]``
-        and writes the next state into a spare set of arrays; the message is
-        written in place into one buffer.  Only when no tensor reported a
-        fault are the spares swapped in, so a NaN gradient or an overflow
-        leaves every state untouched.  Without, one read-only native pass
-        (:func:`~chainer_vgc.engines.native.bindings.check_inputs`) checks
-        every input and the workers agree on it before the passes write
-        the state in place (the class doc); a rule without state (none)
-        skips that pass, since its passes move nothing.
-        """
-        rule, path = self.rule, self.fast_path
-        if self._lost is not None:
-            raise RuntimeError(self._lost)
-        if not path.checks_inputs:  # (state outside the arrays: checked
-            # and agreed by the reference's checks before anything moves)
-            sqsums = self.validate(grads, sqsums, True, agree)
-        else:
-            sqsums = self._check(grads, sqsums, values=False)
-        flat_g, flat_s = self._flat_inputs(grads, sqsums)
-        rule.begin_step()
-        if self._workspace is None:
-            self._workspace = native.Workspace()
-            self._buffer = numpy.empty(2 + sum(
-                path.max_words(n, dt) for n, dt in zip(self.sizes,
-                                                       self.dtypes)),
-                dtype=numpy.uint32)
-        in_place = not self.spare_residuals and self._keeps_state
-        if path.checks_inputs:
-            # in place, every input is checked (and agreed) before any
-            # state moves; with spares (or no state), the passes check them
-            bad = [] if not in_place else [
-                (i, f) for i, f in enumerate(native.check_inputs(
-                    self._workspace, flat_g, flat_s)) if f]
-            self.agree_inputs(self.fault_of(bad) if bad else None, agree)
-        buf, pos, n_groups, sent = self._buffer, 2, 0, 0
-        flagged, done = [], []
-        for i, (g, s) in enumerate(zip(flat_g, flat_s)):
-            if g is None:
-                continue
-            if self.states[i] is None:
-                self.states[i] = rule.init_state(self.sizes[i],
-                                                 self.dtypes[i], numpy)
-            if in_place:
-                out_state = self.states[i]
-            else:
-                if self._spares[i] is None:
-                    self._spares[i] = rule.init_state(
-                        self.sizes[i], self.dtypes[i], numpy)
-                out_state = self._spares[i]
-            words, count, flags = path.compress(
-                self._workspace, i, g, s, self.states[i], out_state,
-                buf[pos:])
-            if flags:
-                flagged.append((i, flags))
-            if words:
-                pos += words
-                n_groups += 1
-                sent += count
-            done.append(i)
-        try:
-            self.settle(self.fault_of(flagged) if flagged else None, agree)
-        except Exception as e:
-            if in_place:
-                self._lost = (
-                    'chainer_vgc: this compressor\'s residuals were updated '
-                    'in place by a step that then failed ({}: {}); they are '
-                    'part-updated and no further step is taken. Resume '
-                    'from a snapshot, or use create_communicator(..., '
-                    'spare_residuals=True) to keep every state untouched '
-                    'by any fault (twice the residuals\' memory)'.format(
-                        type(e).__name__, e))
-            raise
-        if not in_place:
-            for i in done:
-                self.states[i], self._spares[i] = (self._spares[i],
-                                                   self.states[i])
-        buf[0], buf[1] = codec.MAGIC, n_groups
-        self.last_sent = sent
-        self.last_bytes = 4 * pos
-        return buf[:pos]
-
     @staticmethod
     def settle(error, agree):
         """The second agreement of a fused step (native or
-        :mod:`~chainer_vgc.engines.cuda.compress`): every worker's fault code, and
-        ``error`` (or the others') raised on all of them when there is
-        one; without ``agree``, ``error`` raised."""
+        :mod:`~chainer_vgc.engines.cuda.compress`): every worker's fault
+        code, and ``error`` (or the others') raised on all of them when
+        there is one; without ``agree``, ``error`` raised."""
         if agree is not None:
             code = faults.OK if error is None else (
                 faults.NONFINITE if isinstance(error, faults.InputFault)
@@ -457,27 +329,14 @@ class GradientCompressor(object):
         an overflow leaves the state untouched) and ``message`` (the native
         backend's buffer, sized for the largest message the settings
         allow).  What ``benchmarks/bench_memory.py`` reports."""
-        def held(states):
-            return sum(int(a.nbytes) for st in states if st
-                       for a in st.values())
-        return {'residuals': held(self.states),
-                'spare_residuals': held(self._spares),
-                'message': (0 if self._buffer is None else
-                            int(self._buffer.nbytes))}
-
-    def decode_buffer(self, i):
-        """A flat array of parameter i's size in its state dtype, allocated
-        on first use and reused: where the native decoder writes the sum it
-        cannot write into ``param.grad`` directly (float16 parameters,
-        missing gradients)."""
-        if self._decode_buffers[i] is None:
-            self._decode_buffers[i] = numpy.empty(
-                self.sizes[i], _backend.state_dtype(self.dtypes[i]))
-        return self._decode_buffers[i]
+        held = {'residuals': sum(int(a.nbytes) for st in self.states if st
+                                 for a in st.values())}
+        held.update(self.engine.memory())
+        return held
 
     def decode_into(self, message, outs):
         """Add a message's elements into ``outs`` (arrays of each parameter's
-        shape); returns the number of elements added.  The native backend
+        shape); returns the number of elements added.  The native engine
         (C-contiguous float32/float64 host outputs) validates and adds in
         one call, touching only the indices sent; else
         :func:`chainer_vgc.codec.decode_into`, equal bit for bit.  A
@@ -485,28 +344,8 @@ class GradientCompressor(object):
         if len(outs) != len(self.sizes):
             raise ValueError('expected {} output arrays, got {}'.format(
                 len(self.sizes), len(outs)))
-        if self._native_decodes(message, outs):
-            flat = [o.reshape(-1) for o in outs]
-            result = native.decode_mean(
-                [message], self.sizes, [o.dtype for o in outs], flat,
-                [False] * len(outs), 1.0, accumulate=True)
-            if result is not None:
-                return int(result[1][0])
-            # rejected (nothing written): the reference names the fault
-            codec.name_the_fault([message], self.sizes,
-                                 [o.dtype for o in outs],
-                                 workaround="backend='numpy'")
-        return codec.decode_into(message, outs, self.sizes)
-
-    def _native_decodes(self, message, outs):
-        """Whether :meth:`decode_into` takes the native decoder."""
-        return (self.backend == 'native'
-                and isinstance(message, numpy.ndarray)
-                and message.dtype == numpy.uint32 and message.ndim == 1
-                and all(isinstance(o, numpy.ndarray)
-                        and o.dtype in (numpy.float32, numpy.float64)
-                        and o.flags.c_contiguous and o.flags.writeable
-                        and o.size == n for o, n in zip(outs, self.sizes)))
+        return self.engine_for([message] + list(outs)).decode_into(message,
+                                                                   outs)
 
     def decode(self, message):
         """The dense update a message carries: list of arrays in the state

@@ -241,6 +241,8 @@ CORE = {'cuda_support': 'backends.cuda.support', 'backend': 'backends.arrays',
         'kernels': 'backends.cuda.kernels', 'codec': 'codec',
         'native': 'engines.native.bindings', 'rules': 'rules',
         'compressor': 'compressor', 'exchange': 'exchange.mean',
+        'reference': 'engines.reference',
+        'cuda_engine': 'engines.cuda.engine',
         'device_step': 'engines.cuda.compress'}
 
 
@@ -320,8 +322,8 @@ def host_means(core, blocks, comp, model, dense, rescale):
 
 def host_sums(core, blocks, comp, model):
     params = [param(numpy, m[1], m[2]) for m in model]
-    return [numpy.asarray(s) for s in core.exchange.sum_messages(
-        blocks, comp, params, False)]
+    return [numpy.asarray(s) for s in core.reference.sum_messages(
+        blocks, comp.sizes, params, False)]
 
 
 # ---- record -----------------------------------------------------------------
@@ -487,7 +489,7 @@ def whole_results(core, case, xp, meta, arrays):
                                             sq))
             yield ('msg/{}/{}'.format(step, w),
                    'step {} worker {} message'.format(step, w), blocks[-1])
-        if xp is not numpy and comps[0].device_buffers.step is None:
+        if xp is not numpy and comps[0].device_engine.step is None:
             raise Mismatch('the whole-model compress step did not run')
         params = [param(xp, m[1], m[2]) for m in model]
         core.exchange.mean_gradients(blocks, comps[0], params,
@@ -1453,28 +1455,28 @@ def device_params(ctx):
 
 
 def check_device_sums(ctx, ck, case, msgs, host):
-    """The device decoder's sums in rank order (exchange._device_mean up to
-    write_mean: host validation, FMT_GAP expansion, one upload,
-    codec.add_validated into zeros)."""
+    """The device decoder's sums in rank order (the GPU engine's
+    tensor-by-tensor mean up to write_mean: host validation, FMT_GAP
+    expansion, one upload, codec.add_validated into zeros)."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
-    ex, codec, to_numpy = core.exchange, core.codec, core.backend.to_numpy
+    ref, codec, to_numpy = core.reference, core.codec, core.backend.to_numpy
     comp = make_compressor(core, case, model, 0, 'numpy')
     for step in range(STEPS):
         params = device_params(ctx)
         blocks = msgs[step]
-        ex.validate_messages(blocks, comp, [p.dtype for p in params])
+        comp.engine.validate(blocks, [p.dtype for p in params])
         blocks = [codec.expand_gap(b, comp.sizes, comp.gap_codec()[0])
                   for b in blocks]
         first = params[0].array
-        dev = ex.upload_blocks(blocks, xp, first)
+        dev = core.cuda_engine.upload_blocks(blocks, xp, first)
 
         def adder(h, d):
             return lambda outs: codec.add_validated(
                 h, d, [o.reshape(-1) for o in outs], comp.sizes)
         with core.backend.device_scope(first):
-            sums = ex._rank_order_sum(
+            sums = ref.rank_order_sum(
                 [adder(h, d) for h, d in zip(blocks, dev)],
-                lambda: ex._zero_sums(params, xp), False)
+                lambda: ref.zero_sums(params, xp), False)
         for t, a in enumerate(sums):
             k = 'sum/{}/{}'.format(step, t)
             ck.same_digest('step {} tensor {} ({}) sum'.format(
@@ -1485,7 +1487,7 @@ def check_device_sums(ctx, ck, case, msgs, host):
 
 def check_device_means(ctx, ck, case, msgs, host, vname, dense, rescale):
     """exchange.mean_gradients with parameters on the device (the
-    production decode: exchange._device_mean)."""
+    production decode: the GPU engine's mean)."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
     to_numpy = core.backend.to_numpy
     comp = make_compressor(core, case, model, 0, 'numpy')
@@ -1691,8 +1693,8 @@ def run_timings(ctx):
                                              True, False)
             decode()
             dec = median(decode, repeat)
-            val = median(lambda: core.exchange.validate_messages(
-                blocks, comp, [p.dtype for p in params]), repeat)
+            val = median(lambda: comp.engine.validate(
+                blocks, [p.dtype for p in params]), repeat)
             r['decode_mean_ms'] = dec * 1e3
             r['decode_x_copy'] = dec / copy_t
             r['host_validation_ms'] = val * 1e3

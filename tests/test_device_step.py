@@ -9,12 +9,15 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import registry
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
 from chainer_vgc.engines.cuda import compress as device_step
 from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import faults
+from chainer_vgc.rules import CompressionRule
 
 from reference import assert_bitwise
 from test_gpu_path import _FakeModel
@@ -112,7 +115,7 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
     for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
         fake.reset()
         got = dev.compress(_on(fake, gs), _on(fake, ss))
-        assert isinstance(dev.device_buffers.step, device_step.DeviceStep)
+        assert isinstance(dev.device_engine.step, device_step.DeviceStep)
         assert fake.count('download') == 1 and fake.count('scalar') == 0
         want = cpu.compress(gs, ss)
         assert_bitwise(got, want)
@@ -264,14 +267,14 @@ def test_settings_it_does_not_cover_take_the_per_tensor_kernels(device):
                                   **kw)
         gs, ss = _stream(shapes, dtypes, 1, 1)[0]
         comp.compress(_on(fake, gs), _on(fake, ss))
-        assert comp.device_buffers.step is None
+        assert comp.device_engine.step is None
     mixed = GradientCompressor('vgc', list('ab'), [(3,), (4,)], [F32, F64],
                                index_coding='fixed')
     mixed.compress([fake.asarray(numpy.ones(3, F32)),
                     fake.asarray(numpy.ones(4, F64))],
                    [fake.asarray(numpy.ones(3, F32)),
                     fake.asarray(numpy.ones(4, F64))])
-    assert mixed.device_buffers.step is None
+    assert mixed.device_engine.step is None
 
 
 def test_a_message_longer_than_the_last_one_takes_a_second_copy(
@@ -398,7 +401,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
     base = stream.__array_interface__['data'][0]
     where = [(v.__array_interface__['data'][0] - base) // 4 for v in views]
     assert (seen[-1] - seen[-1][1]).tolist() == where, (seen, where)
-    assert numpy.shares_memory(views[0], comps[0].device_buffers.staging('upload')._raw)
+    assert numpy.shares_memory(views[0], comps[0].device_engine.staging('upload')._raw)
     for h, d in zip(host, dev):
         assert_bitwise(fake.asnumpy(d.grad), h.grad)
 
@@ -466,14 +469,14 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
             # on the device, MPI received into the buffer the decode
             # uploads from (no copy between them); on the host, anywhere
             staging = comms[xp].state(
-                models[xp]).compressor.device_buffers.held('upload')
+                models[xp]).compressor.device_engine.held('upload')
             assert (staging is not None and numpy.shares_memory(
                 received[-1][0], staging._raw)) == (xp is fake)
         for a, b in zip(means[numpy], means[fake]):
             assert_bitwise(a, b)
     comp = {xp: comms[xp].state(models[xp]).compressor
             for xp in (numpy, fake)}
-    assert isinstance(comp[fake].device_buffers.step, device_step.DeviceStep)
+    assert isinstance(comp[fake].device_engine.step, device_step.DeviceStep)
     _assert_states(comp[fake], comp[numpy], fake)
 
 
@@ -552,7 +555,70 @@ def test_gap_groups_of_tiny_tensors_fit_the_buffer(device, method):
     gs = [numpy.full(s, 0.5, F32) for s in shapes]
     ss = [g * g * F32(0.25) for g in gs]
     got = dev.compress(_on(fake, gs), _on(fake, ss))
-    assert isinstance(dev.device_buffers.step, device_step.DeviceStep)
+    assert isinstance(dev.device_engine.step, device_step.DeviceStep)
     want = cpu.compress(gs, ss)
     assert_bitwise(got, want)
     assert {g.fmt for g in walk(got, dev.sizes)} == {codec.FMT_GAP}
+
+
+class _OutsideThreshold(CompressionRule):
+    """A rule defined outside the package, as a user writes one: a
+    threshold with error feedback in plain NumPy (Strom's arithmetic,
+    written here), whose GPU step is registered below."""
+
+    name = 'outside-threshold'
+
+    def __init__(self, tau):
+        self.tau = tau
+        self.index_coding = 'fixed'
+
+    def init_state(self, size, dtype, xp):
+        return {'r': xp.zeros(size, dtype=dtype)}
+
+    def compress(self, tensor_id, grad, sqsum, state):
+        r = state['r']
+        tau = codec.wire_scale(self.tau, r.dtype)
+        r += grad.astype(r.dtype, copy=False)
+        sent = numpy.abs(r) > tau
+        sign = numpy.where(sent, numpy.where(r > 0, 1, -1), 0).astype(
+            numpy.int8)
+        r -= sign * tau
+        return codec.pow2_sign_group(tensor_id, sign, self.tau, r.dtype,
+                                     coding='fixed')
+
+
+def _outside_select(rule, p):
+    kernels.get_kernel('vgc_model_strom_step')(
+        p.g, p.old['r'], p.offsets, p.nt, p.active,
+        codec.wire_scale(rule.tau, p.sdt), p.new['r'], p.sign, p.ok,
+        p.flags)
+
+
+_OUTSIDE = registry.DeviceRule(('r',), _outside_select, False,
+                               lambda rule: rule.tau, False)
+
+
+def test_a_rule_of_ones_own_registers_its_gpu_step(device):
+    """docs/contributing.md's GPU fast path: a rule that is none of the
+    shipped ones runs the whole-model step from its registration alone
+    (one download, no scalar read), its messages and states those of its
+    own NumPy compress bit for bit, its scale read every step."""
+    fake = device
+    registry.register('cuda', _OutsideThreshold, lambda rule: _OUTSIDE)
+    shapes, dtypes = MODELS['f32']
+    names = [str(i) for i in range(len(shapes))]
+    dev, cpu = (GradientCompressor(_OutsideThreshold(0.05), names, shapes,
+                                   dtypes, backend='numpy')
+                for _ in range(2))
+    for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 4, 5, {(1, 0)})):
+        if k == 2:
+            dev.rule.tau = cpu.rule.tau = 0.2
+        fake.reset()
+        got = dev.compress(_on(fake, gs))
+        assert isinstance(dev.device_engine.step, device_step.DeviceStep)
+        assert dev.device_engine.step.part is _OUTSIDE
+        assert fake.count('download') == 1 and fake.count('scalar') == 0
+        want = cpu.compress(gs)
+        assert dev.last_sent == cpu.last_sent > 0
+        assert_bitwise(got, want)
+        _assert_states(dev, cpu, fake)

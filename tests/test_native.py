@@ -1417,7 +1417,7 @@ def test_a_native_refusal_the_reference_does_not_share_is_reported(
         exchange_mean.mean_gradients([msg], comp, params,
                                 [p.grad for p in params], 1, True, False)
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
-        exchange_mean.validate_messages([msg], comp, dtypes)
+        comp.engine.validate([msg], dtypes)
     bad = msg.copy()
     bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
     with pytest.raises(codec.WireFormatError):

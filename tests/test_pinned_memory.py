@@ -245,7 +245,7 @@ def test_decode_pinned_memory_stays_bounded_over_1000_steps(device):
     allocations = fake.pinned_allocations
     bound = math.ceil(math.log2(largest / smallest)) + 2
     assert len(allocations) <= bound, (len(allocations), bound)
-    staging = comp.device_buffers.staging('upload')
+    staging = comp.device_engine.staging('upload')
     assert staging.allocations == len(allocations)
     gc.collect()
     live = sum(a.nbytes for a in fake._pinned.values())
@@ -266,7 +266,7 @@ def test_a_small_step_after_a_large_one_reads_no_stale_data(device):
     big_need = _decode(fake, large, comp, params)
     small_need = _decode(fake, small, comp, params)
     assert small_need < big_need
-    assert comp.device_buffers.staging('upload').allocations == 1
+    assert comp.device_engine.staging('upload').allocations == 1
     fresh = _params(fake, sizes)
     _decode(fake, small, _compressor(sizes), fresh)
     want = _reference(small, sizes, 'numpy')

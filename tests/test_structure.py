@@ -593,8 +593,8 @@ def test_reached_attribute_check_can_fail(tmp_path):
 
 
 def test_no_module_reaches_another_packages_private_attributes():
-    """The compressor's GPU buffers are reached through its public
-    ``device_buffers``, a duplicate's finalizer through
+    """The GPU engine's buffers are its own (``step``, ``staging``), a
+    duplicate's finalizer is set through
     ``Collectives.free_when_collected``: no module reads or sets a private
     attribute that a class of another subpackage (or top-level module)
     defines."""

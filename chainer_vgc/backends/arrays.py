@@ -144,41 +144,6 @@ class HostStaging(object):
         self._busy = event
 
 
-
-class DeviceBuffers(object):
-    """What the GPU path keeps for one compressor from step to step, owned
-    by the compressor and handed to that path through these members only:
-
-    * ``step``: the whole-model compress of the last device it ran on
-      (:class:`chainer_vgc.engines.cuda.compress.DeviceStep`), None
-      until one runs; that module makes and replaces it;
-    * :meth:`staging`: a :class:`HostStaging` per role, ``'upload'`` (the
-      decode's one upload, which MPI may receive into) and ``'fallback'``
-      (the tensor-by-tensor fallback's, which copies from the first), made
-      on first use.
-    """
-
-    ROLES = ('upload', 'fallback')
-
-    def __init__(self):
-        self.step = None
-        self._staging = {}
-
-    def staging(self, role):
-        """The :class:`HostStaging` of ``role``, made on first use."""
-        if role not in self.ROLES:
-            raise ValueError('chainer_vgc: no staging buffer {!r}; the '
-                             'roles are {}'.format(role, self.ROLES))
-        held = self._staging.get(role)
-        if held is None:
-            held = self._staging[role] = HostStaging()
-        return held
-
-    def held(self, role):
-        """The :class:`HostStaging` of ``role`` if one was made, else
-        None."""
-        return self._staging.get(role)
-
 def upload_fence(a):
     """For the CuPy array ``a`` just copied from a host buffer: an event
     recorded on the current stream after that copy, to give

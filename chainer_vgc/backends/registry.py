@@ -14,14 +14,12 @@ One dispatch for every backend: each shipped rule's module registers its
 paths next to the rule (``chainer_vgc/rules/vgc.py`` ...): for
 ``'native'`` a factory of a :data:`FastPath` over the native backend's
 fused pass (:mod:`chainer_vgc.engines.native.bindings`), for ``'cuda'``
-a factory of the name of the whole-model GPU step that runs the rule
-(:func:`chainer_vgc.engines.cuda.compress.kind_of`).  A rule of your own
-registers its own the same way (``register('native', MyRule,
-factory)``).  Nothing in this module names a rule, so it sits in the
-device layer, below the codec and the rules; the GPU engine, though,
-still picks its kernels by the kind's name (``'vgc'``, ``'hybrid'``,
-``'none'``, branches of :mod:`chainer_vgc.engines.cuda.compress`), so a
-new rule's GPU step is an entry there too.
+a factory of a :data:`DeviceRule`, the rule's part of the GPU engine's
+whole-model step (:mod:`chainer_vgc.engines.cuda.compress`: its state
+keys, its select pass, its values).  A rule of your own registers its own
+the same way (``register('native', MyRule, factory)``,
+``docs/contributing.md``).  Nothing in this module names a rule, so it
+sits in the device layer, below the codec and the rules.
 """
 
 import collections
@@ -43,19 +41,44 @@ import collections
 FastPath = collections.namedtuple('FastPath',
                                   'compress max_words checks_inputs')
 
+#: A rule's part of the GPU engine's whole-model compress step
+#: (:mod:`chainer_vgc.engines.cuda.compress`), which runs the rest (the
+#: gathers, the scan, the layout, the message's words, the download):
+#:
+#: - ``keys``: the rule's state arrays, each an arena over the whole
+#:   model (``('r', 'v')``; ``()``: none);
+#: - ``select(rule, p)``: launches the rule's select pass over the whole
+#:   model, ``p`` a :class:`~chainer_vgc.engines.cuda.compress.SelectPass`:
+#:   it reads the gradients ``p.g`` (and ``p.sqsums()``, gathered on its
+#:   first call) and the state ``p.old[key]``, writes the next state into
+#:   ``p.new[key]``, each element's sign into ``p.sign`` (int8, 0 where
+#:   not selected), 1 into ``p.ok`` (int64) where the element is sent, the
+#:   fault flags into ``p.flags`` (a word a tensor) and, quantized,
+#:   each tensor's largest selected ``|r|`` into ``p.maxbits``;
+#: - ``quantized``: the values are VGC's e_k-quantized ones (Sec. 4.2:
+#:   the layout finds e_k, the write pass resets the sent elements' r
+#:   and v); else every sent element carries its sign times ``scale``;
+#: - ``scale(rule)``: that value (e.g. Strom's tau, read each step; None
+#:   when quantized);
+#: - ``dense``: no selection, every element sent as a dense FMT_RAW group
+#:   (method 'none'; ``select`` is not called).
+DeviceRule = collections.namedtuple('DeviceRule',
+                                    'keys select quantized scale dense')
+
 #: (backend, rule class) -> factory(rule) -> FastPath or None
 _FACTORIES = {}
 
 
 def register(backend, rule_class, factory):
-    """Register ``factory(rule) -> FastPath or None`` (None: no fast path
-    for that rule's settings) as ``backend``'s step for ``rule_class`` and
-    its subclasses (a subclass's own registration wins)."""
+    """Register ``factory(rule) -> FastPath or None`` (``'cuda'``: a
+    :data:`DeviceRule`; None: no fast path for that rule's settings) as
+    ``backend``'s step for ``rule_class`` and its subclasses (a subclass's
+    own registration wins)."""
     _FACTORIES[(backend, rule_class)] = factory
 
 
 def find(backend, rule):
-    """The :data:`FastPath` ``backend`` registered for ``rule``'s class,
+    """The fast path ``backend`` registered for ``rule``'s class,
     or for the nearest base class whose ``compress`` the rule still uses
     (a subclass that overrides ``compress`` runs its own); None without
     one."""

@@ -106,5 +106,18 @@ def _native_path(rule):
         True)
 
 
+def _device_select(rule, p):
+    """Fig. "Hybrid"'s select pass over the whole model on a GPU
+    (``vgc_model_hybrid_step``): both thresholds, the next r, v."""
+    kernels.get_kernel('vgc_model_hybrid_step')(
+        p.g, p.sqsums(), p.old['r'], p.old['v'], p.offsets, p.nt, p.active,
+        p.sdt.type(rule.alpha), p.sdt.type(rule.zeta),
+        codec.wire_scale(rule.tau, p.sdt), p.new['r'], p.new['v'], p.sign,
+        p.ok, p.flags)
+
+
 registry.register('native', Hybrid, _native_path)
-registry.register('cuda', Hybrid, lambda rule: 'hybrid')
+_DEVICE_RULE = registry.DeviceRule(('r', 'v'), _device_select, False,
+                                   lambda rule: rule.tau, False)
+
+registry.register('cuda', Hybrid, lambda rule: _DEVICE_RULE)

@@ -34,4 +34,7 @@ def _native_path(rule):
 
 
 registry.register('native', NoCompression, _native_path)
-registry.register('cuda', NoCompression, lambda rule: 'none')
+# the GPU engine's dense step: every element, no select pass
+_DEVICE_RULE = registry.DeviceRule((), None, False, None, True)
+
+registry.register('cuda', NoCompression, lambda rule: _DEVICE_RULE)

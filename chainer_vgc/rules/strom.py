@@ -76,5 +76,17 @@ def _native_path(rule):
         True)
 
 
+def _device_select(rule, p):
+    """Strom's threshold over the whole model on a GPU
+    (``vgc_model_strom_step``): the next r, the signs."""
+    kernels.get_kernel('vgc_model_strom_step')(
+        p.g, p.old['r'], p.offsets, p.nt, p.active,
+        codec.wire_scale(rule.tau, p.sdt), p.new['r'], p.sign, p.ok,
+        p.flags)
+
+
 registry.register('native', Strom, _native_path)
-registry.register('cuda', Strom, lambda rule: 'strom')
+_DEVICE_RULE = registry.DeviceRule(('r',), _device_select, False,
+                                   lambda rule: rule.tau, False)
+
+registry.register('cuda', Strom, lambda rule: _DEVICE_RULE)

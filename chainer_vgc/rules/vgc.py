@@ -142,6 +142,23 @@ def _native_path(rule):
     return registry.FastPath(compress, max_words, True)
 
 
+def _device_select(rule, p):
+    """Fig. "Basic"'s select pass over the whole model on a GPU: the
+    criterion and the next r, v (``vgc_model_vgc_select``), then which
+    selected elements e_k can represent (``vgc_model_keep``)."""
+    kernels.get_kernel('vgc_model_vgc_select')(
+        p.g, p.sqsums(), p.old['r'], p.old['v'], p.offsets, p.nt, p.active,
+        p.sdt.type(rule.alpha), p.sdt.type(rule.zeta), p.new['r'],
+        p.new['v'], p.sign, p.flags, p.maxbits)
+    kernels.get_kernel('vgc_model_keep')(
+        p.new['r'], p.sign, p.maxbits, p.offsets, p.nt, p.ok)
+
+
+#: the whole-model GPU step's part (quantized only: unquantized vgc runs
+#: the rule's own compress)
+_DEVICE_RULE = registry.DeviceRule(('r', 'v'), _device_select, True, None,
+                                   False)
+
 registry.register('native', VGC, _native_path)
-# the whole-model GPU step (engines/cuda/compress.py), quantized only
-registry.register('cuda', VGC, lambda rule: 'vgc' if rule.quantize else None)
+registry.register('cuda', VGC,
+                  lambda rule: _DEVICE_RULE if rule.quantize else None)

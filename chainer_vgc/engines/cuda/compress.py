@@ -53,6 +53,8 @@ share one state dtype; QSGD and unquantized vgc take the rules'
 per-tensor CuPy kernels.
 """
 
+import collections
+
 import numpy
 
 from chainer_vgc.backends import arrays as backend
@@ -67,6 +69,17 @@ SLACK = 1.25
 MIN_SLACK = 1 << 16
 #: the layout's summary after the flags (``vgc_model_info`` in the .cuh)
 INFO_WORDS = 5
+
+#: What a rule's select pass (:data:`chainer_vgc.backends.registry.DeviceRule`)
+#: is handed: the gradients end to end (``g``), ``sqsums()`` (their sums of
+#: squares end to end, gathered on the first call), the current and next
+#: state arenas by key (``old``, ``new``), the outputs ``sign``, ``ok``,
+#: ``flags``, ``maxbits``, and the model's ``offsets`` (int64, tensor
+#: bounds), ``nt`` (int32, the number of tensors), ``active`` (bool a
+#: tensor: has a gradient this step) and ``sdt``, the state dtype.
+SelectPass = collections.namedtuple(
+    'SelectPass', 'g sqsums old new sign ok flags maxbits offsets nt active '
+    'sdt')
 
 
 def _span(arrays, size):
@@ -95,22 +108,25 @@ def _span(arrays, size):
     return base[start:start + size]
 
 
-def kind_of(rule):
-    """'vgc', 'hybrid', 'strom', 'none' or None: which whole-model step, if
-    any, runs ``rule``, as its rule's module registered it
-    (``registry.register('cuda', TheRule, factory)``, factory(rule) -> the
-    kind or None; a subclass that overrides ``compress`` runs its own)."""
+def device_rule(rule):
+    """The rule's part of the whole-model step, as its module registered it
+    (``registry.register('cuda', TheRule, factory)``, factory(rule) -> a
+    :data:`~chainer_vgc.backends.registry.DeviceRule` or None; a subclass
+    that overrides ``compress`` runs its own): None where the step does
+    not run the rule."""
     return registry.find('cuda', rule)
 
 
-def step_for(compressor, grads):
-    """The compressor's :class:`DeviceStep` when it applies to ``grads``
-    (CuPy arrays, every one on one device), else None."""
+def step_for(engine, grads):
+    """The GPU engine's :class:`DeviceStep` (``engine.step``, made or
+    replaced here) when it applies to ``grads`` (CuPy arrays, every one
+    on one device), else None."""
     first = next((g for g in grads if g is not None), None)
     if first is None or not backend.is_cupy(backend.get_array_module(first)):
         return None  # (the CPU's steps pay for nothing more)
-    kind = kind_of(compressor.rule)
-    if (kind is None or any(n > codec.MAX_INDEX for n in compressor.sizes)
+    compressor = engine.compressor
+    part = device_rule(compressor.rule)
+    if (part is None or any(n > codec.MAX_INDEX for n in compressor.sizes)
             or len({backend.state_dtype(d) for d in compressor.dtypes}) != 1):
         return None
     present = [g for g in grads if g is not None]
@@ -119,11 +135,11 @@ def step_for(compressor, grads):
     device = present[0].device
     if any(g.device != device for g in present):
         return None
-    step = compressor.device_buffers.step
-    if step is None or step.kind != kind or step.device != device:
+    step = engine.step
+    if step is None or step.part != part or step.device != device:
         with device:
-            step = DeviceStep(compressor, kind, device)
-        compressor.device_buffers.step = step
+            step = DeviceStep(compressor, part, device)
+        engine.step = step
     return step
 
 
@@ -131,9 +147,11 @@ class DeviceStep(object):
     """One compressor's whole-model step on one device (see the module
     docstring)."""
 
-    def __init__(self, compressor, kind, device):
+    def __init__(self, compressor, part, device):
         xp = backend.cupy
-        self.comp, self.kind, self.device = compressor, kind, device
+        #: ``part``: the rule's
+        #: :data:`~chainer_vgc.backends.registry.DeviceRule`
+        self.comp, self.part, self.device = compressor, part, device
         sizes = compressor.sizes
         self.n = len(sizes)
         self.sdt = backend.state_dtype(compressor.dtypes[0])
@@ -141,7 +159,7 @@ class DeviceStep(object):
             numpy.int64)
         self.size = int(bounds[-1])
         self.offsets = xp.asarray(bounds)
-        self.keys = {'strom': ('r',), 'none': ()}.get(kind, ('r', 'v'))
+        self.keys = tuple(part.keys)
         #: two sets of state arenas; ``cur`` holds the state
         self.arenas = [{k: xp.zeros(self.size, self.sdt) for k in self.keys}
                        for _ in range(2)]
@@ -166,7 +184,7 @@ class DeviceStep(object):
         # the longest message: dense FMT_RAW groups for 'none', else each
         # tensor's longest group in its coding ('gap': a FMT_GAP group of a
         # tiny tensor is longer than its elements)
-        if kind == 'none':
+        if part.dense:
             per = 2 if self.sdt == numpy.float64 else 1
             self.max_words = 2 + sum(codec.HEADER_WORDS + per * s
                                      for s in sizes)
@@ -283,7 +301,7 @@ class DeviceStep(object):
 
     def _passes(self, xp, grads, sqsums):
         """Steps 1-6 (see the module docstring)."""
-        rule, kind, sdt = self.comp.rule, self.kind, self.sdt
+        rule, part, sdt = self.comp.rule, self.part, self.sdt
         old, new = self.arenas[self.cur], self.arenas[1 - self.cur]
         n = self.n
         flags = self.buffer[:max(n, 1)]
@@ -292,7 +310,7 @@ class DeviceStep(object):
         active = self._active(xp, grads)
         kernels.get_kernel('vgc_model_clear')(nt, flags, self.maxbits)
         g = self._arena(xp, grads, 'g')
-        if kind == 'none':
+        if part.dense:
             kernels.get_kernel('vgc_model_none_layout')(
                 offsets, nt, active, sdt == numpy.float64,
                 xp.empty(1, numpy.int32), self.base, msg,
@@ -302,35 +320,20 @@ class DeviceStep(object):
             return
         sign = xp.empty(self.size, numpy.int8)
         ok = xp.empty(self.size, numpy.int64)  # scanned in place: pos
-        if kind == 'vgc':
-            kernels.get_kernel('vgc_model_vgc_select')(
-                g, self._arena(xp, sqsums, 's'), old['r'], old['v'],
-                offsets, nt,
-                active, sdt.type(rule.alpha), sdt.type(rule.zeta), new['r'],
-                new['v'], sign, flags, self.maxbits)
-            kernels.get_kernel('vgc_model_keep')(
-                new['r'], sign, self.maxbits, offsets, nt, ok)
-        elif kind == 'hybrid':
-            kernels.get_kernel('vgc_model_hybrid_step')(
-                g, self._arena(xp, sqsums, 's'), old['r'], old['v'],
-                offsets, nt,
-                active, sdt.type(rule.alpha), sdt.type(rule.zeta),
-                codec.wire_scale(rule.tau, sdt), new['r'], new['v'], sign,
-                ok, flags)
-        else:
-            kernels.get_kernel('vgc_model_strom_step')(
-                g, old['r'], offsets, nt, active,
-                codec.wire_scale(rule.tau, sdt), new['r'], sign, ok, flags)
+        part.select(rule, SelectPass(
+            g, lambda: self._arena(xp, sqsums, 's'), old, new, sign, ok,
+            flags, self.maxbits, offsets, nt, active, sdt))
         pos = kernels.scan(xp, ok)
-        scale = f32_bits(1.0 if kind == 'vgc' else rule.tau)
+        quantized = bool(part.quantized)
+        scale = f32_bits(1.0 if quantized else part.scale(rule))
         if rule.index_coding != 'fixed':
             self._gap_passes(xp, sign, pos, active, old, new, scale)
             return
         kernels.get_kernel('vgc_model_layout')(
-            pos, offsets, nt, kind == 'vgc', numpy.uint32(scale),
+            pos, offsets, nt, quantized, numpy.uint32(scale),
             sdt == numpy.float64, xp.empty(1, numpy.int32), self.maxbits,
             self.base, self.ek, msg, self.buffer[n:n + INFO_WORDS])
-        if kind == 'vgc':
+        if quantized:
             kernels.get_kernel('vgc_model_vgc_write')(
                 sign, pos, offsets, nt, self.base, self.ek, active,
                 bool(rule.keep_unrepresentable), new['r'], new['v'], msg,
@@ -344,12 +347,13 @@ class DeviceStep(object):
         rank, the code lengths, one scan of them, the layout (FMT_GAP or
         the paper's words per tensor) and every message word assembled
         (see ``kernels/vgc_numerics.cuh``)."""
-        rule, kind, n = self.comp.rule, self.kind, self.n
+        rule, n = self.comp.rule, self.n
+        quantized = bool(self.part.quantized)
         offsets, nt = self.offsets, numpy.int32(n)
         msg, flags = self.buffer[self.head:], self.buffer[:max(n, 1)]
         cw = xp.empty(self.size, numpy.uint32)
         ct = xp.empty(self.size, numpy.int32)
-        if kind == 'vgc':
+        if quantized:
             kernels.get_kernel('vgc_model_vgc_compact')(
                 sign, pos, offsets, nt, self.maxbits, active,
                 bool(rule.keep_unrepresentable), new['r'], new['v'], cw, ct,
@@ -363,9 +367,9 @@ class DeviceStep(object):
                 cw, ct, pos, offsets, nt, length)
         ends = kernels.scan(xp, length)
         rec = xp.empty(6 * n + 2, numpy.int64)
-        sign_only = kind != 'vgc'
+        sign_only = not quantized
         kernels.get_kernel('vgc_model_gap_layout')(
-            pos, ends, offsets, nt, kind == 'vgc',
+            pos, ends, offsets, nt, quantized,
             self.sdt == numpy.float64, rule.index_coding == 'gap', sign_only,
             xp.empty(1, numpy.int32), self.maxbits, rec,
             self.buffer[n:n + INFO_WORDS])
@@ -390,4 +394,3 @@ class DeviceStep(object):
                        + 2 + codec.HEADER_WORDS * n)
         return (host[head:head + total], host[:n],
                 host[n:n + INFO_WORDS])
-

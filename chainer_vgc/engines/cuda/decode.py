@@ -26,11 +26,12 @@ of the reference), and ``vgc_model_finish`` writes the means.  Only
 then are the flags read: a flagged message leaves every gradient as it
 was (:data:`REFUSED`); else each ``param.grad`` becomes a view of one
 new array a dtype.  The means equal
-:func:`chainer_vgc.exchange.mean.sum_messages` + ``write_mean`` bit for bit
+:func:`chainer_vgc.engines.reference.sum_messages` + ``write_mean`` bit for bit
 (``tests/test_device_step.py``, ``tests/test_device_decode_checks.py``).
 Applies when every parameter has a gradient, the tensors have at most
-2**28 elements and no message carries FMT_QSGD; otherwise
-:mod:`chainer_vgc.exchange.mean` decodes tensor by tensor."""
+2**28 elements and no message carries FMT_QSGD; otherwise the GPU
+engine (:mod:`chainer_vgc.engines.cuda.engine`) decodes tensor by
+tensor."""
 
 import numpy
 
@@ -51,12 +52,13 @@ TREE_MAX = 64
 REFUSED = type('Refused', (), {'__repr__': lambda _: 'REFUSED'})()
 
 
-def applies(blocks, compressor, params, grads, dense):
+def applies(blocks, sizes, params, grads, dense):
     """Whether :func:`mean` can decode this step (before reading any
-    message: the formats are checked by :func:`mean` itself)."""
+    message: the formats are checked by :func:`mean` itself); ``sizes``:
+    the model's tensor sizes."""
     if any(g is None for g in grads) or not params:
         return False
-    if any(n > codec.MAX_INDEX for n in compressor.sizes):
+    if any(n > codec.MAX_INDEX for n in sizes):
         return False
     return not (dense and len(blocks) > TREE_MAX)
 
@@ -161,16 +163,6 @@ def _dtype_groups(params, sizes):
     return out
 
 
-def upload_staging(compressor, role='upload'):
-    """The compressor's host buffer for the upload, kept from step to step
-    (:class:`chainer_vgc.backends.arrays.HostStaging`, of its
-    :class:`~chainer_vgc.backends.arrays.DeviceBuffers`: the upload's size
-    changes every step, and a new pinned buffer a step would pin more
-    memory each step); ``role='fallback'``: the tensor-by-tensor
-    fallback's, which copies from the first."""
-    return compressor.device_buffers.staging(role)
-
-
 def _prefix(params, sizes, ranks):
     """The upload's first words, before the descriptors: each dtype's
     offsets and tensor ids, the model's offsets (bounds) and the sums'
@@ -196,19 +188,20 @@ def _gap_words(groups):
     return 2 * (groups + 1 + GAP_ROW * groups)
 
 
-def receive_into(compressor, params, ranks):
+def receive_into(sizes, staging, params, ranks):
     """For :func:`chainer_vgc.chainermn.transport.allgatherv`'s ``into``: MPI
-    receives the ``ranks`` messages straight into the upload's buffer,
-    after the room the tables and descriptors take and with room after
-    them for the FMT_GAP groups' rows (at most a group a tensor a rank),
-    so :func:`mean` copies no message."""
-    n = len(compressor.sizes)
-    head, d_words = _prefix(params, compressor.sizes, ranks)[3:]
+    receives the ``ranks`` messages straight into the upload's buffer
+    (``staging``, the :class:`~chainer_vgc.backends.arrays.HostStaging`
+    :func:`mean` uploads from), after the room the tables and descriptors
+    take and with room after them for the FMT_GAP groups' rows (at most a
+    group a tensor a rank), so :func:`mean` copies no message."""
+    n = len(sizes)
+    head, d_words = _prefix(params, sizes, ranks)[3:]
     at = head + d_words
 
     def into(words):
         room = 2 + _gap_words(ranks * n)  # (a word of padding at most)
-        return upload_staging(compressor).view(
+        return staging.view(
             at + words + room, numpy.uint32)[at:at + words]
     return into
 
@@ -231,16 +224,19 @@ def _items(rows, p, n):
     return items, per, counts
 
 
-def mean(blocks, compressor, params, size, dense, rescale, rows=None):
+def mean(blocks, sizes, staging, params, size, dense, rescale, rows=None):
     """``param.grad`` = the mean of the ``blocks`` for every parameter
     (validated on the host, the FMT_GAP codes perhaps excepted: they are
-    checked here, by ``vgc_model_gap_expand``); False (nothing done) when
+    checked here, by ``vgc_model_gap_expand``); ``sizes``: the model's
+    tensor sizes; ``staging``: the upload's
+    :class:`~chainer_vgc.backends.arrays.HostStaging`, kept from step to
+    step (the upload's size changes every step, and a new pinned buffer a
+    step would pin more memory each step).  Returns False (nothing done) when
     a message carries FMT_QSGD; :data:`REFUSED` (nothing written) when a
     message's codes failed the device's checks.  ``rows``: their group
     table, as the validation read it (default: :func:`group_rows`).
     Messages that MPI received into the upload's buffer
     (:func:`receive_into`) are uploaded where they are."""
-    sizes = compressor.sizes
     if rows is None:
         rows = group_rows(blocks, sizes)
     if (rows[:, 2] == codec.FMT_QSGD).any():
@@ -257,7 +253,6 @@ def mean(blocks, compressor, params, size, dense, rescale, rows=None):
     tail = head + d_words + int(lens.sum())
     tail += tail % 2 if n_gap else 0  # (int64 from here)
     total = tail + (_gap_words(n_gap) if n_gap else 0)
-    staging = upload_staging(compressor)
     staged = staging.view(total, numpy.uint32)
     buf_host = staged[head:]  # the words the descriptors count from
     # where each message starts in it: where MPI put it, else one after
