@@ -33,7 +33,7 @@ from mpi4py import MPI
 import numpy
 
 import chainer_vgc
-from chainer_vgc.extensions import run_summary
+from chainer_vgc.reporting import run_summary
 from chainer_vgc.harness.models import BottleneckResNet
 from chainer_vgc.harness.models import Transformer
 from chainer_vgc.harness.models import VGG

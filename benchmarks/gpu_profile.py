@@ -362,7 +362,7 @@ def exchange_patches(ctx, patches):
     """What a compress or a decode step calls: the kernels, CuPy's
     functions, the host phases."""
     from chainer_vgc import codec
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     from chainer_vgc.engines.cuda import decode as device_decode
     from chainer_vgc.engines.cuda import compress as device_step
     from chainer_vgc.engines.cuda import engine as cuda_engine
@@ -411,8 +411,8 @@ def exchange_patches(ctx, patches):
              'device_decode._mean_by_scatter'),
             (device_decode, '_items', 'device_decode._items'),
             (device_decode, '_dtype_groups', 'device_decode._dtype_groups'),
-            (backend.HostStaging, 'view', 'HostStaging.view'),
-            (backend, 'host_buffer', 'backend.host_buffer'),
+            (arrays.HostStaging, 'view', 'HostStaging.view'),
+            (arrays, 'host_buffer', 'arrays.host_buffer'),
             (cuda_engine, 'upload_blocks', 'cuda_engine.upload_blocks'),
             (codec, 'expand_gap', 'codec.expand_gap')]:
         patches.wrap(owner, name, label)
@@ -893,12 +893,12 @@ def profile_vgg(ctx):
 
 
 def profile_pinned(ctx, messages, ranks=4):
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     say = ctx.report.say
     step, _, receiver, words = decode_step(ctx, 'auto', messages, ranks,
                                            7)
     cupy_pool = ctx.clock.pinned_pool()
-    tracker = PinnedTracker(backend)
+    tracker = PinnedTracker(arrays)
     marks = []
 
     def mark(k):

@@ -24,7 +24,7 @@ a fault.
 
 import numpy
 
-from chainer_vgc.backends import arrays as _backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc import faults
 from chainer_vgc.engines import reference
@@ -44,8 +44,8 @@ def _finite_together(g, s):
     False proves nothing (finite products may overflow): the caller then
     checks each one (:func:`chainer_vgc.faults.all_finite`)."""
     if (g.dtype != s.dtype or g.dtype not in (numpy.float32, numpy.float64)
-            or _backend.get_array_module(g) is not numpy
-            or _backend.get_array_module(s) is not numpy):
+            or arrays.get_array_module(g) is not numpy
+            or arrays.get_array_module(s) is not numpy):
         return False
     with numpy.errstate(over='ignore', invalid='ignore'):
         return bool(numpy.isfinite(g.reshape(-1).dot(s.reshape(-1))))
@@ -109,7 +109,7 @@ class GradientCompressor(object):
                     'size), or split the parameter'
                     .format(name, size, codec.MAX_INDEX))
         self.states = [None] * len(self.names)
-        self.backend = _backend.cpu_backend(backend)
+        self.backend = arrays.cpu_backend(backend)
         self.spare_residuals = bool(spare_residuals)
         #: whether the rule keeps per-parameter arrays (vgc's r and v;
         #: none keeps none, so its steps move nothing to protect)
@@ -150,12 +150,12 @@ class GradientCompressor(object):
             self._device_engine = cuda_engine.CudaEngine(self, self.engine)
         return self._device_engine
 
-    def engine_for(self, arrays):
-        """The engine that takes ``arrays`` (gradients, messages, outputs;
-        None ignored): :attr:`device_engine` when any is a CuPy array, else
-        :attr:`engine`."""
-        if any(a is not None and _backend.get_array_module(a) is not numpy
-               for a in arrays):
+    def engine_for(self, operands):
+        """The engine that takes ``operands`` (gradients, messages,
+        outputs; None ignored): :attr:`device_engine` when any is a CuPy
+        array, else :attr:`engine`."""
+        if any(a is not None and arrays.get_array_module(a) is not numpy
+               for a in operands):
             return self.device_engine
         return self.engine
 
@@ -178,7 +178,7 @@ class GradientCompressor(object):
         for name, shape, dtype, g, s in zip(self.names, self.shapes,
                                             self.dtypes, grads, sqsums):
             if g is not None:
-                with _backend.device_scope(g):  # reductions on g's device
+                with arrays.device_scope(g):  # reductions on g's device
                     self._check_one(name, shape, dtype, g, s, values)
         return sqsums
 
@@ -186,7 +186,7 @@ class GradientCompressor(object):
         # the parameter's dtype, or its state dtype (a float16 gradient
         # unscaled in float32 by the communicator)
         if tuple(g.shape) != shape or g.dtype not in (
-                dtype, _backend.state_dtype(dtype)):
+                dtype, arrays.state_dtype(dtype)):
             raise ValueError(
                 'gradient of parameter {!r} has shape {} dtype {}; '
                 'expected shape {} dtype {} (the model must match the one '
@@ -318,7 +318,7 @@ class GradientCompressor(object):
                         self.names[i], self.sizes[i]))
         i, flags = flagged[0]
         key = 'r' if flags & native.OVERFLOW_R else 'v'
-        return faults.overflow(key, self.names[i], _backend.state_dtype(
+        return faults.overflow(key, self.names[i], arrays.state_dtype(
             self.dtypes[i]), unchanged=True)
 
     def memory(self):
@@ -354,8 +354,8 @@ class GradientCompressor(object):
         format's Sec. 5.2), so a sent -0.0 gives +0.0 here, where
         :func:`codec.unpack <chainer_vgc.codec.unpack>` lists it as
         sent."""
-        xp = _backend.get_array_module(message)
-        outs = [xp.zeros(shape, dtype=_backend.state_dtype(dt))
+        xp = arrays.get_array_module(message)
+        outs = [xp.zeros(shape, dtype=arrays.state_dtype(dt))
                 for shape, dt in zip(self.shapes, self.dtypes)]
         self.decode_into(message, outs)
         return outs

@@ -34,7 +34,7 @@ import numpy
 import chainer_vgc
 from chainer_vgc.harness import datasets
 from chainer_vgc.extensions import CompressionReport
-from chainer_vgc.extensions import run_summary
+from chainer_vgc.reporting import run_summary
 from chainer_vgc.harness.models import MLP
 from chainer_vgc.harness.models import VGG
 

@@ -47,7 +47,7 @@ import chainer
 from chainer.dataset import convert
 import numpy
 
-from chainer_vgc.extensions import run_summary
+from chainer_vgc.reporting import run_summary
 from chainer_vgc.harness import datasets
 from chainer_vgc.harness.simulation import SimulatedWorkers
 import example_common as common

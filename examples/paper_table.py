@@ -39,7 +39,7 @@ from chainer.dataset import convert
 import chainer.functions as F
 
 from chainer_vgc.harness import datasets
-from chainer_vgc.extensions import run_summary
+from chainer_vgc.reporting import run_summary
 from chainer_vgc.harness.simulation import SimulatedWorkers
 import example_common as common
 

@@ -697,8 +697,8 @@ class FakeCupy(object):
 def install(monkeypatch, fake=None):
     """Route ``chainer_vgc.backends.arrays`` to ``fake`` (a new one by default) for
     the test; returns it."""
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     fake = FakeCupy() if fake is None else fake
-    monkeypatch.setattr(backend, 'cupy', fake)
-    monkeypatch.setattr(backend, 'cupyx', fake.x, raising=False)
+    monkeypatch.setattr(arrays, 'cupy', fake)
+    monkeypatch.setattr(arrays, 'cupyx', fake.x, raising=False)
     return fake

@@ -237,7 +237,7 @@ def gen_sqsum(rng, g, sqdt):
 # ---- importing the chainer-free core ----------------------------------------
 
 #: the chainer-free core: {the name gpu_check uses: module under chainer_vgc}
-CORE = {'cuda_support': 'backends.cuda.support', 'backend': 'backends.arrays',
+CORE = {'cuda_support': 'backends.cuda.support', 'arrays': 'backends.arrays',
         'kernels': 'backends.cuda.kernels', 'codec': 'codec',
         'native': 'engines.native.bindings', 'rules': 'rules',
         'compressor': 'compressor', 'exchange': 'exchange.mean',
@@ -498,13 +498,13 @@ def whole_results(core, case, xp, meta, arrays):
         for t, p in enumerate(params):
             yield ('mean/{}/{}'.format(step, t),
                    'step {} tensor {} mean'.format(step, t),
-                   core.backend.to_numpy(p.grad))
+                   core.arrays.to_numpy(p.grad))
     for w in range(WORKERS):
         for t, st in enumerate(comps[w].states):
             for key, a in sorted((st or {}).items()):
                 yield ('state/{}/{}/{}'.format(w, t, key),
                        'worker {} tensor {} state {}'.format(w, t, key),
-                       core.backend.to_numpy(a))
+                       core.arrays.to_numpy(a))
 
 
 def record_whole(core, arrays, meta):
@@ -1020,8 +1020,8 @@ def setup_device(args, core):
         import fake_cupy
         import kernel_harness
         fake = fake_cupy.FakeCupy()
-        core.backend.cupy = fake
-        core.backend.cupyx = fake.x
+        core.arrays.cupy = fake
+        core.arrays.cupyx = fake.x
         host = kernel_harness.HostKernels()
         kernels = core.kernels
 
@@ -1064,7 +1064,7 @@ def setup_device(args, core):
                             if args.fake_ftz else '')
         return fake, env
     import cupy
-    if core.backend.cupy is not cupy:
+    if core.arrays.cupy is not cupy:
         raise SystemExit('chainer_vgc.backends.arrays did not import CuPy (its '
                          'import failed there); cannot run the GPU path')
     env['cupy'] = cupy.__version__
@@ -1240,7 +1240,7 @@ def check(args):
 
 def check_kernels(ctx, ck):
     core, xp, ref = ctx.core, ctx.xp, ctx.ref
-    codec, kernels, to_numpy = core.codec, core.kernels, core.backend.to_numpy
+    codec, kernels, to_numpy = core.codec, core.kernels, core.arrays.to_numpy
     has_gap = hasattr(codec, 'device_gap_body')
     for spec in ctx.meta['kernel_checks']:
         name, kind, p = spec['name'], spec['kind'], spec['params']
@@ -1289,7 +1289,7 @@ def check_kernels(ctx, ck):
 
 def check_rule_steps(ctx, ck, kind, p, arr):
     core, xp = ctx.core, ctx.xp
-    to_numpy = core.backend.to_numpy
+    to_numpy = core.arrays.to_numpy
     gdt = numpy.dtype(p['gdt'])
     n = arr['g'].shape[1]
     if kind == 'vgc_select':
@@ -1324,7 +1324,7 @@ def check_sum_squares(ctx, ck, p, arr):
     """As chainer_vgc/statistics/contraction.py sum_squares calls it."""
     core, xp = ctx.core, ctx.xp
     g = arr['g']
-    got = core.backend.to_numpy(core.kernels.get_kernel('vgc_sum_squares')(
+    got = core.arrays.to_numpy(core.kernels.get_kernel('vgc_sum_squares')(
         xp.asarray(g), axis=0))
     if p['exact']:
         ck.equal('sum', got, arr['want'])
@@ -1427,7 +1427,7 @@ def check_compress(ctx, ck, case, inputs, msgs, host):
     """GradientCompressor on device gradients: every worker's message of
     every step, then the residual states."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
-    to_numpy = core.backend.to_numpy
+    to_numpy = core.arrays.to_numpy
     comps = [make_compressor(core, case, model, w, 'numpy')
              for w in range(WORKERS)]
     for step in range(STEPS):
@@ -1459,7 +1459,7 @@ def check_device_sums(ctx, ck, case, msgs, host):
     tensor-by-tensor mean up to write_mean: host validation, FMT_GAP
     expansion, one upload, codec.add_validated into zeros)."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
-    ref, codec, to_numpy = core.reference, core.codec, core.backend.to_numpy
+    ref, codec, to_numpy = core.reference, core.codec, core.arrays.to_numpy
     comp = make_compressor(core, case, model, 0, 'numpy')
     for step in range(STEPS):
         params = device_params(ctx)
@@ -1473,7 +1473,7 @@ def check_device_sums(ctx, ck, case, msgs, host):
         def adder(h, d):
             return lambda outs: codec.add_validated(
                 h, d, [o.reshape(-1) for o in outs], comp.sizes)
-        with core.backend.device_scope(first):
+        with core.arrays.device_scope(first):
             sums = ref.rank_order_sum(
                 [adder(h, d) for h, d in zip(blocks, dev)],
                 lambda: ref.zero_sums(params, xp), False)
@@ -1489,7 +1489,7 @@ def check_device_means(ctx, ck, case, msgs, host, vname, dense, rescale):
     """exchange.mean_gradients with parameters on the device (the
     production decode: the GPU engine's mean)."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
-    to_numpy = core.backend.to_numpy
+    to_numpy = core.arrays.to_numpy
     comp = make_compressor(core, case, model, 0, 'numpy')
     for step in range(STEPS):
         params = device_params(ctx)
@@ -1517,7 +1517,7 @@ def check_decode_into(ctx, ck, case, msgs, host):
     """The public GradientCompressor.decode_into with a device message and
     device outputs (codec.unpack's checked decoder, on the device)."""
     core, xp, model = ctx.core, ctx.xp, ctx.meta['model']
-    to_numpy = core.backend.to_numpy
+    to_numpy = core.arrays.to_numpy
     comp = make_compressor(core, case, model, 0, 'numpy')
     for step in range(STEPS):
         outs = [xp.zeros(tuple(m[1]), dtype=sdtype(m[2])) for m in model]

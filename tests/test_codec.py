@@ -330,12 +330,12 @@ def test_negative_zero_one_rule_for_every_decoder():
     what its output holds (-0.0 + -0.0 = -0.0).  Each decoder's tensors
     are +0.0 + what unpack lists, bit for bit."""
     from chainer_vgc import GradientCompressor
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     from chainer_vgc.engines import reference as reference_engine
     from chainer_vgc.engines.native import bindings as native
     import types
     message, sizes, dtypes, where = negative_zero_message()
-    sdts = [backend.state_dtype(d) for d in dtypes]
+    sdts = [arrays.state_dtype(d) for d in dtypes]
     listed = _listed(message, sizes, dtypes)
     for key in where:
         assert listed[key] == 0 and numpy.signbit(listed[key]), key
@@ -373,9 +373,9 @@ def test_negative_zero_on_the_device_path(device):
     a device message decoded by GradientCompressor.decode, and the
     exchange's validate, expand, upload and add, give +0.0."""
     from chainer_vgc import GradientCompressor
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     message, sizes, dtypes, where = negative_zero_message()
-    sdts = [backend.state_dtype(d) for d in dtypes]
+    sdts = [arrays.state_dtype(d) for d in dtypes]
     listed = _listed(message, sizes, dtypes)
     comp = GradientCompressor('none', list('abcde'), [(n,) for n in sizes],
                               dtypes)

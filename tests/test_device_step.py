@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc import codec
@@ -465,7 +465,7 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
                     # scatter of the one rank, the mean
                     assert fake.count('launch') <= 9 + 4 + 5, ' '.join(
                         fake.launches)
-            means[xp] = [backend.to_numpy(p.grad) for p in params]
+            means[xp] = [arrays.to_numpy(p.grad) for p in params]
             # on the device, MPI received into the buffer the decode
             # uploads from (no copy between them); on the host, anywhere
             staging = comms[xp].state(

@@ -258,13 +258,13 @@ def test_transfer_record_helpers(xp):
 
 
 def test_install_routes_backend(monkeypatch):
-    from chainer_vgc.backends import arrays as backend
+    from chainer_vgc.backends import arrays
     xp = fake_cupy.install(monkeypatch)
     a = xp.arange(3, dtype=numpy.float32)
-    assert backend.get_array_module(numpy.ones(1), a) is xp
-    assert backend.get_array_module(numpy.ones(1)) is numpy
-    assert backend.is_cupy(xp)
-    host = backend.to_numpy(a)
+    assert arrays.get_array_module(numpy.ones(1), a) is xp
+    assert arrays.get_array_module(numpy.ones(1)) is numpy
+    assert arrays.is_cupy(xp)
+    host = arrays.to_numpy(a)
     assert isinstance(host, numpy.ndarray)
     assert xp.log == [('download', 12, 'get')]
 

@@ -14,7 +14,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.chainermn import communicator
@@ -282,7 +282,7 @@ def test_communicator_step_on_device_arrays(device):
             assert fake.count('upload') == 1
             assert fake.count('scalar') <= SCALAR_READS_PER_TENSOR * len(
                 SHAPES)
-        results.append([backend.to_numpy(p.grad) for _, p in
+        results.append([arrays.to_numpy(p.grad) for _, p in
                         sorted(params.items())])
         assert comm.last['vgc/compression'] > 1
     for a, b in zip(*results):

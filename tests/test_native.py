@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import numpy
 import pytest
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.codec.gap import bits_to_words
 from chainer_vgc.codec.header import f32_bits
@@ -159,7 +159,7 @@ def _compressors(method, kw, shapes, dtype):
 
 
 def _step(rng, shapes, dtype, missing=()):
-    sdt = backend.state_dtype(dtype)
+    sdt = arrays.state_dtype(dtype)
     grads = [_edge_values(rng, int(numpy.prod(s)), dtype).reshape(s)
              for s in shapes]
     sqsums = [(g.astype(numpy.float64) ** 2 * rng.uniform(0.2, 4, g.shape)
@@ -879,7 +879,7 @@ def test_gap_decode_extreme_codes(isa):
 def _run_rule(rule, coding, g, s, state, kw, ws):
     """One native compress of ``rule`` with ``coding`` on copies of the
     state; returns (group words, elements, new state)."""
-    sdt = backend.state_dtype(g.dtype)
+    sdt = arrays.state_dtype(g.dtype)
     n = g.size
     out = numpy.zeros(codec.pow2_max_words(n, coding), numpy.uint32)
     new = {key: numpy.empty(n, sdt) for key in state}
@@ -906,7 +906,7 @@ def _run_rule(rule, coding, g, s, state, kw, ws):
 def _rule_inputs(rng, rule, n, dtype, density, clustered):
     """Gradient, sum of squares, state and parameters selecting about
     ``density`` of ``n`` elements (in runs, if ``clustered``)."""
-    sdt = backend.state_dtype(dtype)
+    sdt = arrays.state_dtype(dtype)
     g = _edge_values(rng, n, dtype)
     with numpy.errstate(over='ignore'):
         g64 = g.astype(numpy.float64)

@@ -23,7 +23,7 @@ import numpy
 import pytest
 
 from chainer_vgc import GradientCompressor
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.exchange import mean as exchange_mean
 
 from reference import assert_bitwise
@@ -41,7 +41,7 @@ def test_growth_is_logarithmic_and_capacity_at_most_twice_the_largest(seed):
     (<= ceil(log2(largest / first)) + 1), the capacity never above twice
     the largest request so far, every allocation together under four
     times it (what a pool that keeps freed blocks may hold)."""
-    staging = backend.HostStaging(pinned=False)
+    staging = arrays.HostStaging(pinned=False)
     requests = _requests(seed)
     allocated, largest = [], 0
     for n in requests:
@@ -60,7 +60,7 @@ def test_growth_is_logarithmic_and_capacity_at_most_twice_the_largest(seed):
 
 
 def test_a_request_that_fits_reuses_the_buffer():
-    staging = backend.HostStaging(pinned=False)
+    staging = arrays.HostStaging(pinned=False)
     big = staging.view(1000, numpy.float64)
     small = staging.view(10, numpy.float64)
     assert staging.allocations == 1 and staging.capacity == 8000
@@ -75,7 +75,7 @@ def test_a_request_that_fits_reuses_the_buffer():
                                    numpy.float16, numpy.float32,
                                    numpy.float64, numpy.int64])
 def test_views_have_the_size_and_dtype_asked(dtype):
-    staging = backend.HostStaging(pinned=False)
+    staging = arrays.HostStaging(pinned=False)
     for n in (1, 7, 100, 3, 1000, 64):
         view = staging.view(n, dtype)
         assert view.shape == (n,) and view.dtype == dtype
@@ -85,7 +85,7 @@ def test_views_have_the_size_and_dtype_asked(dtype):
 
 
 def test_views_of_several_dtypes_share_one_buffer():
-    staging = backend.HostStaging(pinned=False)
+    staging = arrays.HostStaging(pinned=False)
     words = staging.view(100, numpy.uint32)
     halves = staging.view(200, numpy.float16)
     longs = staging.view(50, numpy.uint64)
@@ -96,9 +96,9 @@ def test_views_of_several_dtypes_share_one_buffer():
 
 def test_ordinary_memory_without_cupy(monkeypatch):
     """No CuPy: ordinary host memory, with the same growth."""
-    monkeypatch.setattr(backend, 'cupy', None)
-    monkeypatch.setattr(backend, 'cupyx', None)
-    staging = backend.HostStaging()
+    monkeypatch.setattr(arrays, 'cupy', None)
+    monkeypatch.setattr(arrays, 'cupyx', None)
+    staging = arrays.HostStaging()
     for n in _requests(0, 50):
         assert staging.view(n, numpy.uint32).size == n
     assert type(staging.view(1, numpy.uint32)) is numpy.ndarray
@@ -110,9 +110,9 @@ def test_ordinary_memory_where_cupy_cannot_pin(monkeypatch):
     ordinary memory and the staging works as before."""
     def refuse(*args, **kwargs):
         raise RuntimeError('cudaErrorNoDevice')
-    monkeypatch.setattr(backend, 'cupyx',
+    monkeypatch.setattr(arrays, 'cupyx',
                         types.SimpleNamespace(empty_pinned=refuse))
-    staging = backend.HostStaging()
+    staging = arrays.HostStaging()
     view = staging.view(100, numpy.uint32)
     view[:] = 7
     assert view.size == 100 and staging.allocations == 1
@@ -121,13 +121,13 @@ def test_ordinary_memory_where_cupy_cannot_pin(monkeypatch):
 def test_pinned_through_the_fake(device):
     fake = device
     del fake.pinned_allocations[:]
-    staging = backend.HostStaging()
+    staging = arrays.HostStaging()
     view = staging.view(100, numpy.uint32)
     assert fake.is_pinned(view)
     staging.view(50, numpy.uint32)
     staging.view(300, numpy.uint32)
     assert fake.pinned_allocations == [400, 1200]
-    unpinned = backend.HostStaging(pinned=False)
+    unpinned = arrays.HostStaging(pinned=False)
     assert not fake.is_pinned(unpinned.view(100, numpy.uint32))
 
 
@@ -149,7 +149,7 @@ class _Event(object):
 def test_the_buffer_waits_for_the_copy_that_reads_it():
     trace = []
     event = type('Event', (_Event,), {'trace': trace})()
-    staging = backend.HostStaging(pinned=False)
+    staging = arrays.HostStaging(pinned=False)
     staging.view(10, numpy.uint32)
     staging.hold_until(event)
     assert trace == []

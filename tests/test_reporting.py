@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 from chainer_vgc import codec
-from chainer_vgc import extensions
+from chainer_vgc import reporting
 from chainer_vgc import GradientCompressor
 
 
@@ -20,7 +20,7 @@ def _message(n_words_body, tensor_id=0):
 def test_step_figures_by_hand():
     # 3 ranks send 10, 20 and 0 elements: messages of 17, 27 and 2 words
     blocks = [_message(10), _message(20), codec.pack([])]
-    fig = extensions.step_figures(blocks, n_params=600)
+    fig = reporting.step_figures(blocks, n_params=600)
     # elements per rank: 30 / 3 = 10; compression 600 / 10
     assert fig['vgc/compression'] == 60.0
     assert fig['vgc/density'] == pytest.approx(1 / 60)
@@ -42,17 +42,17 @@ def test_bits_per_element_of_gap_coded_messages_and_over_the_run():
         0, numpy.array([1 << 28, 8 << 28, 2 << 28], numpy.uint32),
         numpy.array([3, 4, 40]), 0, 1.0, 100, coding='gap')])
     assert gap.size == 2 + 5 + 4
-    fig = extensions.step_figures([gap], n_params=100)
+    fig = reporting.step_figures([gap], n_params=100)
     assert fig['vgc/bits_per_element'] == pytest.approx(32 * 11 / 3)
-    assert 'vgc/bits_per_element' not in extensions.step_figures(
+    assert 'vgc/bits_per_element' not in reporting.step_figures(
         [codec.pack([])], n_params=100)
-    totals = extensions.new_totals()
+    totals = reporting.new_totals()
     del totals['message_bits'], totals['message_elements']  # format 2
     for blocks in ([gap], [_message(10)], [codec.pack([])]):
-        extensions.report_step(blocks, 100, totals)
+        reporting.report_step(blocks, 100, totals)
     assert totals['message_bits'] == 32 * (11 + 17 + 2)
     assert totals['message_elements'] == 13
-    summary = extensions.run_summary(totals, None, 1)
+    summary = reporting.run_summary(totals, None, 1)
     assert summary['vgc/total_bits_per_element'] == pytest.approx(
         32 * 30 / 13)
 
@@ -61,11 +61,11 @@ def test_dense_bytes_follow_the_gradient_dtypes():
     comp = GradientCompressor('vgc', ['a', 'b', 'c'], [(10,), (5,), (3,)],
                               [numpy.float16, numpy.float32, numpy.float64])
     assert comp.n_bytes == 10 * 2 + 5 * 4 + 3 * 8
-    totals = extensions.new_totals()
+    totals = reporting.new_totals()
     blocks = [_message(1), _message(2)]
-    extensions.report_step(blocks, comp.n_params, totals, None,
+    reporting.report_step(blocks, comp.n_params, totals, None,
                              comp.n_bytes)
-    extensions.report_step(blocks, comp.n_params, totals, [1, 2],
+    reporting.report_step(blocks, comp.n_params, totals, [1, 2],
                              comp.n_bytes)
     assert totals['steps'] == 2 and totals['elements'] == 6
     assert totals['dense_bytes'] == pytest.approx(2 * 2 * (1 / 2) * 64)

@@ -13,6 +13,7 @@ from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
 from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import extensions
+from chainer_vgc import reporting
 from chainer_vgc.chainermn import multi_node_optimizer
 from chainer_vgc.chainermn import transport
 
@@ -83,7 +84,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
         dense_elements = 17 * p if trial % 2 else 0
         dense_wire = 2 * (p - 1) * 4 * 17 / p if trial % 2 else 0.0
         n_compressed = n_params - 17 if trial % 2 else None
-        fig = extensions.step_figures(
+        fig = reporting.step_figures(
             blocks, n_params, None, 4 * n_params, size=p,
             dense_elements=dense_elements, dense_wire=dense_wire,
             n_compressed=n_compressed)
@@ -117,7 +118,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
                 else float('inf'))
         # elements given by the caller win over counting
         given_elements = [7] * p
-        fig2 = extensions.step_figures(blocks, n_params, given_elements,
+        fig2 = reporting.step_figures(blocks, n_params, given_elements,
                                          size=p)
         assert fig2['_elements'] == 7 * p
         assert fig2['vgc/bytes'] == pytest.approx(sum(per_rank) / p)
@@ -127,7 +128,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
 
 def test_report_step_adds_to_the_totals_and_reports():
     rng = numpy.random.default_rng(9)
-    totals = extensions.new_totals()
+    totals = reporting.new_totals()
     reporter = chainer.Reporter()
     seen = []
     want = dict(steps=0, elements=0, bytes=0.0, dense_bytes=0.0,
@@ -136,7 +137,7 @@ def test_report_step_adds_to_the_totals_and_reports():
         blocks = [_message(rng, 30) for _ in range(4)]
         obs = {}
         with reporter.scope(obs):
-            fig = extensions.report_step(blocks, 90, totals,
+            fig = reporting.report_step(blocks, 90, totals,
                                            param_bytes=2 * 90)
         seen.append(obs)
         counts = [int(b.size) for b in blocks]
@@ -206,7 +207,7 @@ class _FakeCommunicator(object):
     def __init__(self, size):
         self.size = size
         self.compressor = _FakeCompressor()
-        self.totals = extensions.new_totals()
+        self.totals = reporting.new_totals()
 
 
 def _report(ext):

@@ -28,8 +28,8 @@ import chainer  # NOQA: E402
 from chainermn.communicators import mpi_communicator_base  # NOQA: E402
 import numpy  # NOQA: E402
 
-from chainer_vgc.backends import arrays as backend  # NOQA: E402
-from chainer_vgc import extensions  # NOQA: E402
+from chainer_vgc.backends import arrays  # NOQA: E402
+from chainer_vgc import reporting  # NOQA: E402
 from chainer_vgc.chainermn import transport  # NOQA: E402
 from chainer_vgc.params import model_params  # NOQA: E402
 
@@ -60,7 +60,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
     def transport_settings(self):
         """What every rank must agree on about the transport."""
         return (self.allgatherv_method, self.chunk_words,
-                backend.cpu_backend())
+                arrays.cpu_backend())
 
     def duplicate(self):
         """The same collectives on a duplicate of the MPI communicator
@@ -129,7 +129,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
                 self._multi_node_mean(None, q.grad)
         else:
             allreduce_mean_float16(self.mpi_comm, grads)
-        wire = extensions.allreduce_wire(grads, p,
+        wire = reporting.allreduce_wire(grads, p,
                                          float16=dense_dtype is not None)
         return sum(q.size for q in grads), (wire if p > 1 else 0.0)
 
@@ -143,7 +143,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         if self.cuda_aware_mpi:
             return super(Collectives, self).bcast_data(model)
         params = [p for p in model_params(model)[1] if p.array is not None]
-        hosts = [numpy.ascontiguousarray(backend.to_numpy(p.array))
+        hosts = [numpy.ascontiguousarray(arrays.to_numpy(p.array))
                  for p in params]
         buf = numpy.empty(sum(h.nbytes for h in hosts), dtype=numpy.uint8)
         pos = 0
@@ -170,11 +170,11 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
             # which cost a one-rank 'none' step 29 ms of the App. D VGG's
             # 66 ms on an H200 (issue 36)
             return
-        host = backend.to_numpy(recvbuf)
-        src = None if sendbuf is None else backend.to_numpy(sendbuf)
+        host = arrays.to_numpy(recvbuf)
+        src = None if sendbuf is None else arrays.to_numpy(sendbuf)
         super(Collectives, self)._multi_node_mean(src, host)
         with recvbuf.device:  # a CuPy array: back onto its device
-            recvbuf[...] = backend.get_array_module(recvbuf).asarray(host)
+            recvbuf[...] = arrays.get_array_module(recvbuf).asarray(host)
 
 
 def free_mpi_comm(mpi_comm):
@@ -194,12 +194,12 @@ def allreduce_mean_float16(mpi_comm, params):
     Device gradients are staged through one host buffer."""
     from mpi4py import MPI
     sizes = [q.size for q in params]
-    on_device = any(backend.get_array_module(q.grad) is not numpy
+    on_device = any(arrays.get_array_module(q.grad) is not numpy
                     for q in params)
-    buf = backend.host_buffer(sum(sizes), numpy.float16, pinned=on_device)
+    buf = arrays.host_buffer(sum(sizes), numpy.float16, pinned=on_device)
     pos = 0
     for q, n in zip(params, sizes):
-        buf[pos:pos + n] = backend.to_numpy(q.grad).reshape(-1)
+        buf[pos:pos + n] = arrays.to_numpy(q.grad).reshape(-1)
         pos += n
     mpi_comm.Allreduce(MPI.IN_PLACE, [buf.view(numpy.uint16),
                                       MPI.UINT16_T], op=_float16_sum())
@@ -208,7 +208,7 @@ def allreduce_mean_float16(mpi_comm, params):
     for q, n in zip(params, sizes):
         part = mean[pos:pos + n].reshape(q.shape).astype(q.dtype)
         pos += n
-        with backend.device_scope(q.grad):
+        with arrays.device_scope(q.grad):
             q.grad[...] = q.xp.asarray(part)
 
 

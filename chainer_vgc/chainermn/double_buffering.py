@@ -14,8 +14,8 @@ import json
 import chainer
 import numpy
 
-from chainer_vgc.backends import arrays as backend
-from chainer_vgc import extensions
+from chainer_vgc.backends import arrays
+from chainer_vgc import reporting
 from chainer_vgc.chainermn.multi_node_optimizer import VGCMultiNodeOptimizer
 
 
@@ -97,7 +97,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         if ready is None:
             return  # the first exchange: nothing to apply yet
         if ready['last']:
-            extensions.report(ready['last'], target,
+            reporting.report(ready['last'], target,
                               self.method_state.label)
         if ready['skipped'] and not opt._loss_scaling_is_dynamic:
             return  # (vgc/skipped reported)
@@ -126,7 +126,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             loaded, self._loaded = self._loaded, None
             for name, arr in loaded['means'].items():
                 p = mine[name]
-                with backend.device_scope(p.array):
+                with arrays.device_scope(p.array):
                     theirs[name].grad = p.xp.asarray(arr).astype(p.dtype)
             ready = {'scale': loaded['scale'], 'skipped': loaded['skipped'],
                      'last': loaded['last']}
@@ -158,7 +158,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
         result = handle.wait()
         self._ready = {'scale': self._flight_scale,
                        'skipped': result.skipped,
-                       'last': extensions.reported(result.figures)}
+                       'last': reporting.reported(result.figures)}
 
     def _pending(self):
         """The mean the next update applies, as saved in a snapshot:
@@ -229,7 +229,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
                     'scale': scale or None,
                     'skipped': bool(int(serializer(key + 'skipped', 0))),
                     'last': json.loads(str(serializer(key + 'last', '{}'))),
-                    'means': {n: numpy.asarray(backend.to_numpy(
+                    'means': {n: numpy.asarray(arrays.to_numpy(
                         serializer(key + 'mean' + n, None))) for n in names}}
         super(VGCDoubleBufferingOptimizer, self).serialize(serializer)
 

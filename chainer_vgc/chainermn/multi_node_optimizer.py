@@ -13,7 +13,7 @@ snapshots).  Double buffering is :mod:`chainer_vgc.chainermn.double_buffering`.
 import chainer
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.chainermn.communicator import VGCCommunicator
 from chainer_vgc.params import model_params
 from chainer_vgc.rules.base import float32_update
@@ -216,7 +216,7 @@ def serialize_fp32_masters(target, serializer):
         except KeyError:  # none saved (before the first update, or older)
             saved = None
         if saved is not None:
-            with backend.device_scope(param.array):
+            with arrays.device_scope(param.array):
                 rule._fp32_param = chainer.Parameter(
                     param.xp.asarray(saved, dtype=numpy.float32),
                     name=param.name)

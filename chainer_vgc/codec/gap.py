@@ -26,7 +26,7 @@ device (CuPy input) by the kernels of :mod:`chainer_vgc.backends.cuda.kernels`
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_POW2, GAP_ESCAPE, GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS,
@@ -96,7 +96,7 @@ def gap_body(index, nibbles, k, sign_only, span=0):
     (:func:`device_gap_body`)."""
     if not 0 <= int(span) <= MAX_GAP_SPAN:
         raise ValueError('gap_body: span must be in 0..2**24 - 1')
-    if backend.is_cupy(backend.get_array_module(index)):
+    if arrays.is_cupy(arrays.get_array_module(index)):
         body = device_gap_body(index, nibbles, k, sign_only)
         if span:
             body[:1] |= numpy.uint32(int(span) << GAP_SPAN_SHIFT)
@@ -308,8 +308,8 @@ def device_gap_body(index, nibbles, k, sign_only):
        ``end[i] - length[i]`` (so the padding bits stay 0);
     4. ``vgc_gap_values``: one thread per value word gathers its fields.
     """
-    xp = backend.get_array_module(index)
-    if not backend.is_cupy(xp):
+    xp = arrays.get_array_module(index)
+    if not arrays.is_cupy(xp):
         return gap_body(index, nibbles, k, sign_only)
     k = int(k)
     if not 0 <= k <= 63:
@@ -373,7 +373,7 @@ def span_parts(g, sizes, decoder=None):
         return [(g.tensor_id,
                  (g.body & numpy.uint32(MAX_INDEX - 1)).astype(numpy.int64),
                  (g.body >> numpy.uint32(INDEX_BITS)).astype(numpy.uint8))]
-    body = numpy.array(backend.to_numpy(g.body), dtype=numpy.uint32)
+    body = numpy.array(arrays.to_numpy(g.body), dtype=numpy.uint32)
     body[0] &= numpy.uint32((1 << GAP_SPAN_SHIFT) - 1)  # the span is ours
     tids = range(g.tensor_id, g.tensor_id + g.span + 1)
     bounds = numpy.cumsum([0] + [sizes[t] for t in tids])

@@ -5,7 +5,7 @@ asked for or, with ``'auto'``, shorter."""
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.codec.constants import (
     CODINGS, FMT_GAP, GAP_PARAM_WORDS, HEADER_WORDS, INDEX_BITS, MAX_COUNT,
     MAX_INDEX)
@@ -69,7 +69,7 @@ def pow2_sign_group(tensor_id, sign, tau, dtype, coding='auto'):
     for the nonzero entries of ``sign`` (+1, -1, 0), or None when there is
     none; ``dtype`` is the state dtype, ``coding`` as
     :func:`pow2_best_group` (gap-coded: one value bit per element)."""
-    xp = backend.get_array_module(sign)
+    xp = arrays.get_array_module(sign)
     index = xp.nonzero(sign)[0]
     if index.size == 0:
         return None

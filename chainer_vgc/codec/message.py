@@ -7,7 +7,7 @@ re-encodes runs of small groups as one FMT_GAP group."""
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_GAP, FMT_INDEXED, FMT_POW2, GAP_PARAM_WORDS, GAP_SPAN_SHIFT,
@@ -37,13 +37,13 @@ def pack(groups, xp=numpy):
     message = numpy.empty(total, dtype=numpy.uint32)
     message[0], message[1] = MAGIC, len(groups)
     bodies = [g.body for g in groups if g.body.size]
-    if backend.is_cupy(xp) and bodies:
-        with backend.device_scope(bodies[0]):
+    if arrays.is_cupy(xp) and bodies:
+        with arrays.device_scope(bodies[0]):
             # (a host body, from a model partly on the CPU, is uploaded)
             flat = xp.concatenate([xp.asarray(b).astype(numpy.uint32,
                                                         copy=False)
                                    for b in bodies])
-        staged = backend.host_buffer(flat.size, numpy.uint32)
+        staged = arrays.host_buffer(flat.size, numpy.uint32)
         flat.get(out=staged)
         bodies, start = [], 0
         for g in groups:
@@ -63,7 +63,7 @@ def pack(groups, xp=numpy):
 
 def message_count(message):
     """Number of elements a message carries (sum of group counts)."""
-    return sum(g.count for g in walk(backend.to_numpy(message), None))
+    return sum(g.count for g in walk(arrays.to_numpy(message), None))
 
 
 def unpack(message, sizes, dtypes):
@@ -76,19 +76,19 @@ def unpack(message, sizes, dtypes):
     +0.0 start; the wire format's Sec. 5.2).  CuPy messages are decoded on
     the device (headers are read on the host).
     """
-    xp = backend.get_array_module(message)
+    xp = arrays.get_array_module(message)
     out = []
-    for g in walk(backend.to_numpy(message), sizes, message):
+    for g in walk(arrays.to_numpy(message), sizes, message):
         if g.fmt == FMT_GAP:  # decoded on the host, split over its span
             e_k, scale = pow2_header(g)
             for t, index, nibbles in span_parts(g, sizes):
                 table = checked_pow2_table(
-                    g, e_k, scale, backend.state_dtype(dtypes[t]))
+                    g, e_k, scale, arrays.state_dtype(dtypes[t]))
                 out.append(Decoded(t, xp.asarray(index),
                                    xp.asarray(table[nibbles])))
             continue
         index, value = FORMATS[g.fmt].decode(
-            g, sizes[g.tensor_id], backend.state_dtype(dtypes[g.tensor_id]),
+            g, sizes[g.tensor_id], arrays.state_dtype(dtypes[g.tensor_id]),
             xp)
         out.append(Decoded(g.tensor_id, index, value))
     return out
@@ -123,7 +123,7 @@ def add_validated(host, device, outs, sizes):
     been validated first (:func:`unpack` or the native decoder): nothing is
     checked here, so no device value is read back.  The sums are those of
     :func:`decode_into`, bit for bit.  Returns the number of elements."""
-    xp = backend.get_array_module(device)
+    xp = arrays.get_array_module(device)
     n = 0
     for g in walk(host, sizes, device, internal=True):
         out = outs[g.tensor_id]

@@ -11,7 +11,7 @@ FMT_GAP groups the device adds from (pow2 words and int64 indices).
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
     FMT_INDEXED, FMT_POW2, INDEX_BITS, LOG2_ZERO, MAX_D, MAX_INDEX)
@@ -73,8 +73,8 @@ def pow2_encode(values, index, e_k):
     where d > 7 or the value is 0 or subnormal; such elements get word 0 and
     must not be sent.  CuPy input runs the ``vgc_pow2_encode`` kernel.
     """
-    xp = backend.get_array_module(values)
-    if backend.is_cupy(xp):
+    xp = arrays.get_array_module(values)
+    if arrays.is_cupy(xp):
         return kernels.get_kernel('vgc_pow2_encode')(values, index, e_k)
     bits, exp_mask, top, (u, mant, bias, sign_shift) = _bit_fields(values)
     mag = bits & u(~(1 << sign_shift) & ((1 << (sign_shift + 1)) - 1))
@@ -99,8 +99,8 @@ def pow2_decode(words, e_k, scale, dtype):
     dtype = numpy.dtype(dtype)
     _traits(dtype)
     scale = wire_scale(scale, dtype)
-    xp = backend.get_array_module(words)
-    if backend.is_cupy(xp):
+    xp = arrays.get_array_module(words)
+    if arrays.is_cupy(xp):
         # S appears only on a scalar: CuPy needs the outputs to deduce it
         index = xp.empty(words.shape, dtype=numpy.int64)
         value = xp.empty(words.shape, dtype=dtype)

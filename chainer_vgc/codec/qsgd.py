@@ -5,7 +5,7 @@ value = ``sign * level * scale``."""
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.codec.constants import (
     FMT_QSGD, MAX_QSGD_BUCKET, QSGD_OFFSET_BITS, QSGD_RECORD_WORDS)
 from chainer_vgc.codec.header import (
@@ -18,7 +18,7 @@ def qsgd_group(tensor_id, level, negative, scales, bucket_size, levels):
     ``level``/``negative`` are per element (flattened tensor), ``scales`` the
     per-bucket ``norm / levels`` (sent as float64).
     """
-    xp = backend.get_array_module(level)
+    xp = arrays.get_array_module(level)
     nz = xp.nonzero(level)[0]
     bucket = nz // bucket_size
     offset = (nz - bucket * bucket_size).astype(numpy.uint32)
@@ -76,7 +76,7 @@ def _qsgd_split(g):
 def _qsgd_decode(g, size, dtype, xp):
     levels, bucket = g.b >> 24, g.b & 0xFFFFFF
     rec, offset, level, negative = _qsgd_split(g)
-    host = backend.to_numpy(rec)
+    host = arrays.to_numpy(rec)
     ids, counts = host[:, 0].astype(numpy.int64), host[:, 1].astype(numpy.int64)
     scales = numpy.ascontiguousarray(host[:, 2:]).view(numpy.float64)[:, 0]
     if (int(counts.sum()) != g.count or (counts == 0).any()

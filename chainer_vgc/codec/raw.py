@@ -6,7 +6,7 @@ out on decode for alignment)."""
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.codec.constants import FMT_RAW, RAW_DENSE, RAW_FLOAT64
 from chainer_vgc.codec.header import (
     Group, WireFormat, WireFormatError, check_finite, check_index, where)
@@ -17,7 +17,7 @@ def raw_group(tensor_id, index, values, size):
 
     ``values`` must be float32 or float64; ``index`` sorted, unique.
     """
-    xp = backend.get_array_module(values)
+    xp = arrays.get_array_module(values)
     values = xp.ascontiguousarray(values)
     f64 = values.dtype == numpy.float64
     if not f64 and values.dtype != numpy.float32:

@@ -30,7 +30,7 @@ import time
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import costmodel
 
 Choice = collections.namedtuple('Choice', ['dense', 'compressed_s',
@@ -90,7 +90,7 @@ class DenseFallback(object):
             if state is None:  # (the first step: empty residuals)
                 state = rule.init_state(compressor.sizes[i],
                                         compressor.dtypes[i],
-                                        backend.get_array_module(g))
+                                        arrays.get_array_module(g))
             n = rule.count(g, None if sqsums is None else sqsums[i], state)
             if n is None:
                 raise ValueError(

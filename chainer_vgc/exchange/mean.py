@@ -28,7 +28,7 @@ simulation matches an ``mpiexec`` run bit for bit.
 """
 
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 
 
@@ -44,7 +44,7 @@ def local_gradients(params, sqsums, zero_fill):
         sqsums = [None if g is None else s for g, s in zip(grads, sqsums)]
     if zero_fill:
         def zeros(p):
-            with backend.device_scope(p.array):
+            with arrays.device_scope(p.array):
                 return p.xp.zeros_like(p.array)
         if sqsums is not None:
             sqsums = [zeros(p) if g is None else s
@@ -63,8 +63,8 @@ def unscaled(grads, sqsums, loss_scale):
     def div(a, by):
         if a is None:
             return None
-        sdt = backend.state_dtype(a.dtype)
-        with backend.device_scope(a):  # (the subnormal rule on a GPU)
+        sdt = arrays.state_dtype(a.dtype)
+        with arrays.device_scope(a):  # (the subnormal rule on a GPU)
             return kernels.divide(kernels.cast(a, sdt), by)
     grads = [div(g, scale) for g in grads]
     if sqsums is not None:

@@ -15,7 +15,7 @@ from this rank's gradients to ``param.grad`` = the mean over the ranks?
    in rank order times 1/p into ``param.grad``
    (:func:`chainer_vgc.exchange.mean.mean_gradients`);
 3. the dense group (and, during the warm-up, every parameter): allreduce;
-4. the figures (:mod:`chainer_vgc.extensions`).
+4. the figures (:mod:`chainer_vgc.reporting`).
 
 :func:`exchange_async` returns an :class:`ExchangeHandle`; ``wait()``
 gives the :class:`ExchangeResult` and makes its totals and figures the
@@ -31,9 +31,9 @@ import time
 import chainer
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.exchange import mean as exchange_mean
-from chainer_vgc import extensions
+from chainer_vgc import reporting
 from chainer_vgc.exchange import fallback
 from chainer_vgc import faults
 from chainer_vgc.faults import SkippedStep
@@ -213,15 +213,15 @@ def exchange_async(collectives, state, model, zero_fill=False, sqsums=None,
     first = next((p.array for p in model_params(model)[1]
                   if p.array is not None), None)
     debug = chainer.is_debug()  # (Chainer's config is per thread)
-    ready = backend.stream_marker(first)  # the backward's work, queued
+    ready = arrays.stream_marker(first)  # the backward's work, queued
 
     def in_background():
-        with backend.device_scope(first), \
+        with arrays.device_scope(first), \
                 chainer.using_config('debug', debug):
-            backend.wait_marker(ready)
+            arrays.wait_marker(ready)
             result = run(collectives, state, model, zero_fill, sqsums,
                          loss_scale, uncovered, totals)
-            backend.finish_stream(first)
+            arrays.finish_stream(first)
             return result
     return ExchangeHandle(state, in_background, True, collectives)
 
@@ -236,11 +236,11 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
     done = exchange_parameters(collectives, state, model, zero_fill,
                                sqsums, loss_scale, result)
     if done is not None and state.count_by_parameter:
-        extensions.count_sent(state.elements_by_parameter,
+        reporting.count_sent(state.elements_by_parameter,
                               state.parameter_sizes, done,
                               state.compressor, model, collectives.size)
     if done is not None:
-        result.figures = extensions.report_step(
+        result.figures = reporting.report_step(
             done.blocks, done.n_params, totals, done.elements,
             done.param_bytes, size=collectives.size,
             dense_elements=done.n_dense * collectives.size,
@@ -407,4 +407,4 @@ def skip_step(params, error, result, state, model):
     result.skipped = True
     result.totals['skipped'] += 1
     result.figures = {'vgc/skipped': 1.0}
-    extensions.report(result.figures, model, state.label)
+    reporting.report(result.figures, model, state.label)

@@ -22,8 +22,8 @@ import warnings
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
-from chainer_vgc import extensions
+from chainer_vgc.backends import arrays
+from chainer_vgc import reporting
 from chainer_vgc.exchange import elastic
 from chainer_vgc.exchange import fallback
 from chainer_vgc.exchange import settings
@@ -114,7 +114,7 @@ class MethodState(object):
         #: a snapshot's residuals, installed by the next setup()
         self.loaded = None
         #: running totals since construction (or the snapshot's)
-        self.totals = extensions.new_totals()
+        self.totals = reporting.new_totals()
         #: figures of the last exchange (aggregated over ranks)
         self.last = {}
         #: whether the last exchange was skipped (a rank's gradients were
@@ -126,7 +126,7 @@ class MethodState(object):
         #: models (None: one model, reported as ``vgc/...``; by default
         #: ``model<index>``, ``index`` the order the communicator met the
         #: model in; yours: ``comm.state(model).label = 'gen'``): see
-        #: :func:`chainer_vgc.extensions.report`
+        #: :func:`chainer_vgc.reporting.report`
         self.label = None
         self.index = 0
 
@@ -316,11 +316,11 @@ class MethodState(object):
             old = kept.get(name)
             if old is not None and all(
                     a.size == p.size and
-                    a.dtype == backend.state_dtype(p.dtype)
+                    a.dtype == arrays.state_dtype(p.dtype)
                     for a in old.values()):
                 self.compressor.states[i] = old
             else:
-                with backend.device_scope(p.array):
+                with arrays.device_scope(p.array):
                     self.compressor.states[i] = self.rule.init_state(
                         p.size, p.dtype, p.xp)
         self.names, self.dense = names, dense
@@ -337,7 +337,7 @@ class MethodState(object):
                         'residual state {!r} of parameter {!r} has {} '
                         'elements in the snapshot, the model has {}'.format(
                             key, name, arr.size, state.size))
-                with backend.device_scope(state):
+                with arrays.device_scope(state):
                     state[...] = p.xp.asarray(arr).reshape(
                         state.shape).astype(state.dtype)
 

@@ -8,7 +8,7 @@ the workers' messages are combined exactly as
 :class:`~chainer_vgc.chainermn.communicator.VGCCommunicator` combines the messages it
 gathers (the same functions of :mod:`chainer_vgc.exchange.mean`, same rank
 order; settings and groups from :mod:`chainer_vgc.exchange.settings`, figures from
-:mod:`chainer_vgc.extensions`), then one optimizer update is applied.  As
+:mod:`chainer_vgc.reporting`), then one optimizer update is applied.  As
 with ChainerMN's multi-node optimizer, the first step only "broadcasts" (no
 update).  ``tests/test_examples.py`` checks that this gives the same
 parameters, bit for bit, as a real ``mpiexec`` run.  Nothing here imports
@@ -20,7 +20,7 @@ import time
 import chainer
 
 from chainer_vgc.exchange import mean as exchange_mean
-from chainer_vgc import extensions
+from chainer_vgc import reporting
 from chainer_vgc.exchange import settings
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.rules import NoCompression
@@ -54,7 +54,7 @@ class SimulatedWorkers(object):
         self.stats = PerSampleSquares(model)
         self.steps = 0
         self.last = {}
-        self.totals = extensions.new_totals()
+        self.totals = reporting.new_totals()
         #: wall seconds summed over updates after the first: ``'compute'``
         #: (every worker's forward and backward, with the per-sample
         #: statistics where the rule needs them), ``'exchange'`` (compress,
@@ -189,10 +189,10 @@ class SimulatedWorkers(object):
                                          [grads[i] for i in d_idx],
                                          self.size, self.zero_fill, True)
             n_dense = sum(p.size for p in dparams)
-            wire = extensions.allreduce_wire(dparams, self.size)
+            wire = reporting.allreduce_wire(dparams, self.size)
         self.optimizer.update()
         clock['exchange'] += time.perf_counter() - t1
-        self.last = extensions.report_step(
+        self.last = reporting.report_step(
             c_msgs, sum(q.size for q in self.params), self.totals, elements,
             sum(q.size * q.dtype.itemsize for q in self.params),
             size=self.size, dense_elements=n_dense * self.size,
@@ -206,7 +206,7 @@ class SimulatedWorkers(object):
             sizes = [self.params[i].size for i in c_idx]
             dtypes = [self.params[i].dtype for i in c_idx]
             for msg in c_msgs:
-                for t, n in extensions.elements_by_tensor(
+                for t, n in reporting.elements_by_tensor(
                         msg, sizes, dtypes).items():
                     self.elements_by_parameter[c_idx[t]] += n
         for i in d_idx:

@@ -36,7 +36,7 @@ node).
 
 import time
 
-from chainer_vgc import extensions
+from chainer_vgc import reporting
 from chainer_vgc import faults
 from chainer_vgc.nodes import layout as node_layout
 from chainer_vgc.nodes import transfer as node_transfer
@@ -211,7 +211,7 @@ def report_node_step(collectives, done, intra_bytes, totals, model, label,
     sent, wire, n_dense, dense_wire, n_params, n_comp, pbytes, intra, \
         dense_shards = sums
     inter = (q - 1) * wire / q + dense_wire  # each node sends
-    figures = extensions.figures(
+    figures = reporting.figures(
         n_params, q, sent, wire, inter / k, dense_elements=n_dense * q,
         param_bytes=pbytes, ranks=q * k, n_compressed=n_comp)
     figures['vgc/inter_node_bytes'] = inter
@@ -219,4 +219,4 @@ def report_node_step(collectives, done, intra_bytes, totals, model, label,
     if choice is not None:
         figures['vgc/dense_steps'] = figures['_dense_steps'] = \
             dense_shards / k
-    return extensions.record(figures, n_params, totals, model, label)
+    return reporting.record(figures, n_params, totals, model, label)

@@ -15,7 +15,7 @@ Device arrays travel through host memory.
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 
 
 def node_mean(parts, divisor):
@@ -33,7 +33,7 @@ def node_mean(parts, divisor):
 def _host(array, dtype):
     """``array`` as a contiguous host array of ``dtype`` (itself when it
     already is one)."""
-    return numpy.ascontiguousarray(backend.to_numpy(array), dtype=dtype)
+    return numpy.ascontiguousarray(arrays.to_numpy(array), dtype=dtype)
 
 
 def _bytes(a):
@@ -138,7 +138,7 @@ def reduce_to_owners(layout, params, owner, sqsums, need_s, zero_fill,
             numpy.zeros(p.size, p.dtype))
         own = _sum_in_order(parts('g', own), me, own, k, k)
         if not on_host:
-            with backend.device_scope(p.array):
+            with arrays.device_scope(p.array):
                 p.grad = p.xp.asarray(own.reshape(p.shape))
         if need_s[i]:
             s = sqsums[i]
@@ -146,7 +146,7 @@ def reduce_to_owners(layout, params, owner, sqsums, need_s, zero_fill,
                 _host(s, p.dtype).reshape(-1)
             node_s = _sum_in_order(parts('s', mine), None,
                                    work.get((i, 's', me), p), k, k * k)
-            with backend.device_scope(p.array):
+            with arrays.device_scope(p.array):
                 out[i] = p.xp.asarray(node_s.reshape(p.shape))
     return out, flags, sent
 
@@ -184,6 +184,6 @@ def gather_means(layout, params, owner, flags, zero_fill):
         requests.append(comm.Irecv(_bytes(buf), j, i))
     MPI.Request.Waitall(requests)
     for p, buf in fill:
-        with backend.device_scope(p.array):
+        with arrays.device_scope(p.array):
             p.grad = p.xp.asarray(buf)
     return sent

@@ -15,7 +15,7 @@ import copy
 import math
 import numbers
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 
 
@@ -181,7 +181,7 @@ def accumulated(grad, sqsum, state):
 
 def residual_state(size, dtype, xp, names):
     """Zero-filled state arrays ``names`` in the state dtype of ``dtype``."""
-    sdt = backend.state_dtype(dtype)
+    sdt = arrays.state_dtype(dtype)
     return {n: xp.zeros(size, dtype=sdt) for n in names}
 
 
@@ -214,5 +214,5 @@ def raw_max_words(size, dtype, indexed):
     """The most words of a FMT_RAW group of a tensor of ``size`` elements
     of ``dtype`` (values in its state dtype): header, index words (unless
     dense), values; a fast path's ``max_words``."""
-    value_words = backend.state_dtype(dtype).itemsize // 4
+    value_words = arrays.state_dtype(dtype).itemsize // 4
     return codec.HEADER_WORDS + (size if indexed else 0) + size * value_words

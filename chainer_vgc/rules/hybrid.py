@@ -24,7 +24,7 @@ and what receivers add agree.
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
@@ -54,8 +54,8 @@ class Hybrid(base.CompressionRule):
         dt = r.dtype
         alpha, zeta = dt.type(self.alpha), dt.type(self.zeta)
         tau = codec.wire_scale(self.tau, dt)
-        xp = backend.get_array_module(r)
-        if backend.is_cupy(xp):
+        xp = arrays.get_array_module(r)
+        if arrays.is_cupy(xp):
             sign = xp.empty(r.shape, dtype=numpy.int8)
             kernels.get_kernel('vgc_hybrid_step')(
                 grad, sqsum, alpha, zeta, tau, r, v, sign)
@@ -80,7 +80,7 @@ class Hybrid(base.CompressionRule):
         """Elements past both thresholds now, the state unchanged."""
         r, v = base.accumulated(grad, sqsum, state)
         tau = codec.wire_scale(self.tau, r.dtype)
-        xp = backend.get_array_module(r)
+        xp = arrays.get_array_module(r)
         return int(((xp.abs(r) > tau) &
                     (r * r > r.dtype.type(self.alpha) * v)).sum())
 

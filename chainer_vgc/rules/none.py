@@ -1,7 +1,7 @@
 """No compression, the paper's Table 1 baseline: every element is sent
 exactly (dense FMT_RAW group)."""
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.engines.native import bindings as native
@@ -19,7 +19,7 @@ class NoCompression(base.CompressionRule):
     def compress(self, tensor_id, grad, sqsum, state):
         if grad.size == 0:
             return None
-        values = grad.astype(backend.state_dtype(grad.dtype), copy=False)
+        values = grad.astype(arrays.state_dtype(grad.dtype), copy=False)
         return codec.raw_group(tensor_id, None, values, grad.size)
 
 

@@ -16,7 +16,7 @@ import json
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.engines.native import bindings as native
@@ -47,7 +47,7 @@ class QSGD(base.CompressionRule):
     def _rng(self, xp):
         key = xp.__name__
         if key not in self._rngs:
-            if backend.is_cupy(xp):
+            if arrays.is_cupy(xp):
                 # Philox: counter-based, so a new generator each step is
                 # cheap (XORWOW would initialize ~10^5 states every step)
                 self._rngs[key] = xp.random.default_rng(
@@ -103,7 +103,7 @@ class QSGD(base.CompressionRule):
         Norms and scales are computed in float64, so neither large float32
         gradients (squares overflow) nor float64 ones lose their bucket.
         """
-        xp = backend.get_array_module(grad)
+        xp = arrays.get_array_module(grad)
         g = grad.astype(numpy.float64)
         n, b = g.size, self.bucket
         nb = -(-n // b)
@@ -119,7 +119,7 @@ class QSGD(base.CompressionRule):
         return level, xp.signbit(g), norms / self.levels
 
     def compress(self, tensor_id, grad, sqsum, state):
-        dtype = backend.state_dtype(grad.dtype)
+        dtype = arrays.state_dtype(grad.dtype)
         level, negative, scales = self.quantize(grad, dtype)
         if not level.any():
             return None
@@ -154,7 +154,7 @@ def _native_path(rule):
     generator, so the inputs are checked before any tensor (the generator
     must not draw on a fault).  No whole-model GPU step."""
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
-        u = rule.uniform_draws(grad.size, backend.state_dtype(grad.dtype))
+        u = rule.uniform_draws(grad.size, arrays.state_dtype(grad.dtype))
         return native.compress_qsgd(ws, tensor_id, grad, u, rule.bucket,
                                     rule.levels, out)
 

@@ -11,7 +11,7 @@ FMT_POW2 group (:func:`chainer_vgc.codec.pow2_sign_group`).
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
@@ -36,8 +36,8 @@ class Strom(base.CompressionRule):
         """Accumulate and threshold; returns int8 signs (+1, -1, 0)."""
         r = state['r']
         tau = codec.wire_scale(self.tau, r.dtype)
-        xp = backend.get_array_module(r)
-        if backend.is_cupy(xp):
+        xp = arrays.get_array_module(r)
+        if arrays.is_cupy(xp):
             sign = xp.empty(r.shape, dtype=numpy.int8)
             kernels.get_kernel('vgc_strom_step')(grad, tau, r, sign)
             return sign
@@ -52,7 +52,7 @@ class Strom(base.CompressionRule):
     def count(self, grad, sqsum, state):
         """Elements past tau now, the state unchanged."""
         r, _ = base.accumulated(grad, None, state)
-        xp = backend.get_array_module(r)
+        xp = arrays.get_array_module(r)
         return int((xp.abs(r) > codec.wire_scale(self.tau, r.dtype)).sum())
 
     def compress(self, tensor_id, grad, sqsum, state):

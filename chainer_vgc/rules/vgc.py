@@ -23,7 +23,7 @@ then sum of gradients = sum sent + r exactly up to float rounding.
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
@@ -77,8 +77,8 @@ class VGC(base.CompressionRule):
         """
         r, v = state['r'], state['v']
         alpha, zeta = r.dtype.type(self.alpha), r.dtype.type(self.zeta)
-        xp = backend.get_array_module(r)
-        if backend.is_cupy(xp):
+        xp = arrays.get_array_module(r)
+        if arrays.is_cupy(xp):
             sel = xp.empty(r.shape, dtype=bool)
             kernels.get_kernel('vgc_basic_select')(
                 grad, sqsum, alpha, zeta, r, v, sel)
@@ -99,7 +99,7 @@ class VGC(base.CompressionRule):
 
     def compress(self, tensor_id, grad, sqsum, state):
         r, v = state['r'], state['v']
-        xp = backend.get_array_module(r)
+        xp = arrays.get_array_module(r)
         index = xp.nonzero(self.select(grad, sqsum, state))[0]
         if index.size == 0:
             return None

@@ -26,7 +26,7 @@ from chainer.functions.noise import zoneout as _zoneout
 from chainer.functions.normalization import batch_normalization as _bn
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.statistics.graph import _functions_of
 
 
@@ -144,7 +144,7 @@ def _per_example_passes(loss_fn, params, batch):
             for k, (p, g) in enumerate(zip(params, grads)):
                 if g is None:
                     continue
-                g = g.array.astype(backend.state_dtype(p.dtype))
+                g = g.array.astype(arrays.state_dtype(p.dtype))
                 gg = g * g
                 norm2 += float(gg.sum(dtype=numpy.float64))
                 out.sqsum[k] = gg if out.sqsum[k] is None else \

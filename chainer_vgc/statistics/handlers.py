@@ -61,7 +61,7 @@ from chainer.functions.normalization import layer_normalization as _ln
 from chainer.utils import conv as conv_utils
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.statistics import broadcasts
 from chainer_vgc.statistics import contraction
 from chainer_vgc.statistics import normalizations

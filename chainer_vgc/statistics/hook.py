@@ -49,7 +49,7 @@ from chainer import backend as chainer_backend
 from chainer.functions.pooling import average_pooling_nd as _pooling_nd
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of
 from chainer_vgc.statistics.bruteforce import _uncovered_sqsums
@@ -354,7 +354,7 @@ class PerSampleSquares(chainer.FunctionHook):
                 self.sqsums[i] = current.results[i]
             elif p.grad is not None and i in uses:
                 # reached, but no gradient flowed through any use
-                self.sqsums[i] = p.xp.zeros(p.shape, backend.state_dtype(
+                self.sqsums[i] = p.xp.zeros(p.shape, arrays.state_dtype(
                     p.dtype))
         return self.sqsums
 
@@ -407,20 +407,20 @@ class PerSampleSquares(chainer.FunctionHook):
         None: each sum is its own array).  The reductions write into
         them, and a compressor on the GPU then reads the sums in place
         instead of gathering them (:mod:`chainer_vgc.engines.cuda.compress`)."""
-        arrays = [p.array for p in self.params]
-        if not arrays or any(a is None for a in arrays):
+        data = [p.array for p in self.params]
+        if not data or any(a is None for a in data):
             return None
-        dtypes = {backend.state_dtype(a.dtype) for a in arrays}
-        xp = backend.get_array_module(arrays[0])
+        dtypes = {arrays.state_dtype(a.dtype) for a in data}
+        xp = arrays.get_array_module(data[0])
         if len(dtypes) != 1 or any(
-                backend.get_array_module(a) is not xp for a in arrays):
+                arrays.get_array_module(a) is not xp for a in data):
             return None
-        if backend.is_cupy(xp) and len({a.device.id for a in arrays}) != 1:
+        if arrays.is_cupy(xp) and len({a.device.id for a in data}) != 1:
             return None
-        with backend.device_scope(arrays[0]):
-            arena = xp.empty(sum(a.size for a in arrays), dtypes.pop())
+        with arrays.device_scope(data[0]):
+            arena = xp.empty(sum(a.size for a in data), dtypes.pop())
         views, at = [], 0
-        for a in arrays:
+        for a in data:
             views.append(arena[at:at + a.size].reshape(a.shape))
             at += a.size
         return views
@@ -490,7 +490,7 @@ class PerSampleSquares(chainer.FunctionHook):
                         group, in_data[0], gy)):
                 continue
             use = _uses_of(function, k, in_data, gy,
-                           backend.state_dtype(param.dtype), xp)
+                           arrays.state_dtype(param.dtype), xp)
 
             def run(use=use, i=i, shape=param.shape):
                 grad = xp.empty(shape, use.dtype)
@@ -539,7 +539,7 @@ class PerSampleSquares(chainer.FunctionHook):
             # Add hands one array to both its inputs)
             gy_all = gy_all.copy()
         for i, k, sel in entries:
-            dtype = backend.state_dtype(self.params[i].dtype)
+            dtype = arrays.state_dtype(self.params[i].dtype)
             gy = gy_all
             if isinstance(sel, Pullback):  # through functions of itself
                 wide = _broadcasting(function)

@@ -16,7 +16,7 @@ products (Linear, convolutions) take the faster exact formulations of
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.statistics import contraction
 
@@ -125,7 +125,7 @@ def _chunked_sqsum(examples, b, step, out):
         z1 = min(b, z0 + step)
         last = z1 == b
         g = examples(z0, z1)
-        xp = backend.get_array_module(g)
+        xp = arrays.get_array_module(g)
         if acc is None:
             acc = contraction.sum_squares(xp, g, out if last else None)
         else:

@@ -32,7 +32,7 @@ gradient everywhere.
 from chainer.functions.connection import convolution_2d as _conv
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc.statistics import contraction
 
 
@@ -46,7 +46,7 @@ def eligible(fn, k, param, positions, x, gy):
     return (type(fn) is _conv.Convolution2DFunction and k == 1 and
             isinstance(x, numpy.ndarray) and isinstance(gy, numpy.ndarray)
             and not getattr(fn, '_use_ideep', False)
-            and dtype == backend.state_dtype(dtype) and x.dtype == dtype
+            and dtype == arrays.state_dtype(dtype) and x.dtype == dtype
             and gy.dtype == dtype
             and not contraction.uses_gram(numpy, positions))
 

@@ -22,7 +22,7 @@ import os
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 
 KernelSpec = collections.namedtuple(
     'KernelSpec', ['in_params', 'out_params', 'operation'])
@@ -300,16 +300,16 @@ def scan(xp, a):
 def cast(x, dtype):
     """``x`` as ``dtype`` (``x`` itself when it already is)."""
     dtype = numpy.dtype(dtype)
-    if x.dtype == dtype or not backend.is_cupy(backend.get_array_module(x)):
+    if x.dtype == dtype or not arrays.is_cupy(arrays.get_array_module(x)):
         return x.astype(dtype, copy=False)
-    out = backend.get_array_module(x).empty(x.shape, dtype=dtype)
+    out = arrays.get_array_module(x).empty(x.shape, dtype=dtype)
     get_kernel('vgc_cast')(x, out)
     return out
 
 
 def add_into(acc, x):
     """``acc += x`` (same dtype and shape)."""
-    if backend.is_cupy(backend.get_array_module(acc)):
+    if arrays.is_cupy(arrays.get_array_module(acc)):
         get_kernel('vgc_add_to')(x, acc)
     else:
         acc += x
@@ -319,7 +319,7 @@ def add_into(acc, x):
 def add(a, b, out=None):
     """``a + b`` (same dtype and shape); a new array, or written into
     ``out`` (an array of that dtype and shape) and returned."""
-    if backend.is_cupy(backend.get_array_module(a)):
+    if arrays.is_cupy(arrays.get_array_module(a)):
         if out is None:
             return add_into(a.copy(), b)
         out[...] = a
@@ -339,8 +339,8 @@ def divide(x, k):
 
 def _with_scalar(name, x, k, host_op):
     k = x.dtype.type(k)
-    if backend.is_cupy(backend.get_array_module(x)):
-        out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
+    if arrays.is_cupy(arrays.get_array_module(x)):
+        out = arrays.get_array_module(x).empty(x.shape, dtype=x.dtype)
         get_kernel(name)(x, k, out)
         return out
     return host_op(x, k)

@@ -57,7 +57,7 @@ import collections
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.backends import registry
@@ -122,15 +122,15 @@ def step_for(engine, grads):
     replaced here) when it applies to ``grads`` (CuPy arrays, every one
     on one device), else None."""
     first = next((g for g in grads if g is not None), None)
-    if first is None or not backend.is_cupy(backend.get_array_module(first)):
+    if first is None or not arrays.is_cupy(arrays.get_array_module(first)):
         return None  # (the CPU's steps pay for nothing more)
     compressor = engine.compressor
     part = device_rule(compressor.rule)
     if (part is None or any(n > codec.MAX_INDEX for n in compressor.sizes)
-            or len({backend.state_dtype(d) for d in compressor.dtypes}) != 1):
+            or len({arrays.state_dtype(d) for d in compressor.dtypes}) != 1):
         return None
     present = [g for g in grads if g is not None]
-    if not backend.is_cupy(backend.get_array_module(*present)):
+    if not arrays.is_cupy(arrays.get_array_module(*present)):
         return None
     device = present[0].device
     if any(g.device != device for g in present):
@@ -148,13 +148,13 @@ class DeviceStep(object):
     docstring)."""
 
     def __init__(self, compressor, part, device):
-        xp = backend.cupy
+        xp = arrays.cupy
         #: ``part``: the rule's
         #: :data:`~chainer_vgc.backends.registry.DeviceRule`
         self.comp, self.part, self.device = compressor, part, device
         sizes = compressor.sizes
         self.n = len(sizes)
-        self.sdt = backend.state_dtype(compressor.dtypes[0])
+        self.sdt = arrays.state_dtype(compressor.dtypes[0])
         bounds = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(
             numpy.int64)
         self.size = int(bounds[-1])
@@ -193,7 +193,7 @@ class DeviceStep(object):
             self.max_words = 2 + sum(codec.pow2_max_words(s, coding)
                                      for s in sizes)
         self.buffer = xp.empty(self.head + self.max_words, numpy.uint32)
-        self.staged = backend.host_buffer(self.buffer.size, numpy.uint32)
+        self.staged = arrays.host_buffer(self.buffer.size, numpy.uint32)
         self.cap = self.max_words
 
     # -- state -------------------------------------------------------------
@@ -290,7 +290,7 @@ class DeviceStep(object):
         comp.rule.begin_step()
         with self.device:
             self._install()
-            self._passes(backend.cupy, grads, sqsums)
+            self._passes(arrays.cupy, grads, sqsums)
             message, flags, info = self._download()
         flagged = [(int(i), int(flags[i])) for i in numpy.flatnonzero(flags)]
         comp.settle(comp.fault_of(flagged) if flagged else None, agree)

@@ -35,7 +35,7 @@ tensor."""
 
 import numpy
 
-from chainer_vgc.backends import arrays as backend
+from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.message import walk
@@ -242,7 +242,7 @@ def mean(blocks, sizes, staging, params, size, dense, rescale, rows=None):
     if (rows[:, 2] == codec.FMT_QSGD).any():
         return False
     p, n = len(blocks), len(sizes)
-    xp = backend.get_array_module(params[0].array)
+    xp = arrays.get_array_module(params[0].array)
     # [each dtype's offsets and tensor ids, bounds, acc_at, each rank's
     # items (int64)][descriptors][the messages as received][FMT_GAP
     # groups' first blocks and rows (int64)]: one upload, from a host
@@ -282,12 +282,12 @@ def mean(blocks, sizes, staging, params, size, dense, rescale, rows=None):
         n_blocks = int(block_starts[-1])
         staged[tail:total] = numpy.concatenate(
             [block_starts, gap_rows.reshape(-1)]).view(numpy.uint32)
-    with backend.device_scope(params[0].array):
+    with arrays.device_scope(params[0].array):
         uploaded = xp.asarray(staged)
         # CuPy queues the copy from pinned memory on the current stream
         # and returns: the buffer is handed out again (next step) only
         # once this event, recorded after the copy, has completed
-        staging.hold_until(backend.upload_fence(uploaded))
+        staging.hold_until(arrays.upload_fence(uploaded))
         buf = uploaded[head:]  # body offsets count from here
         gaps = xp.empty(max(expanded, 1), numpy.uint64)
         errs = None
