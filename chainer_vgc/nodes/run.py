@@ -112,8 +112,8 @@ class NodeMethodState(MethodState):
                 n for n, j in zip(names, self.owners)
                 if j == layout.local_rank])
             self.whole = (names, dense)
-            self._whole_compressed = sum(p.size for n, p in zip(names, params)
-                                         if n not in dense)
+            self._whole_compressed = sum(
+                p.size for n, p in zip(names, params) if n not in dense)
             self._nodes = layout.nodes
         # (the ranks of this node share its cores: those of the shard's
         # collectives are on other nodes)
@@ -158,25 +158,8 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
         return [(worst[layout.node_of[r]],) + tuple(everyone[r][1:])
                 for r in layout.peers]
 
-    mine = [n for n, c in zip(names, compressed) if c and
-            n in state.view.names]
-    if any(compressed) and not mine:
-        try:  # no compressed parameter here: agree all the same
-            faults.settle([c[0] for c in agree_on((faults.OK, (), None))],
-                          None)
-        except faults.SkippedStep as e:
-            exchange_run.skip_step(
-                [p for _, p in state.view.namedparams()], e, result, state,
-                model)
-            done = None
-        else:
-            done = exchange_run.exchange_parameters(
-                collectives.inter, state, state.view, zero_fill, view_s,
-                loss_scale, result, agree_on)
-    else:
-        done = exchange_run.exchange_parameters(
-            collectives.inter, state, state.view, zero_fill, view_s,
-            loss_scale, result, agree_on)
+    done = _exchange_shard(collectives, state, names, compressed, view_s,
+                           zero_fill, loss_scale, result, model, agree_on)
     t2 = time.perf_counter()
     if done is None:  # skipped on every rank
         exchange_run.nan_grads(params)
@@ -189,6 +172,30 @@ def run_node_exchange(collectives, state, model, zero_fill, sqsums,
     result.timing = dict(result.timing, node_reduce=t1 - t0,
                          node_gather=t3 - t2)
     return result
+
+
+def _exchange_shard(collectives, state, names, compressed, view_s,
+                    zero_fill, loss_scale, result, model, agree_on):
+    """Step 3, the flat exchange of this rank's shard among the ranks of
+    its local index (:func:`chainer_vgc.exchange.run.exchange_parameters`,
+    its :class:`~chainer_vgc.exchange.run.Sent` or None when skipped).  A
+    shard without a compressed parameter still takes part in the
+    agreement on faults first, as every shard's compressor does, so that
+    a non-finite gradient anywhere skips the step everywhere."""
+    mine = [n for n, c in zip(names, compressed) if c and
+            n in state.view.names]
+    if any(compressed) and not mine:
+        try:  # no compressed parameter here: agree all the same
+            faults.settle([c[0] for c in agree_on((faults.OK, (), None))],
+                          None)
+        except faults.SkippedStep as e:
+            exchange_run.skip_step(
+                [p for _, p in state.view.namedparams()], e, result, state,
+                model)
+            return None
+    return exchange_run.exchange_parameters(
+        collectives.inter, state, state.view, zero_fill, view_s,
+        loss_scale, result, agree_on)
 
 
 # -- the figures --------------------------------------------------------------
