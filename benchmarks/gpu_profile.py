@@ -40,7 +40,7 @@ Data flow of a measurement:
    the CuPy calls the steps make (``concatenate``, ``cumsum``,
    ``asarray``, ``ndarray.get``, ``ndarray.fill``, where CuPy lets them be
    replaced) and the host phases (methods of ``GradientCompressor``,
-   ``device_step.DeviceStep``, functions of ``exchange``,
+   ``device_compress.DeviceStep``, functions of ``exchange``,
    ``device_decode``, ``codec``, ``backend``), each by a wrapper that asks
    :class:`Profiler` to record an event before and after the call and the
    host's ``time.perf_counter`` around it.  After each step the device is
@@ -364,7 +364,7 @@ def exchange_patches(ctx, patches):
     from chainer_vgc import codec
     from chainer_vgc.backends import arrays
     from chainer_vgc.engines.cuda import decode as device_decode
-    from chainer_vgc.engines.cuda import compress as device_step
+    from chainer_vgc.engines.cuda import compress as device_compress
     from chainer_vgc.engines.cuda import engine as cuda_engine
     from chainer_vgc.engines.native import engine as native_engine
     from chainer_vgc.exchange import mean as exchange_mean
@@ -378,11 +378,11 @@ def exchange_patches(ctx, patches):
         patches.wrap(xp, name, 'cupy.' + name, 'cupy')
     for name in ('get', 'fill'):
         patches.wrap(xp.ndarray, name, 'ndarray.' + name, 'cupy')
-    step = getattr(device_step, 'DeviceStep', None)
+    step = getattr(device_compress, 'DeviceStep', None)
     for owner, name, label in [
             (GradientCompressor, 'compress', 'GradientCompressor.compress'),
             (cuda_engine.CudaEngine, 'compress', 'CudaEngine.compress'),
-            (device_step, 'step_for', 'device_step.step_for'),
+            (device_compress, 'step_for', 'device_compress.step_for'),
             (step, 'compress', 'DeviceStep.compress'),
             (GradientCompressor, 'validate', 'GradientCompressor.validate'),
             (step, '_install', 'DeviceStep._install'),
@@ -760,8 +760,8 @@ def profile_compress(ctx, label, method, kw):
         '{:.2f} s; density {:.2%}, {:,} message bytes{}'.format(
             steps, a.warmup, dev, wall, dev / max(ctx.copy_ms, 1e-9), first,
             density, comp.last_bytes, '' if on_device else
-            '; NOTE: not the whole-model device step (device_step.step_for '
-            'returned None)'))
+            '; NOTE: not the whole-model device step '
+            '(device_compress.step_for returned None)'))
     prof = ctx.instrumented(step, a.repeat, 0, exchange_patches)
     ctx.report.table(prof)
     ctx.results['compress ' + label] = dev

@@ -29,7 +29,7 @@ from chainer_vgc import codec
 from chainer_vgc import faults
 from chainer_vgc.engines import reference
 from chainer_vgc.engines.cuda import engine as cuda_engine
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.engines.native import engine as native_engine
 from chainer_vgc.rules import CompressionRule
 from chainer_vgc.rules import create_rule
@@ -83,8 +83,9 @@ class GradientCompressor(object):
         if not isinstance(rule, CompressionRule):
             rule = create_rule(rule, **hyperparams)
         elif hyperparams:
-            raise ValueError('hyperparameters {} given with a rule object; '
-                             'set them on the rule'.format(sorted(hyperparams)))
+            raise ValueError(
+                'hyperparameters {} given with a rule object; set them on '
+                'the rule'.format(sorted(hyperparams)))
         self.rule = rule
         self.names = list(names)
         self.shapes = [tuple(int(n) for n in s) for s in shapes]
@@ -304,12 +305,12 @@ class GradientCompressor(object):
         in parameter order, then a tensor whose group cannot be encoded,
         then overflows."""
         for i, flags in flagged:
-            if flags & native.BAD_GRAD:
+            if flags & bindings.BAD_GRAD:
                 return faults.bad_gradient(self.names[i])
-            if flags & native.BAD_SQSUM:
+            if flags & bindings.BAD_SQSUM:
                 return faults.bad_sqsum(self.names[i])
         for i, flags in flagged:
-            if flags & native.UNENCODABLE:
+            if flags & bindings.UNENCODABLE:
                 return ValueError(
                     'parameter {!r}: {} elements selected in one step; a '
                     'group carries at most 2**32 - 1 (and '
@@ -317,7 +318,7 @@ class GradientCompressor(object):
                     'the residual state is unchanged'.format(
                         self.names[i], self.sizes[i]))
         i, flags = flagged[0]
-        key = 'r' if flags & native.OVERFLOW_R else 'v'
+        key = 'r' if flags & bindings.OVERFLOW_R else 'v'
         return faults.overflow(key, self.names[i], arrays.state_dtype(
             self.dtypes[i]), unchanged=True)
 

@@ -243,7 +243,7 @@ CORE = {'cuda_support': 'backends.cuda.support', 'arrays': 'backends.arrays',
         'compressor': 'compressor', 'exchange': 'exchange.mean',
         'reference': 'engines.reference',
         'cuda_engine': 'engines.cuda.engine',
-        'device_step': 'engines.cuda.compress'}
+        'device_compress': 'engines.cuda.compress'}
 
 
 def import_core(no_nvrtc_preload=False):
@@ -481,7 +481,7 @@ def whole_results(core, case, xp, meta, arrays):
                 ends = numpy.cumsum([0] + [s.size for s in ss])
                 sq = [flat[a:b].reshape(s.shape)
                       for a, b, s in zip(ends[:-1], ends[1:], ss)]
-                if xp is not numpy and core.device_step._span(
+                if xp is not numpy and core.device_compress._span(
                         sq, int(ends[-1])) is None:
                     raise Mismatch('the sums in one array were not read '
                                    'in place')

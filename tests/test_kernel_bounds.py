@@ -67,7 +67,7 @@ def _strom_chain(run, g, r, offsets, active, tau):
     msg = numpy.zeros(2 + sum(5 + c for c in counts if c), numpy.uint32)
     maxbits = numpy.zeros(n, numpy.uint64)
     base, ek = numpy.zeros(n, numpy.int64), numpy.zeros(n, numpy.int64)
-    info = numpy.zeros(5, numpy.uint32)  # device_step.INFO_WORDS
+    info = numpy.zeros(5, numpy.uint32)  # engines.cuda.compress.INFO_WORDS
     done = run('vgc_model_layout', pos, offsets, n, False,
                numpy.uint32(7), False, numpy.zeros(1, numpy.int32),
                maxbits, base, ek, msg, info)[0]

@@ -27,7 +27,7 @@ from chainer_vgc import reporting
 from chainer_vgc.exchange import elastic
 from chainer_vgc.exchange import fallback
 from chainer_vgc.exchange import settings
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.compressor import GradientCompressor
 from chainer_vgc.params import model_params
 from chainer_vgc.params import some_of
@@ -309,9 +309,9 @@ class MethodState(object):
         if self.compressor.backend == 'native':
             # the cores of this node, shared by its ranks (OMP_NUM_THREADS
             # wins where set)
-            threads = native.default_threads(intra_size)
+            threads = bindings.default_threads(intra_size)
             if threads:
-                native.set_num_threads(threads)
+                bindings.set_num_threads(threads)
         for i, (name, p) in enumerate(pairs):
             old = kept.get(name)
             if old is not None and all(

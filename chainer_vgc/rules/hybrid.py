@@ -28,7 +28,7 @@ from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 
@@ -97,7 +97,7 @@ def _native_path(rule):
     coding = rule.index_coding
 
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
-        return native.compress_hybrid(
+        return bindings.compress_hybrid(
             ws, tensor_id, grad, sqsum, state['r'], state['v'],
             new_state['r'], new_state['v'], rule.alpha, rule.zeta, rule.tau,
             out, coding=coding)

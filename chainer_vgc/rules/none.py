@@ -4,7 +4,7 @@ exactly (dense FMT_RAW group)."""
 from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 
@@ -27,7 +27,7 @@ def _native_path(rule):
     """No compression on the native CPU backend: one copy into a dense
     FMT_RAW group."""
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
-        return native.compress_none(ws, tensor_id, grad, out)
+        return bindings.compress_none(ws, tensor_id, grad, out)
     return registry.FastPath(
         compress, lambda size, dtype: base.raw_max_words(size, dtype, False),
         True)

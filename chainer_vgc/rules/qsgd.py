@@ -19,7 +19,7 @@ import numpy
 from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 
@@ -155,8 +155,8 @@ def _native_path(rule):
     must not draw on a fault).  No whole-model GPU step."""
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
         u = rule.uniform_draws(grad.size, arrays.state_dtype(grad.dtype))
-        return native.compress_qsgd(ws, tensor_id, grad, u, rule.bucket,
-                                    rule.levels, out)
+        return bindings.compress_qsgd(ws, tensor_id, grad, u, rule.bucket,
+                                      rule.levels, out)
 
     def max_words(size, dtype):
         buckets = -(-size // rule.bucket)

@@ -15,7 +15,7 @@ from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 
@@ -68,9 +68,9 @@ def _native_path(rule):
     coding = rule.index_coding
 
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
-        return native.compress_strom(ws, tensor_id, grad, state['r'],
-                                     new_state['r'], rule.tau, out,
-                                     coding=coding)
+        return bindings.compress_strom(ws, tensor_id, grad, state['r'],
+                                       new_state['r'], rule.tau, out,
+                                       coding=coding)
     return registry.FastPath(
         compress, lambda size, dtype: codec.pow2_max_words(size, coding),
         True)

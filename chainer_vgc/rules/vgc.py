@@ -27,7 +27,7 @@ from chainer_vgc.backends import arrays
 from chainer_vgc import codec
 from chainer_vgc.backends import registry
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 
@@ -129,7 +129,7 @@ def _native_path(rule):
     """Fig. "Basic" on the native CPU backend: one fused pass; FMT_POW2 /
     FMT_GAP words, or FMT_RAW with quantization off."""
     def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
-        return native.compress_vgc(
+        return bindings.compress_vgc(
             ws, tensor_id, grad, sqsum, state['r'], state['v'],
             new_state['r'], new_state['v'], rule.alpha, rule.zeta,
             rule.quantize, rule.keep_unrepresentable, out,
