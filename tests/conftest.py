@@ -1,7 +1,17 @@
 import os
 
-import hypothesis
-import pytest
+# OpenMP threads that wait block instead of spinning (libgomp reads this
+# when the native backend's library is loaded, after this file): the suite
+# runs two pytest workers and oversubscribing mpiexec jobs on few cores,
+# where a spinning team member holds the core its partner needs, so every
+# parallel region of the native passes (two threads by default) waited out
+# the scheduler.  The same code runs, with the same threads; only idle
+# waiting changes.  Inherited by every subprocess the tests start with this
+# environment (mpiexec's ranks, the examples, the runbook).
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+
+import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile(
     'vgc', deadline=None, max_examples=int(os.environ.get('VGC_EXAMPLES',
