@@ -90,7 +90,8 @@ def run(name, args, world):
                 times[key].append(spent)
     naive_s, vgc_s = (float(numpy.median(times[k])) for k in ('naive',
                                                                 'vgc'))
-    compression = run_summary(vgc.totals, vgc.compressor, world.size)[
+    st = vgc.state(updaters['vgc'].get_optimizer('main').target)
+    compression = run_summary(st.totals, st.compressor, world.size)[
         'vgc/total_compression']
     return dict(model=name, naive=naive_s, vgc=vgc_s, ratio=vgc_s / naive_s,
                 compression=compression)

@@ -291,7 +291,7 @@ def timing_run(args, world, comm, model, opt, x, t, exchange, phases, out,
             world.Barrier()
             before = iface_bytes(args.iface)
             lo_before = iface_bytes('lo')
-            totals = dict(getattr(comm, 'totals', {}))
+            totals = dict(run_totals(comm, model) or {})
         i = (k * args.batchsize) % len(x)
         world.Barrier()
         steps.append(timed(opt.update, model, x[i:i + args.batchsize],
@@ -310,11 +310,12 @@ def timing_run(args, world, comm, model, opt, x, t, exchange, phases, out,
     if phases and 'agree_spans' in phases[0]:
         info['agree_spans'] = [ph['agree_spans'] for ph in phases]
     if args.method != 'naive':  # over the measured steps only
-        info['wire'] = comm.totals['bytes'] - totals['bytes']
-        info['elements'] = comm.totals['elements'] - totals['elements']
-        info['vgc_steps'] = comm.totals['steps'] - totals['steps']
+        now = run_totals(comm, model)
+        info['wire'] = now['bytes'] - totals['bytes']
+        info['elements'] = now['elements'] - totals['elements']
+        info['vgc_steps'] = now['steps'] - totals['steps']
         for key in ('message_bits', 'message_elements'):
-            info[key] = comm.totals.get(key, 0) - totals.get(key, 0)
+            info[key] = now.get(key, 0) - totals.get(key, 0)
     everyone = world.gather(info)
     if world.rank != 0:
         return
@@ -388,10 +389,18 @@ def replicas_agree(model, world):
     return len(set(world.allgather(total))) == 1
 
 
-def compression(comm, params, size):
+def run_totals(comm, model):
+    """``model``'s run totals on ``comm`` (None for ChainerMN's dense
+    communicator, which keeps none)."""
+    if not isinstance(comm, chainer_vgc.VGCCommunicator):
+        return None
+    return comm.state(model).totals
+
+
+def compression(comm, model, params, size):
     """Parameters / elements sent per rank over the whole run (1 for a
     dense communicator)."""
-    totals = getattr(comm, 'totals', None)
+    totals = run_totals(comm, model)
     if not totals or not totals.get('steps'):
         return 1.0
     elements = totals['elements'] / float(size)
@@ -443,7 +452,8 @@ def accuracy_run(args, world, comm, model, opt, x, t, exchange, out, where):
                final_accuracy=final, replicas_agree=agree,
                eval_s=t_eval[0], exchange_s=max(ex_all),
                epochs=(run['steps'] * b * world.size) / 60000.0,
-               compression=compression(comm, out['params'], world.size))
+               compression=compression(comm, model, out['params'],
+                                       world.size))
     print('RESULT ' + json.dumps(out), flush=True)
 
 

@@ -44,8 +44,7 @@ class CompressionReport(extension.Extension):
         self._last = None
 
     def _state(self):
-        if self.model is None:
-            return self.communicator
+        # (model None: the model exchanged last)
         return self.communicator.state(self.model)
 
     def _workers(self, st):

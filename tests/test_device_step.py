@@ -14,7 +14,7 @@ from chainer_vgc.backends.cuda import kernels
 from chainer_vgc import codec
 from chainer_vgc.codec.message import walk
 from chainer_vgc.faults import SkippedStep
-from chainer_vgc.engines.cuda import compress as device_step
+from chainer_vgc.engines.cuda import compress as device_compress
 from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import faults
 from chainer_vgc.rules import CompressionRule
@@ -115,7 +115,7 @@ def test_messages_and_states_equal_the_cpu_backend(device, method, kw,
     for k, (gs, ss) in enumerate(_stream(shapes, dtypes, 5, 3, missing)):
         fake.reset()
         got = dev.compress(_on(fake, gs), _on(fake, ss))
-        assert isinstance(dev.device_engine.step, device_step.DeviceStep)
+        assert isinstance(dev.device_engine.step, device_compress.DeviceStep)
         assert fake.count('download') == 1 and fake.count('scalar') == 0
         want = cpu.compress(gs, ss)
         assert_bitwise(got, want)
@@ -282,8 +282,8 @@ def test_a_message_longer_than_the_last_one_takes_a_second_copy(
     """The download covers the last message plus slack; beyond it, the
     rest comes in a second copy and the message is whole."""
     fake = device
-    monkeypatch.setattr(device_step, 'MIN_SLACK', 0)
-    monkeypatch.setattr(device_step, 'SLACK', 1.0)
+    monkeypatch.setattr(device_compress, 'MIN_SLACK', 0)
+    monkeypatch.setattr(device_compress, 'SLACK', 1.0)
     shapes, dtypes = [(500,)], [F32]
     dev, cpu = _pair('strom', dict(tau=0.5), shapes, dtypes)
     rng = numpy.random.default_rng(1)
@@ -448,8 +448,9 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
             if xp is fake:
                 # the message; and the device decode's flags when it
                 # checked FMT_GAP codes
+                sizes = comms[xp].state(models[xp]).compressor.sizes
                 gap = any(g.fmt == codec.FMT_GAP for b in received[-1]
-                          for g in walk(b, comms[xp].compressor.sizes))
+                          for g in walk(b, sizes))
                 assert fake.count('download') == 1 + gap
                 # the first step uploads the offsets and which tensors have
                 # a gradient; every step its messages, and the gather's
@@ -476,7 +477,7 @@ def test_communicator_step_takes_the_whole_model_paths(device, monkeypatch):
             assert_bitwise(a, b)
     comp = {xp: comms[xp].state(models[xp]).compressor
             for xp in (numpy, fake)}
-    assert isinstance(comp[fake].device_engine.step, device_step.DeviceStep)
+    assert isinstance(comp[fake].device_engine.step, device_compress.DeviceStep)
     _assert_states(comp[fake], comp[numpy], fake)
 
 
@@ -555,7 +556,7 @@ def test_gap_groups_of_tiny_tensors_fit_the_buffer(device, method):
     gs = [numpy.full(s, 0.5, F32) for s in shapes]
     ss = [g * g * F32(0.25) for g in gs]
     got = dev.compress(_on(fake, gs), _on(fake, ss))
-    assert isinstance(dev.device_engine.step, device_step.DeviceStep)
+    assert isinstance(dev.device_engine.step, device_compress.DeviceStep)
     want = cpu.compress(gs, ss)
     assert_bitwise(got, want)
     assert {g.fmt for g in walk(got, dev.sizes)} == {codec.FMT_GAP}
@@ -615,7 +616,7 @@ def test_a_rule_of_ones_own_registers_its_gpu_step(device):
             dev.rule.tau = cpu.rule.tau = 0.2
         fake.reset()
         got = dev.compress(_on(fake, gs))
-        assert isinstance(dev.device_engine.step, device_step.DeviceStep)
+        assert isinstance(dev.device_engine.step, device_compress.DeviceStep)
         assert dev.device_engine.step.part is _OUTSIDE
         assert fake.count('download') == 1 and fake.count('scalar') == 0
         want = cpu.compress(gs)

@@ -95,8 +95,9 @@ trainer.extend(chainer_vgc.extensions.CompressionReport(
     comm, trigger=(3, 'iteration'), by_parameter=True))
 trainer.extend(log)
 trainer.run()
-print(json.dumps({'log': log.log, 'counts': comm.elements_by_parameter,
-                  'totals': comm.totals}))
+st = comm.state(model)
+print(json.dumps({'log': log.log, 'counts': st.elements_by_parameter,
+                  'totals': st.totals}))
 '''
 
 

@@ -16,6 +16,7 @@ from chainer_vgc import extensions
 from chainer_vgc import reporting
 from chainer_vgc.chainermn import multi_node_optimizer
 from chainer_vgc.chainermn import transport
+from chainer_vgc.params import model_params
 
 import reference
 
@@ -203,11 +204,23 @@ class _FakeCompressor(object):
     n_params = 1000
 
 
-class _FakeCommunicator(object):
-    def __init__(self, size):
-        self.size = size
+class _FakeState(object):
+    def __init__(self):
         self.compressor = _FakeCompressor()
         self.totals = reporting.new_totals()
+
+
+class _FakeCommunicator(object):
+    """One model's state, ``state()`` (CompressionReport without a model
+    reads the state of the model exchanged last)."""
+
+    def __init__(self, size):
+        self.size = size
+        self._state = _FakeState()
+
+    def state(self, model=None):
+        assert model is None
+        return self._state
 
 
 def _report(ext):
@@ -220,7 +233,7 @@ def _report(ext):
 def test_compression_report_totals_and_intervals():
     comm = _FakeCommunicator(4)
     ext = extensions.CompressionReport(comm, trigger=(1, 'iteration'))
-    tot = comm.totals
+    tot = comm.state().totals
     # 3 steps of 1000 parameters, 40 + 80 + 120 elements over 4 ranks
     tot.update(steps=3, elements=240, param_elements=3000, bytes=123.0,
                dense_bytes=4.5e3)
@@ -243,10 +256,72 @@ def test_compression_report_totals_and_intervals():
     assert out['vgc/interval_compression'] == float('inf')
     # an old run without param_elements: the compressor's size x steps
     old = _FakeCommunicator(2)
-    old.totals = dict(steps=4, elements=100, bytes=0.0, dense_bytes=0.0,
-                      skipped=0)
+    old.state().totals = dict(steps=4, elements=100, bytes=0.0,
+                              dense_bytes=0.0, skipped=0)
     out = _report(extensions.CompressionReport(old))
     assert out['vgc/total_compression'] == pytest.approx(4000 / 50)
+
+
+# ---- VGCCommunicator.state(): the model exchanged last ---------------------
+
+#: what the communicator once forwarded to the state of the model exchanged
+#: last (``comm.totals``, ...): now only the state's, ``comm.state().totals``
+OLD_PROXIES = (
+    'totals', 'last', 'skipped', 'last_timing', 'compressor', 'rule',
+    'base_rule', 'method', 'hyperparams', 'exclude', 'min_size', 'warmup',
+    'alpha_ramp', 'dense_dtype', 'uncovered', 'max_memory',
+    'count_by_parameter', 'elements_by_parameter', 'parameter_sizes',
+    'spare_residuals', 'examples', 'resume_other_method',
+    'resume_residuals', 'needs_sqsum', 'warming_up', 'compressed_elements',
+    'workers')
+
+
+def _exchange(comm, model, rng):
+    """One exchange of ``model`` with normal gradients (and their squares
+    as the sums of squares)."""
+    _, params = model_params(model)
+    for p in params:
+        p.grad = rng.normal(size=p.shape).astype(p.dtype)
+    comm.exchange(model, sqsums=[p.grad ** 2 for p in params])
+
+
+def test_state_without_a_model_is_that_of_the_model_exchanged_last():
+    """Two models on one communicator (one rank, MPI_COMM_SELF):
+    ``comm.state()`` is the state made on construction before any model
+    (the first model's), then that of the model set up or exchanged last;
+    the communicator has none of the state's attributes of its own."""
+    from mpi4py import MPI
+    from chainer_vgc.chainermn import communicator
+    comm = communicator.VGCCommunicator(MPI.COMM_SELF, method='vgc',
+                                        alpha=1.0)
+    made = comm.state()
+    gen = chainer.links.Linear(5, 4)
+    dis = chainer.links.Linear(3, 2)
+    assert comm.state(gen) is made and comm.state() is made
+    assert comm.state(dis) is not made and comm.state() is made  # (met)
+    comm.setup(dis)
+    assert comm.state() is comm.state(dis)
+    rng = numpy.random.default_rng(0)
+    steps = {gen: 0, dis: 0}
+    for model in (gen, dis, dis, gen, dis):
+        _exchange(comm, model, rng)
+        steps[model] += 1
+        assert comm.state() is comm.state(model)
+        assert comm.state().totals['steps'] == steps[model]
+        other = dis if model is gen else gen
+        assert comm.state(other).totals['steps'] == steps[other]
+    # what a script sets goes to the state of the model exchanged last
+    comm.state().count_by_parameter = True
+    assert comm.state(dis).count_by_parameter
+    assert not comm.state(gen).count_by_parameter
+    for name in OLD_PROXIES:
+        assert hasattr(made, name), name  # (the state's attributes)
+        fix = r'comm\.state\(model\)\.' + name
+        with pytest.raises(AttributeError, match=fix):
+            getattr(comm, name)
+        with pytest.raises(AttributeError, match=fix):  # not ignored
+            setattr(comm, name, True)
+    assert set(OLD_PROXIES) == communicator.STATE_ATTRIBUTES
 
 
 # ---- VGC: e_k over the selected elements ------------------------------------

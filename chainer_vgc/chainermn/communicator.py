@@ -16,9 +16,10 @@ rooms:
   ``wait()`` gives the result.
 
 ``multi_node_mean_grad`` (ChainerMN's entry point) and
-:meth:`VGCCommunicator.exchange` run one step synchronously.  The
-attributes a run reads (``totals``, ``last``, ``skipped``,
-``compressor``, ...) are those of the model exchanged last.
+:meth:`VGCCommunicator.exchange` run one step synchronously.  What a run
+reads (``totals``, ``last``, ``skipped``, ``compressor``, ...) is a
+model's state: ``comm.state(model)``, or ``comm.state()`` for that of the
+model exchanged last.
 """
 
 import gc
@@ -32,14 +33,23 @@ from chainer_vgc.exchange.state import MethodState
 from chainer_vgc.statistics import DEFAULT_MAX_MEMORY
 
 
-def _of_state(name, doc):
-    """An attribute of the state of the model exchanged last."""
-    def get(self):
-        return getattr(self._current, name)
+#: a model's state's attributes that the communicator itself once
+#: forwarded (those of the model exchanged last): reading or setting one on
+#: the communicator is an error that names ``comm.state()``
+STATE_ATTRIBUTES = frozenset([
+    'totals', 'last', 'skipped', 'last_timing', 'compressor', 'rule',
+    'base_rule', 'method', 'hyperparams', 'exclude', 'min_size', 'warmup',
+    'alpha_ramp', 'dense_dtype', 'uncovered', 'max_memory',
+    'count_by_parameter', 'elements_by_parameter', 'parameter_sizes',
+    'spare_residuals', 'examples', 'resume_other_method',
+    'resume_residuals', 'needs_sqsum', 'warming_up', 'compressed_elements',
+    'workers'])
 
-    def set(self, value):
-        setattr(self._current, name, value)
-    return property(get, set, doc=doc)
+
+def _in_the_state(name):
+    return ('chainer_vgc: {0!r} is a model\'s exchange state, not the '
+            "communicator's: use comm.state(model).{0} (comm.state().{0}: "
+            'the model exchanged last)'.format(name))
 
 
 class VGCCommunicator(Collectives):
@@ -118,62 +128,29 @@ class VGCCommunicator(Collectives):
 
     A model's state (its rule, residuals, dense group, totals, figures)
     is ``comm.state(model)``: one per model, so that two models (a GAN's
-    generator and discriminator) share a communicator.  The attributes
-    below (``comm.totals``, ``comm.compressor``, ``comm.warmup``, ...)
-    are those of the model exchanged last, for one-model scripts written
-    as for ChainerMN; the package itself reads ``state(model)``.
+    generator and discriminator) share a communicator.
+    ``comm.state()`` is that of the model exchanged last (before any, the
+    one made on construction), for one-model scripts written as for
+    ChainerMN: ``comm.state().totals``, ``comm.state().compressor``.
     """
-
-    totals = _of_state('totals', 'running totals since construction')
-    last = _of_state('last', 'figures of the last step (aggregated over '
-                     'ranks)')
-    skipped = _of_state('skipped', 'whether the last exchange was skipped '
-                        "(a rank's gradients were not finite)")
-    last_timing = _of_state('last_timing', "seconds of the last exchange's "
-                            'phases on this rank')
-    compressor = _of_state('compressor', "the compressed group's "
-                           'compressor and residuals')
-    rule = _of_state('rule', "this rank's rule (QSGD: its own random "
-                     'stream)')
-    base_rule = _of_state('base_rule', 'the rule as configured')
-    method = _of_state('method', "the rule's name")
-    hyperparams = _of_state('hyperparams', 'the hyperparameters given')
-    exclude = _of_state('exclude', 'names and predicates of the dense group')
-    min_size = _of_state('min_size', 'smaller parameters are dense')
-    warmup = _of_state('warmup', 'dense exchanges before compression')
-    alpha_ramp = _of_state('alpha_ramp', '(alpha0, steps) or None')
-    dense_dtype = _of_state('dense_dtype', "None or float16")
-    uncovered = _of_state('uncovered', "'error', 'bruteforce' or 'dense'")
-    max_memory = _of_state('max_memory', 'of the per-sample statistics')
-    count_by_parameter = _of_state('count_by_parameter', 'whether each '
-                                   "parameter's elements sent are counted")
-    elements_by_parameter = _of_state('elements_by_parameter', '{name: '
-                                      'elements sent, all ranks}')
-    parameter_sizes = _of_state('parameter_sizes', '{name: elements} of '
-                                'the parameters counted')
-    spare_residuals = _of_state('spare_residuals', 'a second set of '
-                                'residuals takes each step (atomic '
-                                'commit) instead of in-place updates')
-    examples = _of_state('examples', "how the minibatch's arrays map to "
-                         'examples (None: by their own layout)')
-    resume_other_method = _of_state('resume_other_method',
-                                    'may a snapshot of another method load')
-    resume_residuals = _of_state('resume_residuals', 'what a snapshot of '
-                                 'another rank or world size does')
-    needs_sqsum = _of_state('needs_sqsum', 'whether the next exchange needs '
-                            'the per-sample statistics')
-    warming_up = _of_state('warming_up', 'whether the next exchange is a '
-                           'warm-up (dense) one')
-    compressed_elements = _of_state('compressed_elements', 'elements of '
-                                    'the whole compressed group')
-    workers = _of_state('workers', 'the workers the exchange averages over '
-                        '(None: the ranks)')
 
     #: the method state's class, and the exchange's function (see
     #: :func:`chainer_vgc.exchange.run.exchange_async`'s ``run``): the
     #: hierarchical communicator has its own
     _State = MethodState
     _run = None
+
+    def __getattr__(self, name):
+        # (only for a name the class and the instance do not hold)
+        if name in STATE_ATTRIBUTES:
+            raise AttributeError(_in_the_state(name))
+        raise AttributeError('{!r} object has no attribute {!r}'.format(
+            type(self).__name__, name))
+
+    def __setattr__(self, name, value):
+        if name in STATE_ATTRIBUTES:  # it would be read by nothing
+            raise AttributeError(_in_the_state(name))
+        super(VGCCommunicator, self).__setattr__(name, value)
 
     def __init__(self, mpi_comm, method='vgc', allgatherv='ring',
                  chunk_words=transport.DEFAULT_CHUNK_WORDS,
@@ -210,7 +187,7 @@ class VGCCommunicator(Collectives):
             cuda_aware_mpi=self.cuda_aware_mpi, **self._current.settings())
 
     # -- the method's state, one per model ------------------------------------
-    def state(self, model):
+    def state(self, model=None):
         """The :class:`~chainer_vgc.exchange.state.MethodState` of ``model``
         (made from this communicator's settings at the first call; the
         first model gets the one made, and checked, on construction).
@@ -218,7 +195,14 @@ class VGCCommunicator(Collectives):
         reports under its own name: the trainer's, else its
         :attr:`MethodState.label
         <chainer_vgc.exchange.state.MethodState.label>`; a model that comes
-        after the last one was dropped (a sweep) reports ``vgc/...``."""
+        after the last one was dropped (a sweep) reports ``vgc/...``.
+
+        ``model`` None: the state of the model set up, exchanged (from
+        the start of its exchange) or saved or loaded
+        (:meth:`serialize_state`) last; before any, the one made on
+        construction (the first model's)."""
+        if model is None:
+            return self._current
         st = self._states.get(model)
         if st is None:
             st, self._unbound = self._unbound, None

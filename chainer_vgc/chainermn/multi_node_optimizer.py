@@ -24,7 +24,9 @@ class VGCMultiNodeOptimizer(object):
 
     1. ``lossfun(*args)``, then the backward pass: with the per-sample
        statistics when the communicator needs them
-       (:attr:`VGCCommunicator.needs_sqsum`), else ``loss.backward``;
+       (the model's :attr:`MethodState.needs_sqsum
+       <chainer_vgc.exchange.state.MethodState.needs_sqsum>`), else
+       ``loss.backward``;
     2. the first update broadcasts rank 0's parameters (ChainerMN), unless
        every rank resumed from a snapshot;
     3. otherwise :meth:`VGCCommunicator.exchange` with this step's sums of
@@ -58,7 +60,7 @@ class VGCMultiNodeOptimizer(object):
         self.target_params = []
         self._first_update_done = False
         self._resumed = False
-        float32_update(actual_optimizer, communicator.base_rule)
+        float32_update(actual_optimizer, communicator.state().base_rule)
 
     def __getattr__(self, name):
         return getattr(self.actual_optimizer, name)

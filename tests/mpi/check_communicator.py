@@ -109,7 +109,7 @@ def check_vgc_alpha_tiny_equals_mean_gradient():
             continue
         numpy.testing.assert_allclose(o, p.grad, rtol=1e-6, atol=1e-9,
                                       err_msg=name)
-    assert comm.last['vgc/compression'] < 1.5
+    assert comm.state(model).last['vgc/compression'] < 1.5
 
 
 def check_conservation_across_ranks():
@@ -135,14 +135,14 @@ def check_conservation_across_ranks():
                 acc += p.grad
     sent_any = False
     for name, a, loc, st in zip(names, applied, local,
-                                comm.compressor.states):
+                                comm.state(model).compressor.states):
         want = (loc - st['r'].reshape(loc.shape)) / comm_world.size
         want = comm_world.allreduce(want)
         numpy.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-5,
                                       err_msg=name)
         sent_any = sent_any or bool(a.any())
     assert sent_any
-    assert comm.totals['elements'] > 0
+    assert comm.state(model).totals['elements'] > 0
 
 
 def check_empty_sends_mixed_dtypes_and_no_grads():
@@ -158,7 +158,7 @@ def check_empty_sends_mixed_dtypes_and_no_grads():
     for name, p in zip(names, params):  # zero_fill=True: zeros, as naive
         assert p.grad is not None and not p.grad.any(), name
     assert model.predictor.h.W.dtype == numpy.float16
-    assert comm.totals['elements'] == 0
+    assert comm.state(model).totals['elements'] == 0
     assert obs['vgc/compression'] == float('inf')
     # and some real traffic with every method, float16 included
     for method, kw in (('vgc', {}), ('hybrid', dict(tau=0.001)),
@@ -169,7 +169,7 @@ def check_empty_sends_mixed_dtypes_and_no_grads():
         model = train(comm, 4, model=make(half=True), obs=obs)
         for key in ('vgc/compression', 'vgc/density', 'vgc/bytes'):
             assert numpy.isfinite(obs[key]), (method, key)
-        assert comm.totals['elements'] > 0, method
+        assert comm.state(model).totals['elements'] > 0, method
         for arr in params_of(model):
             assert numpy.isfinite(arr).all()
             assert (comm_world.bcast(arr) == arr).all(), method
@@ -179,7 +179,8 @@ def check_split_and_bcast():
     comm = chainer_vgc.create_communicator('hybrid', comm_world, tau=0.01)
     sub = comm.split(comm.rank % 2, comm.rank)
     assert isinstance(sub, chainer_vgc.VGCCommunicator)
-    assert sub.method == 'hybrid' and sub.rule.tau == 0.01
+    st = sub.state()
+    assert st.method == 'hybrid' and st.rule.tau == 0.01
     value = comm.bcast_obj('hello' if comm.rank == 0 else None)
     assert value == 'hello'
     # gradients exchanged on the split communicator equal naive's there
@@ -255,9 +256,9 @@ def check_trainer_reports():
     # over an interval, the paper's ratio is 1 / mean density
     assert abs(log[-1]['vgc/interval_compression'] *
                log[-1]['vgc/density'] - 1) < 1e-9
-    n = comm.compressor.n_params
+    n = comm.state(model).compressor.n_params
     p = comm.size
-    steps = comm.totals['steps']
+    steps = comm.state(model).totals['steps']
     assert steps == 5  # 6 iterations, the first one broadcasts
     assert log[-1]['vgc/dense_bytes'] == steps * 2 * (p - 1) * 4 * n / p
     assert (log[-1]['vgc/total_bytes'] > 0) == (p > 1)
@@ -285,7 +286,8 @@ def check_dict_batch_and_lazy_unused_params():
                                (4, 'iteration'), out='/tmp')
     trainer.run()
     assert model.predictor.aux.W.array is None
-    assert comm.totals['steps'] == 3 and comm.totals['elements'] > 0
+    tot = comm.state(model).totals
+    assert tot['steps'] == 3 and tot['elements'] > 0
     w = model.predictor.l1.W.array
     assert (comm_world.bcast(w) == w).all()
 
@@ -481,8 +483,9 @@ def check_exchange_async_handle():
                                      background=background)
         result = handle.wait()
         assert handle.wait() is result and handle.done()
-        assert comm.totals['steps'] == 1 and not result.skipped
-        assert comm.last == result.figures
+        st = comm.state(model)
+        assert st.totals['steps'] == 1 and not result.skipped
+        assert st.last == result.figures
         means.append(params_grads(model))
         figures.append(result.figures)
         comm.finalize()
@@ -511,7 +514,8 @@ def check_gradient_on_some_ranks_nothing_sent():
         for p in model.predictor.unused.params():
             p.grad = numpy.ones_like(p.array)
     comm.multi_node_mean_grad(model, zero_fill=False)
-    assert comm.last['vgc/bytes'] < 100  # (nothing sent but headers)
+    # (nothing sent but headers)
+    assert comm.state(model).last['vgc/bytes'] < 100
     grads = [(n, None if p.grad is None else p.grad.copy())
              for n, p in sorted(model.namedparams())]
     everyone = comm_world.allgather(grads)

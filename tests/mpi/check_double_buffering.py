@@ -133,18 +133,18 @@ def run_oracle(method, kw, dtype=numpy.float32, scaling=False, matmul=False,
             scales.append(scale)
             continue
         sq = None
-        if comm.needs_sqsum:
+        if comm.state(model).needs_sqsum:
             sq = comm.statistics(model).backward(loss, batch=(x, t),
                                                  loss_scale=scale)
         else:
             loss.backward(loss_scale=scale)
         comm.exchange(model, True, sqsums=sq, loss_scale=scale)
         if figures is not None:
-            figures.append({k: v for k, v in comm.last.items()
+            figures.append({k: v for k, v in comm.state(model).last.items()
                             if not k.startswith('_')})
         mean = [None if p.grad is None else p.grad.copy()
                 for p in params(model)]
-        now = (mean, scale, comm.skipped)
+        now = (mean, scale, comm.state(model).skipped)
         if pending is not None:
             grads, then, skipped = pending
             for p, g in zip(params(model), grads):
@@ -165,12 +165,13 @@ def check_against_oracle(method, kw, settings):
     for (n, p), (_, q) in zip(sorted(a.namedparams()),
                               sorted(b.namedparams())):
         assert numpy.array_equal(p.array, q.array), (method, kw, n)
-    for sa, sb in zip(comm_a.compressor.states, comm_b.compressor.states):
+    st_a, st_b = comm_a.state(a), comm_b.state(b)
+    for sa, sb in zip(st_a.compressor.states, st_b.compressor.states):
         for key in sa or {}:
             assert numpy.array_equal(sa[key], sb[key]), (method, key)
-    assert comm_a.totals == comm_b.totals, (comm_a.totals, comm_b.totals)
+    assert st_a.totals == st_b.totals, (st_a.totals, st_b.totals)
     if settings.get('scaling'):
-        assert comm_a.totals['skipped'] >= 1, 'no overflow was provoked'
+        assert st_a.totals['skipped'] >= 1, 'no overflow was provoked'
     if settings.get('matmul'):
         weight = a.predictor[-1].W
         assert comm_a.dense_group(a) == {n for n, p in a.namedparams()
@@ -181,7 +182,7 @@ def check_against_oracle(method, kw, settings):
     if world.rank == 0:
         print('{} {} {}: {} exchanges, {} skipped, identical'.format(
             method, kw, settings.get('dtype', numpy.float32).__name__,
-            int(comm_a.totals['steps']), int(comm_a.totals['skipped'])),
+            int(st_a.totals['steps']), int(st_a.totals['skipped'])),
             flush=True)
 
 
@@ -250,8 +251,9 @@ def check_parameter_set_change():
     for _, p in sorted(model.namedparams()):
         every = world.allgather(p.array)
         assert all(numpy.array_equal(every[0], w) for w in every)
-    assert comm.compressor is not None and any(
-        n.endswith('extra/W') for n in comm.compressor.names)
+    comp = comm.state(model).compressor
+    assert comp is not None and any(n.endswith('extra/W')
+                                    for n in comp.names)
 
 
 def check_user_finalize():

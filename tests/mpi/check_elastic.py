@@ -59,19 +59,19 @@ def setup(method, **kw):
     return comm, model, opt
 
 
-def states(comm):
-    if comm.compressor is None:
+def states(comm, model):
+    comp = comm.state(model).compressor
+    if comp is None:
         return {}
     return {n: {k: a.copy() for k, a in st.items()}
-            for n, st in zip(comm.compressor.names, comm.compressor.states)
-            if st}
+            for n, st in zip(comp.names, comp.states) if st}
 
 
 def save(out, method):
     comm, model, opt = setup(method)
     for step in range(6):
         opt.update(model, *data(step, world.rank))
-    held = states(comm)
+    held = states(comm, model)
     if method != 'none':  # something to carry over
         assert any(a.any() for st in held.values() for a in st.values())
     # as a trainer's snapshot holds them: the model, and the optimizer
@@ -134,7 +134,7 @@ def resume(out, method):
     assert any('start fresh' in str(w.message) for w in caught), [
         str(w.message) for w in caught]
     comm.setup(model)
-    assert all(not a.any() for st in states(comm).values()
+    assert all(not a.any() for st in states(comm, model).values()
                for a in st.values())
     # ElasticResume: the share of what every saved rank held
     comm, model, opt = setup(
@@ -145,7 +145,7 @@ def resume(out, method):
     for n, p in model.namedparams():
         assert numpy.array_equal(p.array, saved[n]), n
     comm.setup(model)
-    got = states(comm)
+    got = states(comm, model)
     assert sorted(got) == sorted(shares), (sorted(got), sorted(shares))
     for name, st in shares.items():
         for key, want in st.items():

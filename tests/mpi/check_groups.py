@@ -90,12 +90,12 @@ def check_plugin_rule():
     """A rule object defined here, through create_communicator: trains,
     reports compression, keeps its residuals."""
     comm = chainer_vgc.create_communicator(TopK(0.1))
-    assert comm.method == 'topk_test'
+    assert comm.state().method == 'topk_test'
     model = make()
     reports = train(comm, model, 12)
     ratios = [r['vgc/compression'] for r in reports if 'vgc/compression' in r]
     assert ratios and min(ratios) > 5, ratios
-    assert any(st['r'].any() for st in comm.compressor.states)
+    assert any(st['r'].any() for st in comm.state(model).compressor.states)
     # hyperparameters with a rule object are refused, naming the argument
     try:
         chainer_vgc.create_communicator(TopK(0.1), alpha=2)
@@ -193,14 +193,16 @@ def check_warmup():
     train(reference, b, k + 1)
     assert same(params(a), params(b))
     assert all(r['vgc/compression'] == 1.0 for r in ra[1:])
-    assert all(not st['r'].any() for st in comm.compressor.states)
+    assert all(not st['r'].any() for st in comm.state(a).compressor.states)
     more = train(comm, a, 3, first=k + 1)
     assert all(r['vgc/compression'] > 1.0 for r in more), more
     # alpha ramp: alpha0 -> alpha over 4 steps after the warm-up
     comm = chainer_vgc.create_communicator('vgc', alpha=2.0, warmup=1,
                                            alpha_ramp=(0.5, 4))
-    train(comm, make(), 4)
-    assert 0.5 < comm.rule.alpha < 2.0, comm.rule.alpha
+    model = make()
+    train(comm, model, 4)
+    rule = comm.state(model).rule
+    assert 0.5 < rule.alpha < 2.0, rule.alpha
 
 
 def check_float16_dense():

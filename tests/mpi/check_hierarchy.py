@@ -144,9 +144,10 @@ def check_equals_flat_run_of_node_workers():
                                     sorted(model.namedparams())])
             assert all(x == sums[0] for x in sums), (method, t)
         # (a skipped step is not counted)
-        assert hier.totals['steps'] == STEPS - (method != 'none')
+        tot = hier.state(model).totals
+        assert tot['steps'] == STEPS - (method != 'none')
         if flat is not None:
-            assert hier.totals['skipped'] == flat.totals['skipped']
+            assert tot['skipped'] == flat.state(flat_model).totals['skipped']
 
 
 def check_node_statistics_are_those_of_the_node_batch():
@@ -260,8 +261,9 @@ def check_trains_with_statistics_and_double_buffering():
         assert obs['vgc/inter_node_bytes'] > 0 or Q == 1, obs
         assert (obs['vgc/intra_node_bytes'] > 0) == (K > 1), obs
         # the run's figures count the nodes as the workers
-        assert comm.workers == Q
-        assert comm.compressed_elements == sum(
+        st = comm.state(model)
+        assert st.workers == Q
+        assert st.compressed_elements == sum(
             p.size for _, p in model.namedparams())
 
 

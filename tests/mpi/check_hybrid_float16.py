@@ -89,7 +89,7 @@ def train(method, dtype, make, data, steps, alpha, loss_times=1,
     out['test_loss'], out['accuracy'] = held_out(model, data, dtype)
     out['max_param'] = max(float(numpy.abs(p.array).max())
                            for p in model.params())
-    out['skipped'] = int(comm.totals['skipped'])
+    out['skipped'] = int(comm.state(model).totals['skipped'])
     return out
 
 

@@ -35,9 +35,9 @@ def data(step, n=16, dtype=numpy.float32, seed=0):
     return x.astype(dtype), t.astype(numpy.int32)
 
 
-def states(comm):
+def states(comm, model):
     return [{k: a.copy() for k, a in (st or {}).items()}
-            for st in comm.compressor.states]
+            for st in comm.state(model).compressor.states]
 
 
 def grads_after_exchange(comm, model, nan_rank, step):
@@ -47,7 +47,7 @@ def grads_after_exchange(comm, model, nan_rank, step):
     model.cleargrads()
     stats = getattr(comm, 'statistics', None)
     loss = model(x, t)
-    if stats is not None and comm.needs_sqsum:
+    if stats is not None and comm.state(model).needs_sqsum:
         comm.set_sqsums(stats(model).backward(loss, batch=(x, t)))
     else:
         loss.backward()
@@ -93,16 +93,18 @@ def check_compressed_step_is_skipped_collectively(method, kw):
     for step in range(4):
         x, t = data(step)
         opt.update(model, x, t)
-    before, params = states(comm), [p.array.copy() for p in model.params()]
+    before = states(comm, model)
+    params = [p.array.copy() for p in model.params()]
     reporter = chainer.reporter.Reporter()
     reporter.add_observer('main', model)
     obs = {}
     with reporter.scope(obs):
         grads = grads_after_exchange(comm, model, world.size - 1, 9)
     # every rank: skipped, residuals untouched, gradients NaN, reported
-    assert comm.skipped and obs['vgc/skipped'] == 1.0
+    st = comm.state(model)
+    assert st.skipped and obs['vgc/skipped'] == 1.0
     assert all(numpy.isnan(g).all() for g in grads)
-    for a, b in zip(before, states(comm)):
+    for a, b in zip(before, states(comm, model)):
         for key in a:
             assert numpy.array_equal(a[key], b[key]), key
     # through the optimizer: no update without a loss scaler, no abort
@@ -110,20 +112,20 @@ def check_compressed_step_is_skipped_collectively(method, kw):
     model.cleargrads()
     loss = model(x, t)
     sq = comm.statistics(model).backward(loss, batch=(x, t)) \
-        if comm.needs_sqsum else None
+        if st.needs_sqsum else None
     if sq is None:
         loss.backward()
     comm.set_sqsums(sq)
     if world.rank == 0:
         model.predictor[2].b.grad[0] = numpy.inf
     comm.multi_node_mean_grad(model, True)
-    assert comm.skipped
-    assert comm.totals['skipped'] == 2
+    assert st.skipped
+    assert st.totals['skipped'] == 2
     # training goes on
     for step in range(11, 14):
         x, t = data(step)
         opt.update(model, x, t)
-    assert not comm.skipped
+    assert not st.skipped
     for p, old in zip(model.params(), params):
         assert numpy.isfinite(p.array).all()
         assert not numpy.array_equal(p.array, old)  # it did train after
@@ -147,7 +149,7 @@ def check_optimizer_keeps_params_on_a_bad_step():
             loss = loss * numpy.float32(numpy.inf)
         return loss
     opt.update(lossfun, *data(5))
-    assert comm.skipped
+    assert comm.state(model).skipped
     for p, old in zip(model.params(), kept):
         assert numpy.array_equal(p.array, old)
 
@@ -155,7 +157,7 @@ def check_optimizer_keeps_params_on_a_bad_step():
 def train_scaled(method, dtype, dynamic, steps=60, seed=0, **kw):
     """Train with dynamic (True), static (False) or no (None) loss scaling;
     returns (accuracy on held-out data, skipped exchanges, the scale after
-    each step, the communicator)."""
+    each step, the model's method state)."""
     comm = chainer_vgc.create_communicator(method, world,
                                            abort_on_exception=False, **kw)
     model = make(seed, dtype)
@@ -179,7 +181,8 @@ def train_scaled(method, dtype, dynamic, steps=60, seed=0, **kw):
     x, t = data(10 ** 6, 2000, dtype, seed)
     with chainer.using_config('train', False):
         acc = float(F.accuracy(model.predictor(x), t).array)
-    return acc, comm.totals['skipped'], scales, comm
+    st = comm.state(model)
+    return acc, st.totals['skipped'], scales, st
 
 
 def check_loss_scaling(method, kw):
@@ -187,18 +190,18 @@ def check_loss_scaling(method, kw):
     # static S = 128, a power of two: g / S, s / S**2 and the mean * S are
     # exact, so the run is the unscaled one (tau, residuals in gradient
     # units)
-    static, skipped, _, comm = train_scaled(method, numpy.float32, False,
-                                            **kw)
+    static, skipped, _, _ = train_scaled(method, numpy.float32, False,
+                                         **kw)
     assert skipped == 0 and static == ref, (static, ref)
-    half, skipped, scales, comm = train_scaled(method, numpy.float16, True,
-                                               **kw)
+    half, skipped, scales, st = train_scaled(method, numpy.float16, True,
+                                             **kw)
     assert skipped >= 1, 'no overflow was provoked'
     # the scaler saw the NaN gradients and halved the scale
     assert any(b == a / 2 for a, b in zip(scales, scales[1:])), scales
     scale = scales[-1]
     assert abs(half - ref) < 0.03, (half, ref)
-    for st in comm.compressor.states:
-        for a in (st or {}).values():
+    for each in st.compressor.states:
+        for a in (each or {}).values():
             assert numpy.isfinite(a).all()
     if world.rank == 0:
         print('{} {}: float32 {:.3f}, float16 dynamic {:.3f} ({} skipped, '
@@ -220,8 +223,8 @@ def check_unscaled_residuals():
             inner.loss_scaling(scale=scale)
         for step in range(6):
             opt.update(model, *data(step))
-        results.append((states(comm), [p.array.copy()
-                                       for p in model.params()]))
+        results.append((states(comm, model), [p.array.copy()
+                                              for p in model.params()]))
     (s0, p0), (s1, p1) = results
     for a, b in zip(s0, s1):
         for key in a:  # S = 256 is a power of two: exact

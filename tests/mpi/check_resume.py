@@ -90,9 +90,10 @@ def run(mode, n, out, method):
     if mode == 'resume-resaved':
         chainer.serializers.load_npz(resaved, updater)
     trainer.run()
+    totals = comm.state(model).totals
     numpy.savez(os.path.join(out, 'params_{}_rank{}.npz'.format(
-        mode, comm.rank)), totals=numpy.array([comm.totals[k] for k in
-                                               sorted(comm.totals)]),
+        mode, comm.rank)), totals=numpy.array([totals[k] for k in
+                                               sorted(totals)]),
         **{name: p.array for name, p in model.namedparams()})
     opt.close()  # (the next run starts with no exchange in flight)
 

@@ -56,22 +56,23 @@ def setup(method='vgc', width=16, **kw):
     return comm, model, opt
 
 
-def states(comm):
+def states(comm, model):
+    comp = comm.state(model).compressor
     return {n: {k: a.copy() for k, a in st.items()}
-            for n, st in zip(comm.compressor.names, comm.compressor.states)
-            if st is not None}
+            for n, st in zip(comp.names, comp.states) if st is not None}
 
 
 def check_branch_reached_mid_run_keeps_residuals():
     comm, model, opt = setup()
     for step in range(5):
         opt.update(model, *data(step))
-    before = states(comm)  # the branch's bias is not lazy: already there
+    # (the branch's bias is not lazy: already there)
+    before = states(comm, model)
     assert '/predictor/branch/W' not in before and '/predictor/l1/W' in before
     model.predictor.use_branch = True
     model(*data(5))  # initializes the branch's parameters
     comm.setup(model)  # what the next exchange does first
-    after = states(comm)
+    after = states(comm, model)
     assert set(after) == set(before) | {'/predictor/branch/W'}
     for name, st in before.items():  # kept, not wiped
         for key in st:
@@ -132,9 +133,9 @@ def check_snapshot_of_other_settings_is_refused():
     comm2, model2, opt2 = setup('vgc', alpha=1.0)
     load(saved, opt2)
     comm2.setup(model2)
-    for name, st in states(comm).items():
+    for name, st in states(comm, model).items():
         for key in st:
-            assert numpy.array_equal(st[key], states(comm2)[name][key])
+            assert numpy.array_equal(st[key], states(comm2, model2)[name][key])
     # another method or hyperparameter: an error naming both
     for method, kw, words in [
             ('hybrid', dict(tau=0.01), ("'vgc'", "'hybrid'", 'tau')),
@@ -176,7 +177,7 @@ def check_rank0_snapshot_is_rank0s_own():
     comm, model, opt = setup('vgc', alpha=1.0)
     for step in range(4):
         opt.update(model, *data(step))
-    held = states(comm)
+    held = states(comm, model)
     saved = world.bcast(snapshot(opt) if world.rank == 0 else None)
     _, _, plain = setup('vgc', alpha=1.0)
     if world.rank == 0:
@@ -191,7 +192,7 @@ def check_rank0_snapshot_is_rank0s_own():
         warnings.simplefilter('always')
         load(saved, opt2)
     comm2.setup(model2)
-    got = states(comm2)
+    got = states(comm2, model2)
     if world.rank == 0:
         assert not caught, [str(w.message) for w in caught]
         for name, st in held.items():

@@ -72,7 +72,7 @@ def backward(comm, model, step):
     x, t = data(step)
     model.cleargrads()
     loss = model(x, t)
-    if comm.needs_sqsum:
+    if comm.state(model).needs_sqsum:
         sq = comm.statistics(model).backward(loss, batch=(x,))
         comm.set_sqsums(sq)
         return sq
@@ -197,7 +197,7 @@ def run_traffic(allgatherv, chunk_words=None, steps=6):
             mean_sent = sum(comm_world.allgather(sent_bytes)) / p
         else:
             mean_sent = 4 * (p - 1) * total_words / p
-        fig = comm.last
+        fig = comm.state(model).last
         # vgc/bytes: what a rank sends on average, (p - 1) / p of all
         # messages in the ring
         assert abs(fig['vgc/bytes'] - mean_sent) <= 1e-9 * mean_sent, (
@@ -225,7 +225,7 @@ def run_traffic(allgatherv, chunk_words=None, steps=6):
                     err_msg=name)
         results.append(([_copy(prm.grad) for prm in params],
                         fig['vgc/bytes'], fig['vgc/compression']))
-    tot = comm.totals
+    tot = comm.state(model).totals
     assert tot['steps'] == steps
     assert abs(tot['bytes'] - wire_total) <= 1e-9 * max(wire_total, 1)
     if p > 1:
