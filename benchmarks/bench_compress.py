@@ -36,7 +36,7 @@ import numpy  # NOQA: E402
 
 from chainer_vgc import GradientCompressor  # NOQA: E402
 from chainer_vgc.exchange import mean as exchange_mean  # NOQA: E402
-from chainer_vgc.engines.native import bindings as native  # NOQA: E402
+from chainer_vgc.engines.native import bindings  # NOQA: E402
 
 from bench_common import machine  # NOQA: E402
 from bench_common import median_time  # NOQA: E402
@@ -140,7 +140,7 @@ def run_decode(stream, comp, messages, repeat):
         for p, g in zip(params, local):
             p.grad = g
         exchange_mean.mean_gradients(messages, comp, params, local, 4, True,
-                                False)
+                                     False)
     return one, median_time(mean, repeat)
 
 
@@ -163,8 +163,8 @@ def main():
     dst = numpy.empty_like(src)
     copy_t = median_time(lambda: numpy.copyto(dst, src), args.repeat)
     print('machine: {}; native build: {}, {} threads, OMP_PROC_BIND={}'
-          .format(machine(processor=True), native.isa(),
-                  native.num_threads(), os.environ.get('OMP_PROC_BIND')))
+          .format(machine(processor=True), bindings.isa(),
+                  bindings.num_threads(), os.environ.get('OMP_PROC_BIND')))
     print('{:,} float32 parameters in {} tensors ({:.0f} MB); numpy.copyto '
           'of the gradient bytes: {:.1f} ms; {} warm-up steps, medians of '
           '{}'.format(args.params, len(stream.shapes), src.nbytes / 1e6,

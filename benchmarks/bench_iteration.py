@@ -89,7 +89,7 @@ def run(name, args, world):
             if i >= args.warmup:
                 times[key].append(spent)
     naive_s, vgc_s = (float(numpy.median(times[k])) for k in ('naive',
-                                                                'vgc'))
+                                                              'vgc'))
     st = vgc.state(updaters['vgc'].get_optimizer('main').target)
     compression = run_summary(st.totals, st.compressor, world.size)[
         'vgc/total_compression']

@@ -30,7 +30,7 @@ os.environ.setdefault('OMP_PROC_BIND', 'close')
 
 import numpy  # NOQA: E402
 
-from chainer_vgc.engines.native import bindings as native  # NOQA: E402
+from chainer_vgc.engines.native import bindings  # NOQA: E402
 
 from bench_common import hyperparameters  # NOQA: E402
 from bench_common import machine  # NOQA: E402
@@ -56,7 +56,7 @@ def main():
     dst = numpy.empty_like(src)
     copy_t = median_time(lambda: numpy.copyto(dst, src), 2 * args.repeat)
     print('machine: {}; native build: {}, {} threads'.format(
-        machine(processor=True), native.isa(), native.num_threads()))
+        machine(processor=True), bindings.isa(), bindings.num_threads()))
     print('{:,} float32 parameters in {} tensors ({:.0f} MB); '
           'numpy.copyto of the gradient bytes {:.1f} ms; {} warm-up steps, '
           'medians of {} steps taken in turn'.format(

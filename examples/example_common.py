@@ -590,7 +590,7 @@ def print_summary(r):
         settings += '; ' + ', '.join('{}={}'.format(k, v)
                                      for k, v in extra.items())
     print('\n| {} workers, {} ({}) | |'.format(r['workers'], r['method'],
-                                              settings))
+                                               settings))
     print('|---|---:|')
     print('| test accuracy | {:.4f} |'.format(r['test_accuracy']))
     print('| compression (parameters / elements sent) | {:,.1f} |'.format(

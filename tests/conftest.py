@@ -23,7 +23,7 @@ hypothesis.settings.load_profile('vgc')
 def xdist_groups(item):
     """The names of the ``xdist_group`` marks on ``item``."""
     return sorted({str(m.args[0] if m.args else m.kwargs.get('name',
-                                                              'default'))
+                                                             'default'))
                    for m in item.iter_markers('xdist_group')})
 
 

@@ -691,7 +691,7 @@ class FakeCupy(object):
             raise TypeError('scatter_add needs a device array')
         self.launch('scatter_add')
         numpy.add.at(a._a, a._index(slices), _unwrap(value,
-                                                      self._check_device))
+                                                     self._check_device))
 
 
 def install(monkeypatch, fake=None):

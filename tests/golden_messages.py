@@ -60,7 +60,7 @@ def stream(seed=7, shapes=SHAPES, dtypes=DTYPES):
         gs, ss = [], []
         for s, d in zip(shapes, dtypes):
             g = rng.normal(0, 1, s) * numpy.where(rng.random(s) < 0.3,
-                                                   2.0 ** -12, 1.0)
+                                                  2.0 ** -12, 1.0)
             gs.append(g.astype(d))
             ss.append((g ** 2 * (1 + rng.random(s))).astype(d))
         out.append((gs, ss))

@@ -162,7 +162,7 @@ def _body(name, spec, params, dtypes, is_array, binding, device,
         if raw and checked:  # pointer and count, bound to vgc_bounded
             const = 'const ' if k < n_in else ''
             sig.append('{}{} *{}_p, long long {}_n'.format(const, ctype,
-                                                          pname, pname))
+                                                           pname, pname))
             bounded.append('  vgc_bounded<{}{}> {} = {{{}_p, {}_n}};'.format(
                 const, ctype, pname, pname, pname))
         elif raw:  # the whole array, indexed in the operation as name[j]

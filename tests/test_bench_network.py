@@ -449,7 +449,7 @@ def test_to_accuracy_noisy_curve_stops_at_the_first_crossing():
     run = bench_network.to_accuracy(fake.train, fake.evaluate, 0.975, 50,
                                     150, 1e9)
     assert (run['steps'], run['accuracy'], run['stop']) == (100, 0.976,
-                                                             'reached')
+                                                            'reached')
 
 
 def test_to_accuracy_step_cap_shortens_the_last_segment():

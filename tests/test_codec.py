@@ -332,7 +332,7 @@ def test_negative_zero_one_rule_for_every_decoder():
     from chainer_vgc import GradientCompressor
     from chainer_vgc.backends import arrays
     from chainer_vgc.engines import reference as reference_engine
-    from chainer_vgc.engines.native import bindings as native
+    from chainer_vgc.engines.native import bindings
     import types
     message, sizes, dtypes, where = negative_zero_message()
     sdts = [arrays.state_dtype(d) for d in dtypes]
@@ -360,11 +360,11 @@ def test_negative_zero_one_rule_for_every_decoder():
         blocks = [message] * ranks
         for dense in (False, True):  # rank order, or the pairwise tree
             sums = reference_engine.sum_messages(blocks, comp.sizes, params,
-                                                  dense)
+                                                 dense)
             _assert_sums(sums, listed, 0.0, scale=ranks)
         outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, sdts)]
-        assert native.decode_mean(blocks, sizes, sdts, outs,
-                                  [False] * len(sizes), 1.0) is not None
+        assert bindings.decode_mean(blocks, sizes, sdts, outs,
+                                    [False] * len(sizes), 1.0) is not None
         _assert_sums(outs, listed, 0.0, scale=ranks)
 
 

@@ -183,7 +183,7 @@ def test_shared_uses_concatenate_as_the_reference(formulation):
     want = {}
     for key, use_list in by_param.items():
         got = use_module._combined_sqsum(use_list, 4, 2 ** 30, None,
-                                       contraction.Workspace())
+                                         contraction.Workspace())
         want[key] = use_module._reference_combined_sqsum(use_list, 4, 2 ** 30)
         assert_close(got, want[key], str(got.shape))
     # the hook runs the combined path itself when the backward is over

@@ -145,7 +145,7 @@ def test_stack_requirements_are_the_cuda_extra_of_setup_cfg(
     chosen = {(r.name, r.specifier) for r in extra
               if r.marker is None or r.marker.evaluate(env)}
     hinted = {(r.name, r.specifier) for r in map(Requirement,
-                                                  (cupy_req, nvrtc_req,
+                                                   (cupy_req, nvrtc_req,
                                                    runtime_req))}
     assert chosen == hinted
 

@@ -1,7 +1,7 @@
 """The whole-model decode checks the FMT_GAP codes on the device (issue 36).
 
 The host validates each received message's structure only (headers,
-lengths, value padding, value tables: ``native.decode_mean(...,
+lengths, value padding, value tables: ``bindings.decode_mean(...,
 gap_codes=False)``); ``vgc_model_gap_expand`` decodes every block of codes
 from its restart point with the exact checks of the sequential decoder
 
@@ -25,7 +25,7 @@ import pytest
 from chainer_vgc import codec
 from chainer_vgc.engines.cuda import decode as device_decode
 from chainer_vgc.exchange import mean as exchange_mean
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.codec.message import walk
 
 from reference import assert_bitwise
@@ -83,7 +83,7 @@ def _host_means(blocks, comp, shapes, dtypes):
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
     exchange_mean.mean_gradients(blocks, comp, host, [p.grad for p in host],
-                            len(blocks), True, False)
+                                 len(blocks), True, False)
     return [p.grad for p in host]
 
 
@@ -106,18 +106,18 @@ def _fuzz(fake, case, trials, seed):
         grads = [fake.asarray(numpy.ones(s, d))
                  for s, d in zip(shapes, dtypes)]
         dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes,
-                                                         grads)]
+                                                        grads)]
         if verdict is not None:
             with pytest.raises(codec.WireFormatError) as err:
                 exchange_mean.mean_gradients([blocks[0], bad], comp, dev, grads,
-                                        2, True, False)
+                                             2, True, False)
             assert str(err.value) == verdict
             assert all(p.grad is g for p, g in zip(dev, grads))
             assert all((fake.asnumpy(g) == 1).all() for g in grads)
             refused += 1
         else:
             exchange_mean.mean_gradients([blocks[0], bad], comp, dev, grads, 2,
-                                    True, False)
+                                         True, False)
             for h, d in zip(_host_means([blocks[0], bad], comp, shapes,
                                         dtypes), dev):
                 assert_bitwise(fake.asnumpy(d.grad), h)
@@ -147,18 +147,18 @@ def test_the_host_checks_the_structure_and_leaves_the_codes(device):
     assert _reference_verdict(codes, comp) is not None
 
     def check(msg, gap_codes):
-        return native.decode_mean([msg], sizes, sdts, [None] * len(sizes),
-                                  [0] * len(sizes), 1.0, table=True,
-                                  gap_codes=gap_codes)
+        return bindings.decode_mean([msg], sizes, sdts, [None] * len(sizes),
+                                    [0] * len(sizes), 1.0, table=True,
+                                    gap_codes=gap_codes)
     assert check(codes, True) is None
     assert check(codes, False) is not None
     header = blocks[0].copy()
     header[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
     assert check(header, False) is None and check(header, True) is None
     with pytest.raises(ValueError, match='none with gap_codes=False'):
-        native.decode_mean([codes], sizes, sdts,
-                           [numpy.zeros(s, F32) for s in sizes],
-                           [0] * len(sizes), 1.0, gap_codes=False)
+        bindings.decode_mean([codes], sizes, sdts,
+                             [numpy.zeros(s, F32) for s in sizes],
+                             [0] * len(sizes), 1.0, gap_codes=False)
 
 
 def test_a_device_refusal_the_host_does_not_share_is_reported(

@@ -327,12 +327,12 @@ def test_decode_and_mean_equal_the_cpu_backend(device, method, kw, model,
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
     exchange_mean.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
-                            ranks, True, dense, rescale=rescale)
+                                 ranks, True, dense, rescale=rescale)
     grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
     fake.reset()
     elements = exchange_mean.mean_gradients(blocks, comps[0], dev, grads, ranks,
-                                       True, dense, rescale=rescale)
+                                            True, dense, rescale=rescale)
     groups = [g for b in blocks for g in walk(b, comps[0].sizes)]
     gap = any(g.fmt == codec.FMT_GAP for g in groups)
     sending = sum(codec.message_count(b) > 0 for b in blocks)
@@ -380,7 +380,7 @@ def test_messages_received_into_the_upload_buffer_stay_where_they_are(
     host = [_param(numpy, s, d, numpy.ones(s, d))
             for s, d in zip(shapes, dtypes)]
     exchange_mean.mean_gradients(blocks, comps[0], host, [p.grad for p in host],
-                            ranks, True, False)
+                                 ranks, True, False)
     grads = [fake.asarray(numpy.ones(s, d)) for s, d in zip(shapes, dtypes)]
     dev = [_param(fake, s, d, g) for s, d, g in zip(shapes, dtypes, grads)]
     into = exchange_mean.receive_into(comps[0], dev, grads, ranks)
@@ -498,7 +498,7 @@ def test_a_bad_message_never_reaches_the_decode_kernel(device):
     fake.reset()
     with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
         exchange_mean.mean_gradients([good, bad], comp, dev, grads, 2, True,
-                                False)
+                                     False)
     assert fake.count('upload') == 0 and fake.launches == []
     assert all(p.grad is g for p, g in zip(dev, grads))
     assert all((fake.asnumpy(g) == 1).all() for g in grads)

@@ -92,7 +92,7 @@ def _mean(backend, sums, dtype, rescale):
     p = chainer.Parameter(numpy.zeros(n, dtype))
     p.grad = numpy.zeros(n, dtype)
     exchange_mean.mean_gradients([msg, msg], comp, [p], [p.grad], 2, True,
-                                False, rescale=rescale)
+                                 False, rescale=rescale)
     return p.grad
 
 
@@ -241,9 +241,9 @@ def test_native_input_checks_equal_the_reference(gdtype):
     NaN, Inf, a negative value (but not -0.0) in s; at the first element,
     inside a block, in a partial last block and at a chunk boundary, in
     tensors of several sizes; None gradients and None sums."""
-    from chainer_vgc.engines.native import bindings as native
+    from chainer_vgc.engines.native import bindings
     from chainer_vgc.backends.arrays import state_dtype
-    ws = native.Workspace()
+    ws = bindings.Workspace()
     rng = numpy.random.default_rng(11)
     sdt = state_dtype(numpy.dtype(gdtype))
     sizes = [1, 15, 16, 17, 1000, 65536, 70001]
@@ -262,14 +262,14 @@ def test_native_input_checks_equal_the_reference(gdtype):
                 elif kind < len(bad_g) + len(bad_s):
                     s[at] = bad_s[kind - len(bad_g)]
                 want = ((0 if numpy.isfinite(g.astype(sdt)).all()
-                         else native.BAD_GRAD) |
+                         else bindings.BAD_GRAD) |
                         (0 if (numpy.isfinite(s) & (s >= 0)).all()
-                         else native.BAD_SQSUM))
-                got = native.check_inputs(ws, [None, g, g], [None, s, None])
-                assert got == [0, want, want & native.BAD_GRAD], (n, at,
-                                                                  kind)
+                         else bindings.BAD_SQSUM))
+                got = bindings.check_inputs(ws, [None, g, g], [None, s, None])
+                assert got == [0, want, want & bindings.BAD_GRAD], (n, at,
+                                                                    kind)
                 seen.add(want)
-    assert seen == {0, native.BAD_GRAD, native.BAD_SQSUM}
+    assert seen == {0, bindings.BAD_GRAD, bindings.BAD_SQSUM}
 
 
 def test_in_place_overflow_is_raised_and_then_every_step_refused():

@@ -13,7 +13,7 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.stack
 
 @pytest.fixture(params=[1, 3, 5])
 def chunks(request):
-    before = native.num_threads()
-    native.set_num_threads(request.param)
+    before = bindings.num_threads()
+    bindings.set_num_threads(request.param)
     yield request.param
-    native.set_num_threads(before)
+    bindings.set_num_threads(before)
 
 
 def chunk_starts(n, t):

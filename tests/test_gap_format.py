@@ -201,7 +201,7 @@ def test_oracle_worked_example():
     assert oracle_encode(WORKED_INDEX, WORKED_NIBBLES, 4, False) == \
         WORKED_BODY
     assert oracle_decode_body(WORKED_BODY, 3, 100) == (WORKED_INDEX,
-                                                      WORKED_NIBBLES)
+                                                       WORKED_NIBBLES)
     ((tid, index, values),) = oracle_unpack(
         gap_message([(0, 3, 0, 1.0, WORKED_BODY)]), [100], [numpy.float32])
     assert (tid, index) == (0, WORKED_INDEX)

@@ -140,16 +140,16 @@ def test_one_step_costs_one_download_and_one_upload(device, method, kw,
         host = [param(numpy, numpy.zeros(s, d), numpy.ones(s, d))
                 for s, d in zip(SHAPES, DTYPES)]
         exchange_mean.mean_gradients(blocks, comps[0], host,
-                                    [h.grad for h in host], RANKS, True,
-                                    False)
+                                     [h.grad for h in host], RANKS, True,
+                                     False)
         for h, p in zip(host, params):
             assert isinstance(p.grad, fake.ndarray)
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
         # and in the rank-order tree ('dense', the simulation's 'none')
         for ps in (host, params):
             exchange_mean.mean_gradients(blocks, comps[0], ps,
-                                        [p.grad for p in ps], RANKS, True,
-                                        True)
+                                         [p.grad for p in ps], RANKS, True,
+                                         True)
         for h, p in zip(host, params):
             assert_bitwise(h.grad.ravel(), fake.asnumpy(p.grad).ravel())
     if comps[0].rule.index_coding:  # gap-coded groups went through
@@ -174,8 +174,8 @@ def test_a_bad_message_is_refused_on_the_host_before_any_transfer(device):
     fake.reset()
     with pytest.raises(codec.WireFormatError, match=str(err.value)[:40]):
         exchange_mean.mean_gradients([good, bad], comp, params,
-                                    [p.grad for p in params], 2, True,
-                                    False)
+                                     [p.grad for p in params], 2, True,
+                                     False)
     assert fake.count('upload') == 0
     assert all((fake.asnumpy(p.grad) == 1).all() for p in params)
 
@@ -200,7 +200,7 @@ def test_state_and_sums_live_on_the_parameters_device(device, method, kw):
         assert all(a.device.id == 1 for a in (st or {}).values())
     for dense in (False, True):
         exchange_mean.mean_gradients([message, message], comp, params,
-                                    [p.grad for p in params], 2, True, dense)
+                                     [p.grad for p in params], 2, True, dense)
         assert all(p.grad.device.id == 1 for p in params)
     assert fake.cuda.Device().id == 0
 
@@ -347,7 +347,7 @@ def test_device_decoders_keep_subnormals_where_cupy_flushes(device):
                                              numpy.uint32) + r,
                               numpy.array([1, 3]) + r, -126, 1.0, 6,
                               coding='gap' if r else 'fixed')])
-        for r in range(2)]
+              for r in range(2)]
     comp = GradientCompressor('vgc', ['a', 'b'], [(8,), (6,)], dtypes)
     host = [numpy.zeros(n, dt) for n, dt in zip(sizes, dtypes)]
     codec.decode_into(blocks[0], host)
@@ -365,7 +365,7 @@ def test_device_decoders_keep_subnormals_where_cupy_flushes(device):
            for n, dt in zip(sizes, dtypes)]
     for ps in (want, got):
         exchange_mean.mean_gradients(blocks, comp, ps, [p.grad for p in ps],
-                                    2, True, False)
+                                     2, True, False)
     for w, g in zip(want, got):
         assert_bitwise(w.grad, fake.asnumpy(g.grad))
     # the fake does flush CuPy's own arithmetic: this test can fail

@@ -219,8 +219,8 @@ SMOKE = textwrap.dedent("""\
     import numpy as np
     import chainer
     import chainer_vgc
-    from chainer_vgc.engines.native import bindings as native
-    native.load()
+    from chainer_vgc.engines.native import bindings
+    bindings.load()
     comm = chainer_vgc.create_communicator(method='none')
     model = chainer.links.Linear(3, 2)
     model.cleargrads()

@@ -413,7 +413,7 @@ def device_decode(fake, comp, message):
     codec.unpack(message, comp.sizes, comp.dtypes)  # validated first
     host = codec.expand_gap(message, comp.sizes)
     outs = [fake.zeros(n, state_dtype(dt)) for n, dt in zip(comp.sizes,
-                                                           comp.dtypes)]
+                                                            comp.dtypes)]
     codec.add_validated(host, fake.asarray(host), outs, comp.sizes)
     return [fake.asnumpy(o) for o in outs]
 

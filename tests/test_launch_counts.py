@@ -94,7 +94,7 @@ def step_counts(fake, method, kw, n_tensors, size=None):
         for g in grads]
     fake.reset()
     exchange_mean.mean_gradients([message] * RANKS, comp, params, grads, RANKS,
-                            True, False)
+                                 True, False)
     out['decode'] = _counts(fake)
     return out
 
@@ -273,7 +273,7 @@ def test_the_host_reads_the_summary_not_the_message(device, monkeypatch,
 
 @pytest.mark.parametrize('method,kw', METHODS, ids=IDS)
 def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
-                                              kw):
+                                             kw):
     """The decode + mean of 4 ranks' messages at 4, 40 and 400 tensors:
     the native validation's walk hands its group table over, and the
     descriptors and FMT_GAP block records are built from it with NumPy
@@ -309,7 +309,7 @@ def test_the_decode_walks_no_group_in_python(device, monkeypatch, method,
                               (codec, 'expand_gap'), (codec, 'unpack')]:
                 m.setattr(mod, name, forbidden(name, getattr(mod, name)))
             exchange_mean.mean_gradients([message] * RANKS, comp, params, grads,
-                                    RANKS, True, False)
+                                         RANKS, True, False)
         assert calls == [], (n, calls)
         # (the means: test_device_step's decode tests, bit for bit)
 

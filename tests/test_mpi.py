@@ -162,7 +162,7 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
 
 @pytest.mark.parametrize('saved,resumed', [(2, 4), (4, 2)])
 def test_elastic_resume_shares_what_the_saved_ranks_held(tmp_path, saved,
-                                                          resumed):
+                                                         resumed):
     """Every rank of a run at one world size saves its own snapshot; a run
     at another loads them with resume_residuals=ElasticResume(files): each
     rank's residuals are the NumPy oracle's share of the saved ones (r

@@ -29,7 +29,7 @@ from chainer_vgc.codec.header import f32_bits
 from chainer_vgc.codec.message import walk
 from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import GradientCompressor
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.engines.native import gap as native_gap
 from chainer_vgc import WireFormatError
 from wire_messages import random_message
@@ -48,10 +48,10 @@ METHODS = [
     ('none', {}),
     ('qsgd', dict(bits=3, bucket=5, seed=3)),
 ]
-ISAS = ['baseline'] + (['avx2'] if native.library_path('avx2') else [])
+ISAS = ['baseline'] + (['avx2'] if bindings.library_path('avx2') else [])
 #: the builds this processor runs (the AVX2 one where it has AVX2)
 RUNNABLE_ISAS = [i for i in ISAS
-                 if i != 'avx2' or native.load().vgc_native_cpu_has_avx2()]
+                 if i != 'avx2' or bindings.load().vgc_native_cpu_has_avx2()]
 #: every build x one and two threads: the costly families compute their
 #: NumPy reference once and check each of these against it
 VARIANTS = [(i, t) for i in RUNNABLE_ISAS for t in (1, 2)]
@@ -62,18 +62,18 @@ def native_build(isa, threads=None):
     """Within the block, the native backend runs the build ``isa`` of the
     library with ``threads`` threads (None: as it was); both restored on
     leaving, also after a failure."""
-    lib, before = native._lib, native.num_threads()
-    if isa != native.isa():
-        native._lib = native._open(isa)
+    lib, before = bindings._lib, bindings.num_threads()
+    if isa != bindings.isa():
+        bindings._lib = bindings._open(isa)
     try:
-        assert native.isa() == isa
+        assert bindings.isa() == isa
         if threads is not None:
-            native.set_num_threads(threads)
+            bindings.set_num_threads(threads)
         yield
     finally:  # (on both builds: a later dlopen of one gets the same copy)
-        native.set_num_threads(before)
-        native._lib = lib
-        native.set_num_threads(before)
+        bindings.set_num_threads(before)
+        bindings._lib = lib
+        bindings.set_num_threads(before)
 
 
 @pytest.fixture(params=ISAS)
@@ -87,10 +87,10 @@ def isa(request):
 
 @pytest.fixture(params=[1, 2])
 def threads(request):
-    before = native.num_threads()
-    native.set_num_threads(request.param)
+    before = bindings.num_threads()
+    bindings.set_num_threads(request.param)
     yield request.param
-    native.set_num_threads(before)
+    bindings.set_num_threads(before)
 
 
 def test_variants_cover_every_build_and_two_threads():
@@ -99,11 +99,11 @@ def test_variants_cover_every_build_and_two_threads():
     native_build switches the build and restores it."""
     assert {i for i, _ in VARIANTS} == set(RUNNABLE_ISAS) >= {'baseline'}
     assert {t for _, t in VARIANTS} == {1, 2}
-    lib, threads = native._lib, native.num_threads()
+    lib, threads = bindings._lib, bindings.num_threads()
     for i, t in VARIANTS:
         with native_build(i, t):
-            assert native.isa() == i and native.num_threads() == t
-    assert native._lib is lib and native.num_threads() == threads
+            assert bindings.isa() == i and bindings.num_threads() == t
+    assert bindings._lib is lib and bindings.num_threads() == threads
 
 
 def _bytes(a):
@@ -125,8 +125,8 @@ def _every_build_decodes_as(want, blocks, sizes, dtypes, what):
     for isa in RUNNABLE_ISAS:
         with native_build(isa):
             outs = [numpy.full(n, 5, dt) for n, dt in zip(sizes, dtypes)]
-            result = native.decode_mean(blocks, sizes, dtypes, outs,
-                                        [False] * len(sizes), 1.0)
+            result = bindings.decode_mean(blocks, sizes, dtypes, outs,
+                                          [False] * len(sizes), 1.0)
         if want is None:
             assert result is None, (what, isa)
             assert all((o == 5).all() for o in outs), (what, isa)
@@ -181,10 +181,10 @@ def test_a_group_table_that_does_not_add_up_is_refused(monkeypatch):
     gs = [rng.normal(0, 1, n).astype(numpy.float32) for n in sizes]
     blocks = [comp.compress(gs, [g * g for g in gs]).copy()] * 2
     sdts = [numpy.float32] * 2
-    got = native.decode_mean(blocks, sizes, sdts, [None] * 2, [0] * 2, 1.0,
-                             table=True)
+    got = bindings.decode_mean(blocks, sizes, sdts, [None] * 2, [0] * 2, 1.0,
+                               table=True)
     assert got[2][:, 3].sum() == sum(got[1]) > 0  # (count column)
-    lib = native.load()
+    lib = bindings.load()
 
     class Stale(object):
         def __getattr__(self, name):
@@ -193,10 +193,10 @@ def test_a_group_table_that_does_not_add_up_is_refused(monkeypatch):
         def vgc_native_decode(self, *args):
             return lib.vgc_native_decode(*args[:-2], None, args[-1])
     stale = Stale()
-    monkeypatch.setattr(native, 'load', lambda: stale)
-    with pytest.raises(native.NativeBackendError, match='rebuild'):
-        native.decode_mean(blocks, sizes, sdts, [None] * 2, [0] * 2, 1.0,
-                           table=True)
+    monkeypatch.setattr(bindings, 'load', lambda: stale)
+    with pytest.raises(bindings.NativeBackendError, match='rebuild'):
+        bindings.decode_mean(blocks, sizes, sdts, [None] * 2, [0] * 2, 1.0,
+                             table=True)
 
 
 @pytest.mark.parametrize('method,kw', METHODS)
@@ -359,8 +359,8 @@ def test_decode_mean_without_scale_and_counts():
                                     70000)])
     outs = [numpy.full(4, 9, numpy.float32), numpy.full(70000, 9,
                                                         numpy.float32)]
-    touched, elements = native.decode_mean([a, b], sizes, [numpy.float32] * 2,
-                                           outs, [False, True], 0.5)
+    touched, elements = bindings.decode_mean(
+        [a, b], sizes, [numpy.float32] * 2, outs, [False, True], 0.5)
     assert outs[0].tolist() == [0, 1, 0, 2.5]
     assert outs[1][69999] == 3.5 and not outs[1][:69999].any()
     assert touched.tolist() == [3, 1] and elements.tolist() == [2, 2]
@@ -418,8 +418,8 @@ def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype):
         for isa in RUNNABLE_ISAS:
             with native_build(isa):
                 outs = [numpy.full(n, 5, state_dtype) for n in sizes]
-                result = native.decode_mean(blocks, sizes, dtypes, outs,
-                                            [False] * len(sizes), 1.0)
+                result = bindings.decode_mean(blocks, sizes, dtypes, outs,
+                                              [False] * len(sizes), 1.0)
                 if ref_error is None:
                     assert result is not None, (trial, isa)
                     for o, w in zip(outs, want):
@@ -433,7 +433,7 @@ def test_corrupt_messages_are_rejected_as_the_reference_rejects(state_dtype):
                     p.grad = g
                 with pytest.raises(WireFormatError) as info:
                     exchange_mean.mean_gradients(blocks, comp, params, grads,
-                                            len(blocks), True, False)
+                                                 len(blocks), True, False)
                 assert str(info.value) == ref_error
                 assert all((g == 5).all() for g in grads)
     assert rejected > 500
@@ -499,19 +499,19 @@ def test_message_view_is_reused_only_without_copy():
 
 
 def test_constants_match_codec_and_source_hash():
-    lib = native.load()
-    native._check_constants(lib)
-    assert lib.vgc_native_source_hash().decode() == native.source_hash()
+    lib = bindings.load()
+    bindings._check_constants(lib)
+    assert lib.vgc_native_source_hash().decode() == bindings.source_hash()
 
 
 def test_missing_or_stale_build_is_reported_with_the_fix(monkeypatch):
-    monkeypatch.setattr(native, '_lib', None)
-    monkeypatch.setattr(native, 'source_hash', lambda: 'f' * 64)
-    with pytest.raises(native.NativeBackendError,
+    monkeypatch.setattr(bindings, '_lib', None)
+    monkeypatch.setattr(bindings, 'source_hash', lambda: 'f' * 64)
+    with pytest.raises(bindings.NativeBackendError,
                        match='stale build.*pip install.*CHAINER_VGC_BACKEND'):
-        native.load()
-    monkeypatch.setattr(native, 'library_path', lambda isa='baseline': None)
-    with pytest.raises(native.NativeBackendError,
+        bindings.load()
+    monkeypatch.setattr(bindings, 'library_path', lambda isa='baseline': None)
+    with pytest.raises(bindings.NativeBackendError,
                        match='not built.*pip install.*CHAINER_VGC_BACKEND'
                        '=numpy'):
         GradientCompressor('vgc', ['w'], [(2,)], [numpy.float32])
@@ -531,19 +531,19 @@ def test_backend_choice(monkeypatch):
     assert GradientCompressor('vgc', ['w'], [(2,)],
                               [numpy.float32]).backend == 'native'
     monkeypatch.setenv('CHAINER_VGC_NATIVE_ISA', 'sse9')
-    monkeypatch.setattr(native, '_lib', None)
-    with pytest.raises(native.NativeBackendError,
+    monkeypatch.setattr(bindings, '_lib', None)
+    with pytest.raises(bindings.NativeBackendError,
                        match='CHAINER_VGC_NATIVE_ISA'):
-        native.load()
+        bindings.load()
 
 
 def test_default_threads_divide_the_cores(monkeypatch):
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     cores = len(os.sched_getaffinity(0))
-    assert native.default_threads(1) == cores
-    assert native.default_threads(cores * 2) == 1
+    assert bindings.default_threads(1) == cores
+    assert bindings.default_threads(cores * 2) == 1
     monkeypatch.setenv('OMP_NUM_THREADS', '3')
-    assert native.default_threads(1) is None
+    assert bindings.default_threads(1) is None
 
 
 def test_omp_num_threads_is_respected():
@@ -610,7 +610,7 @@ def test_values_that_overflow_the_state_dtype_are_rejected(msg, rejecting,
     to the same values."""
     for dtype in (numpy.float32, numpy.float64):
         out = numpy.full(3, 5, dtype)
-        result = native.decode_mean([msg], [3], [dtype], [out], [False], 1.0)
+        result = bindings.decode_mean([msg], [3], [dtype], [out], [False], 1.0)
         if dtype in rejecting:
             with pytest.raises(WireFormatError, match='value out of range'):
                 codec.unpack(msg, [3], [dtype])
@@ -886,16 +886,16 @@ def _run_rule(rule, coding, g, s, state, kw, ws):
     old = {key: a.copy() for key, a in state.items()}
     code = CODING_CODES[coding]
     if rule.startswith('vgc'):
-        words, count, flags = native.compress_vgc(
+        words, count, flags = bindings.compress_vgc(
             ws, 3, g, s, old['r'], old['v'], new['r'], new['v'],
             kw['alpha'], kw['zeta'], True, rule == 'vgc-keep', out,
             coding=code)
     elif rule == 'hybrid':
-        words, count, flags = native.compress_hybrid(
+        words, count, flags = bindings.compress_hybrid(
             ws, 3, g, s, old['r'], old['v'], new['r'], new['v'],
             kw['alpha'], kw['zeta'], kw['tau'], out, coding=code)
     else:
-        words, count, flags = native.compress_strom(
+        words, count, flags = bindings.compress_strom(
             ws, 3, g, old['r'], new['r'], kw['tau'], out, coding=code)
     assert flags == 0
     for key in state:  # the old state is never written
@@ -955,7 +955,7 @@ def test_index_codings_match_the_reference(rule, dtype):
     1 in 1000 to all, uniform and clustered, tensors split between
     threads: 'auto' gives both formats."""
     rng = numpy.random.default_rng(hash((rule, str(dtype))) % 2 ** 32)
-    ws = native.Workspace()
+    ws = bindings.Workspace()
     formats = collections.Counter()
     for n in (1, 17, 1000, 70001, 200003):
         for density in (0.001, 0.02, 0.2, 1.0):
@@ -1027,7 +1027,7 @@ def test_decode_mean_of_gap_messages_matches_codec(state_dtype, ranks, isa,
         for blk in blocks:
             codec.decode_into(blk, want, sizes)
         outs = [numpy.full(n, 7, state_dtype) for n in sizes]
-        touched, elements = native.decode_mean(
+        touched, elements = bindings.decode_mean(
             blocks, sizes, dtypes, outs, [False] * len(sizes), 1.0)
         for o, w in zip(outs, want):
             _assert_same(o, w, trial)
@@ -1109,17 +1109,17 @@ def test_tensor_over_2_28_elements_is_gap_coded():
     g[index] = numpy.array([1, -1, 1, 1, -1, -1, 1], numpy.float16)
     r = numpy.zeros(n, numpy.float32)
     r_out = numpy.empty(n, numpy.float32)
-    ws = native.Workspace()
-    before = native.num_threads()
+    ws = bindings.Workspace()
+    before = bindings.num_threads()
     for coding, threads in (('auto', 1), ('gap', 2)):
         # one thread: two chunks (a chunk has at most 2**28 elements)
-        native.set_num_threads(threads)
+        bindings.set_num_threads(threads)
         out = numpy.zeros(codec.pow2_max_words(n, coding), numpy.uint32)
         try:
-            words, count, flags = native.compress_strom(
+            words, count, flags = bindings.compress_strom(
                 ws, 0, g, r, r_out, 0.5, out, coding=CODING_CODES[coding])
         finally:
-            native.set_num_threads(before)
+            bindings.set_num_threads(before)
         assert (count, flags) == (index.size, 0)
         assert out[1] == codec.FMT_GAP
         want = codec.pow2_best_group(
@@ -1131,16 +1131,16 @@ def test_tensor_over_2_28_elements_is_gap_coded():
         assert got[0].tolist() == index.tolist()
     # 'fixed' cannot address it: the pass flags it, and a compressor
     # refuses the tensor when it is made
-    _, _, flags = native.compress_strom(ws, 0, g, r, r_out, 0.5, out,
-                                        coding=CODING_CODES['fixed'])
-    assert flags & native.UNENCODABLE
+    _, _, flags = bindings.compress_strom(ws, 0, g, r, r_out, 0.5, out,
+                                          coding=CODING_CODES['fixed'])
+    assert flags & bindings.UNENCODABLE
     with pytest.raises(ValueError, match='2\\*\\*28'):
         GradientCompressor('strom', ['big'], [(n,)], [numpy.float16],
                            backend='native', tau=0.5, index_coding='fixed')
     msg = codec.pack([want])
     dec = numpy.full(n, 3, numpy.float32)
-    touched, _ = native.decode_mean([msg], [n], [numpy.float32], [dec],
-                                    [False], 1.0)
+    touched, _ = bindings.decode_mean([msg], [n], [numpy.float32], [dec],
+                                      [False], 1.0)
     assert touched.tolist() == [index.size]
     expect = numpy.where(g[index] < 0, -0.5, 0.5).astype(numpy.float32)
     assert numpy.array_equal(dec[index], expect)
@@ -1252,7 +1252,7 @@ def test_decode_mean_of_span_messages_matches_codec(ranks, isa, threads):
             spans.update(s > 0 for s in _spans_of(blk, sizes))
         want = _reference_sums(blocks, sizes, dtypes)
         outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, dtypes)]
-        touched, elements = native.decode_mean(
+        touched, elements = bindings.decode_mean(
             blocks, sizes, dtypes, outs, [False] * len(sizes), 1.0)
         for o, w in zip(outs, want):
             _assert_same(o, w, trial)
@@ -1283,8 +1283,8 @@ def test_span_value_table_is_checked_per_receiving_dtype(isa):
             want = None
         assert (want is not None) == ok
         outs = [numpy.full(n, 7, dt) for n, dt in zip(sizes, dtypes)]
-        got = native.decode_mean([msg], sizes, dtypes, outs,
-                                 [False] * len(sizes), 1.0)
+        got = bindings.decode_mean([msg], sizes, dtypes, outs,
+                                   [False] * len(sizes), 1.0)
         assert (got is not None) == ok
         if ok:
             for o, w in zip(outs, want):
@@ -1381,8 +1381,8 @@ def test_span_fast_paths_equal_the_reference():
     rng = numpy.random.default_rng(3)
     for _ in range(20):
         msg = codec.pack(list(walk(_span_message(rng, SPAN_SIZES,
-                                                        merge=False),
-                                          SPAN_SIZES)))
+                                                 merge=False),
+                                   SPAN_SIZES)))
         raw = _span_message(rng, SPAN_SIZES, merge=True)
         for m in (msg, raw):
             want = codec.merge_spans(m, SPAN_SIZES)
@@ -1406,7 +1406,7 @@ def test_a_native_refusal_the_reference_does_not_share_is_reported(
     msg = comp.compress([rng.normal(0, 1, s).astype(numpy.float32)
                          for s in shapes],
                         [numpy.ones(s, numpy.float32) for s in shapes]).copy()
-    monkeypatch.setattr(native, 'decode_mean', lambda *a, **k: None)
+    monkeypatch.setattr(bindings, 'decode_mean', lambda *a, **k: None)
     outs = [numpy.zeros(s, numpy.float32) for s in shapes]
     with pytest.raises(RuntimeError, match="backend='numpy'"):
         comp.decode_into(msg, outs)
@@ -1415,7 +1415,7 @@ def test_a_native_refusal_the_reference_does_not_share_is_reported(
                                     shape=o.shape, size=o.size) for o in outs]
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
         exchange_mean.mean_gradients([msg], comp, params,
-                                [p.grad for p in params], 1, True, False)
+                                     [p.grad for p in params], 1, True, False)
     with pytest.raises(RuntimeError, match='CHAINER_VGC_BACKEND=numpy'):
         comp.engine.validate([msg], dtypes)
     bad = msg.copy()

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)
@@ -28,7 +28,7 @@ def test_wheel_ships_kernel_sources_and_finds_them(tmp_path):
     assert 'chainer_vgc/kernel_src/vgc_numerics.cuh' in names
     # every source of the native backend ships (native.source_hash() reads
     # them to tell a stale build)
-    for name in native.SOURCES:
+    for name in bindings.SOURCES:
         assert 'chainer_vgc/kernel_src/' + name in names, name
     assert 'chainer_vgc/rules/vgc.py' in names
     out = subprocess.run(

@@ -204,7 +204,7 @@ def _decode(fake, blocks, comp, params):
     step's need of staging memory)."""
     fake.reset()
     exchange_mean.mean_gradients(blocks, comp, params, [p.grad for p in params],
-                            RANKS, True, False)
+                                 RANKS, True, False)
     (need,) = fake._of('upload')
     return need
 
@@ -214,8 +214,8 @@ def _reference(blocks, sizes, cpu='native'):
     backend; 'native' equals 'numpy' bit for bit and is quicker)."""
     params = _params(numpy, sizes)
     exchange_mean.mean_gradients(blocks, _compressor(sizes, backend=cpu),
-                            params, [p.grad for p in params], RANKS, True,
-                            False)
+                                 params, [p.grad for p in params], RANKS, True,
+                                 False)
     return [p.grad for p in params]
 
 

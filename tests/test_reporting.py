@@ -64,9 +64,9 @@ def test_dense_bytes_follow_the_gradient_dtypes():
     totals = reporting.new_totals()
     blocks = [_message(1), _message(2)]
     reporting.report_step(blocks, comp.n_params, totals, None,
-                             comp.n_bytes)
+                          comp.n_bytes)
     reporting.report_step(blocks, comp.n_params, totals, [1, 2],
-                             comp.n_bytes)
+                          comp.n_bytes)
     assert totals['steps'] == 2 and totals['elements'] == 6
     assert totals['dense_bytes'] == pytest.approx(2 * 2 * (1 / 2) * 64)
     assert totals['bytes'] == pytest.approx(2 * (1 / 2) * 4 * (8 + 9))

@@ -120,7 +120,7 @@ def test_step_figures_against_the_ring_and_the_messages(p):
         # elements given by the caller win over counting
         given_elements = [7] * p
         fig2 = reporting.step_figures(blocks, n_params, given_elements,
-                                         size=p)
+                                      size=p)
         assert fig2['_elements'] == 7 * p
         assert fig2['vgc/bytes'] == pytest.approx(sum(per_rank) / p)
         assert fig2['_dense_bytes'] == pytest.approx(
@@ -139,7 +139,7 @@ def test_report_step_adds_to_the_totals_and_reports():
         obs = {}
         with reporter.scope(obs):
             fig = reporting.report_step(blocks, 90, totals,
-                                           param_bytes=2 * 90)
+                                        param_bytes=2 * 90)
         seen.append(obs)
         counts = [int(b.size) for b in blocks]
         elements = sum(reference.message_elements(b) for b in blocks)
@@ -188,8 +188,8 @@ def test_batch_of_dict_batches():
         calls.append((args, kw))
         return 'loss'
     x, t = numpy.ones((3, 5)), numpy.arange(3)
-    batch, loss_fn = multi_node_optimizer._batch_of(lossfun, (),
-                                         {'x': x, 'flag': 'on', 't': t})
+    batch, loss_fn = multi_node_optimizer._batch_of(
+        lossfun, (), {'x': x, 'flag': 'on', 't': t})
     assert len(batch) == 2 and batch[0] is x and batch[1] is t
     assert loss_fn(x[2:3], t[2:3]) == 'loss'
     (args, kw), = calls

@@ -14,7 +14,7 @@ import pytest
 from chainer_vgc import codec
 from chainer_vgc.codec.c_defines import c_int
 from chainer_vgc.backends.cuda import kernels
-from chainer_vgc.engines.native import bindings as native
+from chainer_vgc.engines.native import bindings
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)
@@ -55,7 +55,7 @@ def test_host_source_matches_codec():
     # the native backend's sources (native.SOURCES: kernels/vgc_host.cpp and
     # the headers it includes), wherever among them the constants live
     paths = [os.path.join(kernels.source_dir(), name)
-             for name in native.SOURCES]
+             for name in bindings.SOURCES]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         pytest.skip('the native sources are not shipped here: {}'.format(
@@ -70,7 +70,7 @@ def test_host_source_matches_codec():
 
 
 def test_every_native_constant_has_a_codec_value():
-    assert set(native.CONSTANTS) <= set(codec.C_CONSTANTS)
+    assert set(bindings.CONSTANTS) <= set(codec.C_CONSTANTS)
 
 
 @pytest.mark.parametrize('name,value', [
@@ -128,7 +128,7 @@ def test_device_step_fault_flags_are_the_native_backends():
     defined = dict(re.findall(r'#define (VGC_FLAG_\w+) (\w+)u',
                               kernels.source()))
     assert {k: int(v) for k, v in defined.items()} == {
-        'VGC_FLAG_BAD_GRAD': native.BAD_GRAD,
-        'VGC_FLAG_BAD_SQSUM': native.BAD_SQSUM,
-        'VGC_FLAG_OVERFLOW_R': native.OVERFLOW_R,
-        'VGC_FLAG_OVERFLOW_V': native.OVERFLOW_V}
+        'VGC_FLAG_BAD_GRAD': bindings.BAD_GRAD,
+        'VGC_FLAG_BAD_SQSUM': bindings.BAD_SQSUM,
+        'VGC_FLAG_OVERFLOW_R': bindings.OVERFLOW_R,
+        'VGC_FLAG_OVERFLOW_V': bindings.OVERFLOW_V}

@@ -130,7 +130,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         else:
             allreduce_mean_float16(self.mpi_comm, grads)
         wire = reporting.allreduce_wire(grads, p,
-                                         float16=dense_dtype is not None)
+                                        float16=dense_dtype is not None)
         return sum(q.size for q in grads), (wire if p > 1 else 0.0)
 
     def bcast_data(self, model):

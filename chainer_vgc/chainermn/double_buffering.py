@@ -98,7 +98,7 @@ class VGCDoubleBufferingOptimizer(VGCMultiNodeOptimizer):
             return  # the first exchange: nothing to apply yet
         if ready['last']:
             reporting.report(ready['last'], target,
-                              self.method_state.label)
+                             self.method_state.label)
         if ready['skipped'] and not opt._loss_scaling_is_dynamic:
             return  # (vgc/skipped reported)
         # Chainer divides each gradient by its parameter's _loss_scale (set

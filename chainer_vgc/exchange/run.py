@@ -237,8 +237,8 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
                                sqsums, loss_scale, result)
     if done is not None and state.count_by_parameter:
         reporting.count_sent(state.elements_by_parameter,
-                              state.parameter_sizes, done,
-                              state.compressor, model, collectives.size)
+                             state.parameter_sizes, done,
+                             state.compressor, model, collectives.size)
     if done is not None:
         result.figures = reporting.report_step(
             done.blocks, done.n_params, totals, done.elements,

@@ -16,7 +16,7 @@ kB.  ``create_communicator(..., hierarchy='node')`` makes one.
 """
 
 
-from chainer_vgc.nodes import run as node_step
+from chainer_vgc.nodes import run as node_run
 from chainer_vgc.exchange import snapshot
 from chainer_vgc.chainermn.collectives import Collectives
 from chainer_vgc.chainermn.collectives import free_mpi_comm
@@ -77,7 +77,7 @@ class HierarchicalCommunicator(VGCCommunicator):
     ``vgc/intra_node_bytes`` per rank inside its node are reported too.
     """
 
-    _State = node_step.NodeMethodState
+    _State = node_run.NodeMethodState
 
     def __init__(self, mpi_comm, ranks_per_node=None, **kwargs):
         super(HierarchicalCommunicator, self).__init__(mpi_comm, **kwargs)
@@ -90,7 +90,7 @@ class HierarchicalCommunicator(VGCCommunicator):
     @property
     def _run(self):
         # looked up at each exchange (a benchmark may wrap it)
-        return node_step.run_node_exchange
+        return node_run.run_node_exchange
 
     def setup(self, model):
         self._current = self.state(model)

@@ -65,8 +65,9 @@ class VGC(base.CompressionRule):
         the largest parameter, so the hot path allocates nothing."""
         pair = self._buffers.get(like.dtype)
         if pair is None or pair[0].size < like.size:
-            pair = self._buffers[like.dtype] = (numpy.empty(like.size, like.dtype),
-                                       numpy.empty(like.size, like.dtype))
+            pair = self._buffers[like.dtype] = (
+                numpy.empty(like.size, like.dtype),
+                numpy.empty(like.size, like.dtype))
         return pair[0][:like.size], pair[1][:like.size]
 
     def select(self, grad, sqsum, state):

@@ -78,7 +78,7 @@ def _binary(derivative):
             x0, x1 = (None if a is None else _as(a, dtype)
                       for a in in_data[:2])
             return BroadcastOperand(xp, dtype, gy, derivative(k, x0, x1),
-                                     _operand_shape(fn, k, operand))
+                                    _operand_shape(fn, k, operand))
         return make
     return {0: maker(0), 1: maker(1)}
 

@@ -185,7 +185,7 @@ class _ConvW(_Use):
         (an active :class:`~chainer_vgc.statistics.im2col.ColumnCapture`)
         when it is of this image, geometry and the state dtype."""
         img, other = (self.gy, self.x) if self.transposed else (self.x,
-                                                                 self.gy)
+                                                                self.gy)
         kh, kw = self.w_shape[2:]
         col = capture.take(img, self.fn, kh, kw)
         if (col is not None and col.dtype == self.dtype and col.shape ==

@@ -392,8 +392,8 @@ def main():
                 f.write(why)
         last = mode == 'last-exchange-error'
         if mode != 'main-error' and world.rank == bad:
-            from chainer_vgc.exchange import run as step_module
-            real, calls = step_module.run_exchange, []
+            from chainer_vgc.exchange import run as exchange_run
+            real, calls = exchange_run.run_exchange, []
 
             def failing(*args, **kwds):
                 calls.append(1)
@@ -401,7 +401,7 @@ def main():
                     say()
                     raise RuntimeError(why)
                 return real(*args, **kwds)
-            step_module.run_exchange = failing
+            exchange_run.run_exchange = failing
         if last:  # 7 updates: exchanges 1..6, the 6th in flight at exit
             for step in range(7):
                 opt.update(model, *data(step, numpy.float32))

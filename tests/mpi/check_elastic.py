@@ -124,8 +124,8 @@ def resume(out, method):
     # the default refuses a snapshot of another world size
     _, pmodel, plain = setup(method)
     expect_error(lambda: load(mine, pmodel, plain),
-                   'saved by a run of {} ranks'.format(p_old),
-                   'this run has {}'.format(world.size), 'ElasticResume')
+                 'saved by a run of {} ranks'.format(p_old),
+                 'this run has {}'.format(world.size), 'ElasticResume')
     # 'fresh': loads, with a warning, and the residuals start empty
     comm, model, opt = setup(method, resume_residuals='fresh')
     with warnings.catch_warnings(record=True) as caught:
@@ -166,7 +166,7 @@ def resume(out, method):
         _, smodel, short = setup(
             method, resume_residuals=chainer_vgc.ElasticResume(files[:-1]))
         expect_error(lambda: load(mine, smodel, short),
-                       'every saved rank', str(list(range(p_old - 1))))
+                     'every saved rank', str(list(range(p_old - 1))))
 
 
 def main():

@@ -423,5 +423,5 @@ def decode_mean(blocks, sizes, state_dtypes, outs, apply_scale, scale,
         raise NativeBackendError(
             'chainer_vgc: the native backend {} returned a group table that '
             'does not add up to the messages; {}'.format(library_path(isa()),
-                                                        _FIX))
+                                                         _FIX))
     return touched[:n], elements[:p], numpy.column_stack([msg, rows])
