@@ -1422,3 +1422,32 @@ def test_a_native_refusal_the_reference_does_not_share_is_reported(
     bad[4] = 0xFFFFFFF  # the first group's count: beyond the tensor
     with pytest.raises(codec.WireFormatError):
         comp.decode_into(bad, outs)
+
+
+def test_a_rule_declares_its_fused_pass_from_its_own_module():
+    """docs/contributing.md's native fast path: a rule's module declares
+    its pass with bindings.fused_pass (no entry in bindings.py), here
+    Strom's symbol declared again: the same message and state, bit for bit,
+    as the shipped wrapper; a symbol the library lacks is named."""
+    import ctypes
+    vp = ctypes.c_void_p
+    declared = bindings.fused_pass(
+        'strom', [vp, vp, ctypes.c_int64, ctypes.c_double, ctypes.c_int, vp])
+    rng = numpy.random.default_rng(3)
+    g = rng.normal(0, 1, 5000).astype(numpy.float32)
+    ws = bindings.Workspace()
+    outs = []
+    for fn in (bindings.compress_strom, declared):
+        r = numpy.full(5000, 0.3, numpy.float32)
+        r_out = numpy.empty_like(r)
+        out = numpy.zeros(8000, numpy.uint32)
+        args = (r, r_out, g.size, 0.5, CODING_CODES['gap'], out)
+        result = fn(ws, 0, g, *args) if fn is declared else \
+            fn(ws, 0, g, r, r_out, 0.5, out, coding=CODING_CODES['gap'])
+        outs.append((result, out.copy(), r_out.copy()))
+    (res_a, out_a, r_a), (res_b, out_b, r_b) = outs
+    assert res_a == res_b and res_a[1] > 0
+    _assert_same(out_a, out_b, 'message')
+    _assert_same(r_a, r_b, 'r')
+    with pytest.raises(AttributeError, match='vgc_native_no_such_rule'):
+        bindings.fused_pass('no_such_rule', [vp])

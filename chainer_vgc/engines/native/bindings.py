@@ -134,10 +134,40 @@ def _signatures(lib):
         'vgc_native_gap_encode': (i64, [vp, vp, i64, i32, i32, vp]),
         'vgc_native_gap_decode': (i32, [vp, i64, i64, i64, vp, vp]),
     }
+    table.update(_DECLARED)
     for name, (res, args) in table.items():
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+
+
+#: the fused passes declared by the rules' modules (:func:`fused_pass`):
+#: symbol -> (result type, argument types)
+_DECLARED = {}
+
+
+def fused_pass(rule, arg_types):
+    """Declare a rule's fused pass, the library's ``extern "C"
+    vgc_native_<rule>(workspace, tensor_id, dtype code, g, ..., info)``
+    (``kernels/vgc_host.cpp``), from the rule's own module: ``arg_types``,
+    the ctypes types of its arguments between the gradient's address and
+    the info array (an array is passed as ``ctypes.c_void_p``, its
+    address).  Returns ``compress(ws, tensor_id, g, *args)`` ->
+    ``(words, elements, flags)``, as the shipped ``compress_<rule>``
+    wrappers; the symbol is looked up (and a missing one reported) when
+    the library loads, or now if it is loaded."""
+    vp = ctypes.c_void_p
+    symbol = 'vgc_native_' + rule
+    signature = (ctypes.c_int64, [vp, ctypes.c_int, ctypes.c_int, vp]
+                 + list(arg_types) + [vp])
+    if _lib is not None:  # (a symbol it lacks: AttributeError, naming it)
+        fn = getattr(_lib, symbol)
+        fn.restype, fn.argtypes = signature
+    _DECLARED[symbol] = signature
+
+    def compress(ws, tensor_id, g, *args):
+        return _compress(rule, ws, tensor_id, g, *args)
+    return compress
 
 
 def _open(isa):
