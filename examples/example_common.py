@@ -52,6 +52,11 @@ HELP = {
     'alpha': 'criterion r^2 > alpha v (eq. 4)',
     'zeta': 'variance decay',
     'tau': 'threshold',
+    'density': 'fraction of each tensor sent a step (top-k)',
+    'momentum_factor': 'momentum correction factor (0: plain top-k)',
+    'momentum_masking': 'momentum factor masking off',
+    'density_warmup_steps': 'steps per warm-up stage (25%% falling 4x a '
+    'stage; 0: none)',
     'bits': 'bits',
     'bucket': 'bucket size',
     'quantize': 'send exact values instead of 4-bit ones',

@@ -62,6 +62,11 @@ BUGS = {
         'if double_buffering:',
         'if False:  # (double_buffering ignored)',
         ['tests/test_mpi.py', '-k', 'one_step_delayed']),
+    'dgc-residual-without-momentum': (
+        'chainer_vgc/rules/dgc.py',
+        '        r += u',
+        '        r += g  # (the raw gradient: no momentum correction)',
+        ['tests/test_dgc.py']),
     'device-decode-ignores-its-checks': (
         'chainer_vgc/engines/cuda/decode.py',
         'if errs is not None and errs.get().any():  # (waits for the device)',

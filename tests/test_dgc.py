@@ -1,0 +1,155 @@
+"""The dgc rule (Deep Gradient Compression, chainer_vgc/rules/dgc.py)
+against a reference written element by element: momentum correction, the
+exact top-k with its tie rule, masking, the warm-up's densities, on both
+CPU backends; its step count resumed from the extra state; its
+arguments checked."""
+
+import math
+
+import chainer
+import numpy
+import pytest
+
+from chainer_vgc import GradientCompressor
+from chainer_vgc import codec
+from chainer_vgc.rules import DGC
+
+# on both stacks (make test): its results depend on NumPy
+pytestmark = pytest.mark.stack
+
+
+def _reference(grads, density, m, masking, warmup, dtype):
+    """Every step's (index, values) of one tensor and its final (r, u),
+    element by element in ``dtype`` (the state dtype)."""
+    n = len(grads[0])
+    r = [dtype(0)] * n
+    u = [dtype(0)] * n
+    sent = []
+    for step, g in enumerate(grads, 1):
+        d = density
+        if warmup:
+            d = max(density, 0.25 / 4.0 ** ((step - 1) // warmup))
+        for i in range(n):
+            if m:
+                u[i] = dtype(u[i] * dtype(m)) + dtype(g[i])
+            else:
+                u[i] = dtype(g[i])
+            r[i] = dtype(r[i] + u[i])
+        k = min(n, max(1, int(math.ceil(d * n))))
+        order = sorted(range(n), key=lambda i: (-abs(float(r[i])), i))[:k]
+        index = sorted(i for i in order if r[i] != 0)
+        sent.append((index, [r[i] for i in index]))
+        for i in index:
+            r[i] = dtype(0)
+            if masking:
+                u[i] = dtype(0)
+    return sent, numpy.array(r, dtype), numpy.array(u, dtype)
+
+
+def _stream(n, steps, seed, dtype):
+    rng = numpy.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        g = rng.normal(0, 1, n).astype(dtype)
+        g[rng.integers(0, n, 3)] = 0  # zeros,
+        g[:2] = dtype(0.5)            # and ties
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize('backend', ['numpy', 'native'])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('m,masking,warmup', [(0.9, True, 0),
+                                              (0.9, False, 2),
+                                              (0.0, True, 1)])
+def test_messages_and_state_equal_the_element_by_element_reference(
+        backend, dtype, m, masking, warmup):
+    n, steps, density = 97, 6, 0.05
+    grads = _stream(n, steps, 1, dtype)
+    want, r, u = _reference(grads, density, m, masking, warmup, dtype)
+    comp = GradientCompressor(
+        DGC(density, m, masking, warmup), ['w'], [(n,)], [dtype],
+        backend=backend)
+    for g, (index, values) in zip(grads, want):
+        msg = comp.compress([g])
+        got = codec.unpack(msg, [n], [dtype])
+        if not index:
+            assert not got or got[0].index.size == 0
+            continue
+        assert got[0].index.tolist() == index
+        assert got[0].value.dtype == dtype
+        assert got[0].value.tobytes() == numpy.array(values, dtype).tobytes()
+        assert comp.last_sent == len(index)
+    assert comp.states[0]['r'].tobytes() == r.tobytes()
+    assert comp.states[0]['u'].tobytes() == u.tobytes()
+
+
+def test_the_warmup_densities_fall_by_four_to_the_density():
+    rule = DGC(density=0.001, density_warmup_steps=3)
+    got = [rule.current_density(step) for step in range(1, 17)]
+    assert got[:3] == [0.25] * 3 and got[3:6] == [0.0625] * 3
+    assert got[6] == 0.25 / 16 and got[9] == 0.25 / 64
+    assert got[12:] == [0.001] * 4  # 0.25 / 256 < 0.001
+    assert DGC(density=0.01).current_density(1) == 0.01
+
+
+def test_a_resumed_rule_goes_on_bit_for_bit():
+    n = 400
+    grads = _stream(n, 8, 2, numpy.float32)
+
+    def make():
+        return GradientCompressor(DGC(0.01, density_warmup_steps=2), ['w'],
+                                  [(n,)], [numpy.float32])
+    whole, first = make(), make()
+    for g in grads[:4]:
+        whole.compress([g])
+        first.compress([g])
+    resumed = make()
+    resumed.rule.set_extra_state(first.rule.get_extra_state())
+    resumed.states[0] = {k: v.copy() for k, v in first.states[0].items()}
+    assert resumed.rule.steps == 4
+    for g in grads[4:]:
+        assert whole.compress([g]).tobytes() == resumed.compress(
+            [g]).tobytes()
+
+
+def test_count_is_what_the_next_step_sends_and_moves_nothing():
+    n = 300
+    g = _stream(n, 1, 3, numpy.float32)[0]
+    comp = GradientCompressor(DGC(0.02, density_warmup_steps=1), ['w'],
+                              [(n,)], [numpy.float32])
+    comp.compress([g])
+    before = {k: v.copy() for k, v in comp.states[0].items()}
+    counted = comp.rule.count(g, None, comp.states[0])
+    for k in before:
+        assert comp.states[0][k].tobytes() == before[k].tobytes()
+    comp.compress([g])
+    assert counted == comp.last_sent == math.ceil(0.0625 * n)
+
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(density=0), 'density'), (dict(density=1.5), 'density'),
+    (dict(momentum_factor=1.0), 'momentum_factor'),
+    (dict(momentum_factor=-0.1), 'momentum_factor'),
+    (dict(momentum_masking='yes'), 'momentum_masking'),
+    (dict(density_warmup_steps=-1), 'density_warmup_steps')])
+def test_bad_arguments_name_themselves(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DGC(**kw)
+
+
+def test_the_simulation_trains_with_it_at_its_density():
+    """Two simulated workers (the exchange itself, in one process): the
+    compressed group sends about density of its elements a step."""
+    from chainer_vgc.harness.simulation import SimulatedWorkers
+    model = chainer.links.Classifier(chainer.links.Linear(50, 10))
+    opt = chainer.optimizers.SGD(0.1).setup(model)
+    sim = SimulatedWorkers(model, opt, 2, 'dgc', density=0.01,
+                           min_size=100)
+    rng = numpy.random.default_rng(0)
+    for _ in range(6):
+        sim.update(model, [(rng.normal(size=(8, 50)).astype(numpy.float32),
+                            rng.integers(0, 10, 8).astype(numpy.int32))
+                           for _ in range(2)])
+    assert sim.totals['steps'] == 5
+    assert sim.last['vgc/compression_compressed'] == pytest.approx(100.0)
