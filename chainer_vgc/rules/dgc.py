@@ -9,8 +9,8 @@ velocity) and r (the accumulated velocity, the delayed update):
 1. momentum correction: u <- m u + g, then r <- r + u (the residual
    accumulates the velocity, not the raw gradient, so that the delayed
    update carries the momentum it would have had);
-2. the k = ceil(density n) elements of largest |r| are selected (ties at
-   the k-th largest |r| broken by the lower index; zeros never sent);
+2. the k = ceil(density n) elements of largest ``|r|`` are selected (ties at
+   the k-th largest ``|r|`` broken by the lower index; zeros never sent);
 3. they are sent with their values (FMT_RAW: a 32-bit index and the state
    dtype's value each, so the residual reset loses nothing) and their r
    is set to 0; momentum factor masking (``momentum_masking``) sets their
@@ -111,7 +111,7 @@ class DGC(base.CompressionRule):
         return r, u
 
     def select(self, r, density):
-        """The indices (sorted) of the k = ceil(density n) largest |r|,
+        """The indices (sorted) of the k = ceil(density n) largest ``|r|``,
         ties broken by the lower index, zeros left out."""
         xp = arrays.get_array_module(r)
         n = int(r.size)
