@@ -35,14 +35,20 @@ struct vgc_group {
     const int64_t *gap_index;
     const uint8_t *gap_nibble;
     int64_t gap_base;
+    /* FMT_SPARSE: its indices in gap_index (gap_base 0) and its values,
+     * each wire value times 2**x in float64 (exact there; the one
+     * rounding is the cast to the state dtype), decoded by
+     * vgc_check_sparse */
+    const double *sparse_value;
 };
 
-/* A FMT_GAP group found by vgc_walk, decoded afterwards (vgc_check_gap,
- * all groups of all messages in parallel). */
+/* A FMT_GAP or FMT_SPARSE group found by vgc_walk, decoded afterwards
+ * (vgc_check_gap, vgc_check_sparse: all groups of all messages in
+ * parallel). */
 struct vgc_gap_job {
     const uint32_t *body;
     int64_t length, tid, span, span_size;
-    uint32_t count, a, b;
+    uint32_t count, a, b, fmt;
     int msg;
 };
 
@@ -64,6 +70,7 @@ static int64_t vgc_group_index(const vgc_group &g) {
     case VGC_FMT_POW2:
         return (int64_t)(g.body[g.pos] & VGC_INDEX_MASK);
     case VGC_FMT_GAP:
+    case VGC_FMT_SPARSE:
         return g.gap_index[g.pos] - g.gap_base;
     case VGC_FMT_RAW:
         return (g.a & VGC_RAW_DENSE) ? g.pos : (int64_t)g.body[g.pos];
@@ -82,6 +89,8 @@ template <typename S> static S vgc_group_value(const vgc_group &g) {
         return (S)g.table[g.body[g.pos] >> VGC_INDEX_BITS];
     case VGC_FMT_GAP:
         return (S)g.table[g.gap_nibble[g.pos]];
+    case VGC_FMT_SPARSE:
+        return (S)g.sparse_value[g.pos];
     case VGC_FMT_RAW: {
         const uint32_t *v = g.body + ((g.a & VGC_RAW_DENSE) ? 0 : g.count);
         if (g.a & VGC_RAW_FLOAT64) return (S)vgc_word_double(v + 2 * g.pos);
@@ -267,6 +276,57 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
     return j == (int64_t)count; /* always: every index < span_size */
 }
 
+/* A float16 (IEEE binary16 bits h) as a double, exactly. */
+static double vgc_half_to_double(uint32_t h) {
+    const uint32_t e = (h >> 10) & 31, f = h & 1023;
+    double v = e == 0    ? std::ldexp((double)f, -24)
+               : e == 31 ? (f ? NAN : INFINITY)
+                         : std::ldexp((double)(f | 1024), (int)e - 25);
+    return (h >> 15) ? -v : v;
+}
+
+/* Decodes and validates a FMT_SPARSE group of tensor t (header fields
+ * count, a = x, b = flags; body of body_words words at body): its
+ * indices to index[count], its values (wire value times 2**x, float64)
+ * to value[count], each finite as sent and once cast to the tensor's
+ * state dtype; groups[t] then reads them. */
+static bool vgc_check_sparse(vgc_group *groups, int64_t t,
+                             const int64_t *sizes, const int *scodes,
+                             const uint32_t *body, int64_t body_words,
+                             uint32_t count, uint32_t a, uint32_t b,
+                             int64_t *index, double *value) {
+    const int64_t V = vgc_sparse_value_words(count, b);
+    if (body_words < V) return false;
+    const uint32_t *v = body + body_words - V;
+    const bool f32 = (b & VGC_SPARSE_FLOAT32) != 0;
+    if (!f32 && (count & 1) && (v[V - 1] >> 16)) return false; /* padding */
+    if (!vgc_gap_decode_indices(body, body_words, count, sizes[t], V, index))
+        return false;
+    const int x = (int)(int32_t)a;
+    const bool f64 = scodes[t] == VGC_F64;
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < (int64_t)count; ++j) {
+        const double w = f32 ? (double)vgc_word_float(v + j)
+                             : vgc_half_to_double((v[j >> 1] >> (16 * (j & 1)))
+                                                  & 0xFFFFu);
+        const double d = std::ldexp(w, x < -2200 ? -2200 : x > 2200 ? 2200 : x);
+        value[j] = d;
+        bad |= (uint32_t)!(vgc_finite(w) && (f64 ? vgc_finite(d)
+                                                 : vgc_finite((float)d)));
+    }
+    if (bad) return false;
+    vgc_group &g = groups[t];
+    g.body = body;
+    g.fmt = VGC_FMT_SPARSE;
+    g.count = count;
+    g.a = a;
+    g.b = b;
+    g.gap_index = index;
+    g.gap_base = 0;
+    g.sparse_value = value;
+    return true;
+}
+
 /* Words of a row of the group table that vgc_walk writes when asked:
  * tensor id, format, count, a, b, the body's first word in the message,
  * span (FMT_GAP: tensors after the first; else 0) */
@@ -299,6 +359,7 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
         int64_t size = sizes[tid], length, span = 0;
         if (count == 0) return false;
         if (fmt != VGC_FMT_GAP && (int64_t)count > size) return false;
+        const bool gap_coded = fmt == VGC_FMT_GAP || fmt == VGC_FMT_SPARSE;
         if (fmt == VGC_FMT_POW2) {
             length = count;
         } else if (fmt == VGC_FMT_RAW) {
@@ -328,11 +389,30 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
                 size = sizes[t] > INT64_MAX - size ? INT64_MAX
                                                    : size + sizes[t];
             if ((int64_t)count > size) return false;
+        } else if (fmt == VGC_FMT_SPARSE) {
+            /* FMT_GAP's index part (no SIGN_ONLY, no span), then the
+             * values */
+            if (pos + VGC_GAP_PARAM_WORDS > len) return false;
+            if ((m[pos] & VGC_GAP_SIGN_ONLY) || (m[pos] >> VGC_GAP_SPAN_SHIFT) ||
+                (b & ~(uint32_t)VGC_SPARSE_FLOAT32))
+                return false;
+            length = VGC_GAP_PARAM_WORDS +
+                     VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count) +
+                     (int64_t)m[pos + 1] + vgc_sparse_value_words(count, b);
         } else {
             return false;
         }
         if (pos + length > len) return false;
-        if (fmt == VGC_FMT_GAP) {
+        if (fmt == VGC_FMT_SPARSE) {
+            const uint32_t *body = m + pos;
+            if (((body[0] & VGC_GAP_RESTARTS) != 0) !=
+                    (vgc_gap_restarts(count) > 0) ||
+                (int64_t)count > 32 * (int64_t)body[1])
+                return false;
+            vgc_gap_job job = {body, length, tid, 0, size,
+                               count, a, b, fmt, 0};
+            jobs->push_back(job);
+        } else if (fmt == VGC_FMT_GAP) {
             /* the cheap checks now (reserved bit, at least a bit per code,
              * value padding), the decoding later (vgc_check_gap) */
             const uint32_t *body = m + pos;
@@ -346,7 +426,7 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
             if ((vbits & 31) && (body[length - 1] >> (vbits & 31)))
                 return false;
             vgc_gap_job job = {body, length, tid, span, size,
-                               count, a, b, 0};
+                               count, a, b, fmt, 0};
             jobs->push_back(job);
         } else {
             vgc_group &g = groups[tid];
@@ -373,11 +453,11 @@ static bool vgc_walk(const uint32_t *m, int64_t len, int n_tensors,
     return pos == len;
 }
 
-/* Position of the first element of group g (FMT_POW2, FMT_GAP or
- * FMT_RAW, sorted indices) whose index is >= lo. */
+/* Position of the first element of group g (FMT_POW2, FMT_GAP,
+ * FMT_SPARSE or FMT_RAW, sorted indices) whose index is >= lo. */
 static int64_t vgc_lower_bound(const vgc_group &g, int64_t lo) {
     if (g.fmt == VGC_FMT_RAW && (g.a & VGC_RAW_DENSE)) return lo;
-    if (g.fmt == VGC_FMT_GAP)
+    if (g.fmt == VGC_FMT_GAP || g.fmt == VGC_FMT_SPARSE)
         return std::lower_bound(g.gap_index, g.gap_index + g.count,
                                 lo + g.gap_base) -
                g.gap_index;
@@ -415,6 +495,13 @@ static void vgc_add_until(const vgc_group &g, const S *table, int64_t *pos,
             const int64_t ix = index[j] - base;
             if (ix >= hi) break;
             out[ix] += table[nib[j]];
+        }
+    } else if (g.fmt == VGC_FMT_SPARSE) {
+        const int64_t *index = g.gap_index;
+        const double *value = g.sparse_value;
+        for (; j < count; ++j) {
+            if (index[j] >= hi) break;
+            out[index[j]] += (S)value[j];
         }
     } else { /* FMT_RAW */
         const bool dense = g.a & VGC_RAW_DENSE, f64 = g.a & VGC_RAW_FLOAT64;

@@ -188,21 +188,28 @@ static int64_t vgc_gap_write_body(Each each, int64_t count, uint64_t bits,
 /* The stream is read through vgc_stream32 and vgc_stream_bits of
  * vgc_numerics.cuh (the device's decoder reads it with them too). */
 
-/* Decodes and checks a FMT_GAP body of exactly len words (the decoder
- * checks of the spec) over one index space of size elements (a group's
- * span_size): index[count] (strictly increasing, < size) and nib[count]
- * (sign << 3 | d; d = 0 for SIGN_ONLY).  The span (param bits 8..31) is
- * the caller's; bit 7 must say whether a restart table follows.  false:
- * invalid. */
-static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
-                           int64_t size, int64_t *index, uint8_t *nib) {
+/* Words of the values of a FMT_SPARSE group of count elements (header
+ * flags b): float32 one a word, float16 two. */
+static inline int64_t vgc_sparse_value_words(int64_t count, uint32_t b) {
+    return (b & VGC_SPARSE_FLOAT32) ? count : (count + 1) / 2;
+}
+
+/* Decodes and checks the gap-coded indices of a body of exactly len words
+ * (FMT_GAP's or FMT_SPARSE's: param word, G, restart table, G words of
+ * codes, then V value words, which are the caller's) over one index space
+ * of size elements (a group's span_size): index[count] (strictly
+ * increasing, < size), the decoder checks of the spec.  The span (param
+ * bits 8..31) is the caller's; bit 7 must say whether a restart table
+ * follows.  false: invalid. */
+static bool vgc_gap_decode_indices(const uint32_t *body, int64_t len,
+                                   int64_t count, int64_t size, int64_t V,
+                                   int64_t *index) {
     if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
     const uint32_t param = body[0];
     if (((param & VGC_GAP_RESTARTS) != 0) != (vgc_gap_restarts(count) > 0))
         return false; /* the restart flag disagrees with count */
     const int k = (int)(param & 63);
-    const bool sign_only = (param & VGC_GAP_SIGN_ONLY) != 0;
-    const int64_t G = body[1], V = vgc_gap_value_words(count, sign_only);
+    const int64_t G = body[1];
     const int64_t R = vgc_gap_restarts(count);
     if (len != VGC_GAP_PARAM_WORDS + VGC_GAP_RESTART_WORDS * R + G + V)
         return false;
@@ -213,10 +220,6 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     int64_t next_restart = R ? VGC_GAP_RESTART_CODES : count;
     const uint32_t *s = table + VGC_GAP_RESTART_WORDS * R;
     const uint64_t total = 32 * (uint64_t)G;
-    /* value padding (cheap, before any decoding) */
-    const uint32_t *v = s + G;
-    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
-    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
     uint64_t pos = 0;
     int64_t prev = -1;
     /* The stream through a 64-bit window: buf holds the bits from pos on,
@@ -355,6 +358,26 @@ static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
     /* canonical end: the last code ends in the last word, zeros after */
     if ((pos + 31) / 32 != (uint64_t)G) return false;
     if ((pos & 31) && (s[G - 1] >> (pos & 31))) return false;
+    return true;
+}
+
+/* Decodes and checks a FMT_GAP body of exactly len words (the decoder
+ * checks of the spec) over one index space of size elements (a group's
+ * span_size): index[count] (strictly increasing, < size) and nib[count]
+ * (sign << 3 | d; d = 0 for SIGN_ONLY).  The span (param bits 8..31) is
+ * the caller's.  false: invalid. */
+static bool vgc_gap_decode(const uint32_t *body, int64_t len, int64_t count,
+                           int64_t size, int64_t *index, uint8_t *nib) {
+    if (len < VGC_GAP_PARAM_WORDS || count < 0) return false;
+    const bool sign_only = (body[0] & VGC_GAP_SIGN_ONLY) != 0;
+    const int64_t V = vgc_gap_value_words(count, sign_only);
+    if (len < V) return false;
+    /* value padding (cheap, before any decoding) */
+    const uint32_t *v = body + len - V;
+    const uint64_t vbits = (uint64_t)count * (sign_only ? 1 : 4);
+    if ((vbits & 31) && (v[V - 1] >> (vbits & 31))) return false;
+    if (!vgc_gap_decode_indices(body, len, count, size, V, index))
+        return false;
     if (sign_only)
         for (int64_t j = 0; j < count; ++j)
             nib[j] = (uint8_t)(((v[j >> 5] >> (j & 31)) & 1u) << 3);

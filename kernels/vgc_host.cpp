@@ -125,6 +125,8 @@ void vgc_native_constants(int64_t *c) {
     c[15] = VGC_GAP_PARAM_WORDS;
     c[16] = VGC_GAP_RESTART_CODES;
     c[17] = VGC_GAP_RESTART_WORDS;
+    c[18] = VGC_FMT_SPARSE;
+    c[19] = VGC_SPARSE_FLOAT32;
 }
 
 void vgc_native_set_threads(int n) { vgc_threads = n > 0 ? n : 0; }
@@ -303,6 +305,19 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
         for (int b = 0; b < p; ++b) {
             for (size_t j = 0; valid[b] && j < msg_jobs[b].size(); ++j) {
                 const vgc_gap_job &job = msg_jobs[b][j];
+                if (job.fmt == VGC_FMT_SPARSE) {
+                    /* no device decode of its own: checked in full */
+                    std::unique_ptr<int64_t[]> scratch(
+                        new int64_t[2 * (size_t)job.count]);
+                    std::vector<vgc_group> one((size_t)n_tensors);
+                    if (!vgc_check_sparse(one.data(), job.tid, sizes, scodes,
+                                          job.body, job.length, job.count,
+                                          job.a, job.b, scratch.get(),
+                                          (double *)(scratch.get() +
+                                                     job.count)))
+                        valid[b] = 0;
+                    continue;
+                }
                 bool seen[2] = {false, false};
                 for (int64_t t = job.tid; t <= job.tid + job.span; ++t) {
                     const int f64 = scodes[t] == VGC_F64;
@@ -348,12 +363,21 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
 #endif
         for (int j = 0; j < n_jobs; ++j) {
             const vgc_gap_job &job = jobs[j];
+            vgc_group *row = groups.data() + (size_t)job.msg * n_tensors;
+            if (job.fmt == VGC_FMT_SPARSE) { /* indices, float64 values */
+                gap_scratch[j].reset(new int64_t[2 * (size_t)job.count]);
+                int64_t *index = gap_scratch[j].get();
+                ok[j] = vgc_check_sparse(row, job.tid, sizes, scodes,
+                                         job.body, job.length, job.count,
+                                         job.a, job.b, index,
+                                         (double *)(index + job.count));
+                continue;
+            }
             gap_scratch[j].reset(new int64_t[job.count + (job.count + 7) / 8]);
             int64_t *index = gap_scratch[j].get();
-            ok[j] = vgc_check_gap(groups.data() + (size_t)job.msg * n_tensors,
-                                  job.tid, job.span, sizes, scodes, job.body,
-                                  job.length, job.span_size, job.count, job.a,
-                                  job.b, index,
+            ok[j] = vgc_check_gap(row, job.tid, job.span, sizes, scodes,
+                                  job.body, job.length, job.span_size,
+                                  job.count, job.a, job.b, index,
                                   (uint8_t *)(index + job.count));
         }
         for (int j = 0; j < n_jobs; ++j)

@@ -43,6 +43,10 @@
  * first that the group also covers; docs: addendum v2); bit 7,
  * VGC_GAP_RESTARTS, comes with vgc_numerics.cuh */
 #define VGC_GAP_SPAN_SHIFT 8
+/* FMT_SPARSE: FMT_GAP's indices, float16 or (flag b bit 0) float32 values
+ * scaled by 2**a (chainer_vgc/codec/sparse.py) */
+#define VGC_FMT_SPARSE 5u
+#define VGC_SPARSE_FLOAT32 1u
 
 /* dtype codes shared with native.py */
 enum { VGC_F16 = 0, VGC_F32 = 1, VGC_F64 = 2 };

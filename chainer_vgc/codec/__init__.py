@@ -47,6 +47,12 @@ header checks, checked decoder, unchecked device decoder):
     0: for given k, value width and span, the elements have one encoding
     (:func:`gap_body`).  No limit on the tensor size; at most 2**32 - 1
     elements per group.
+``FMT_SPARSE`` (unquantized values at gap-coded indices: ``dgc``)
+    ``a`` = x (int32), ``b`` = flags (bit 0, :data:`SPARSE_FLOAT32`:
+    float32 values, else float16); body: FMT_GAP's param word (no
+    SIGN_ONLY, no span), ``G``, the restart table and the ``G`` words of
+    gap codes, then the values, two float16 a word or one float32; value
+    = the wire value times ``2**x`` in the state dtype.
 
 :func:`unpack` checks every field against the receiving model (tensor ids,
 counts, body lengths, exponents and scales, indices in range and strictly
@@ -63,7 +69,8 @@ Modules: :mod:`.constants` (the numbers, defined once), :mod:`.c_defines`
 (their C names and the check of a C/CUDA source), :mod:`.header` (group
 header, :class:`WireFormat`, :class:`WireFormatError`, shared checks), one
 module per format (:mod:`.pow2` with the quantization, :mod:`.raw`,
-:mod:`.qsgd`, :mod:`.gap` with its restart table in :mod:`.restarts`),
+:mod:`.qsgd`, :mod:`.gap` with its restart table in :mod:`.restarts`,
+:mod:`.sparse`),
 :mod:`.index_coding` (FMT_POW2 or FMT_GAP),
 :mod:`.formats` (the table) and :mod:`.message` (pack, walk, unpack,
 decode, spans).  This package imports the device layer below it
@@ -79,7 +86,8 @@ are imported from their module.
 from chainer_vgc.codec.c_defines import (  # NOQA: F401
     C_CONSTANTS, KERNEL_CONSTANTS, check_kernel_constants)
 from chainer_vgc.codec.constants import (  # NOQA: F401
-    CODINGS, FMT_GAP, FMT_INDEXED, FMT_POW2, FMT_QSGD, FMT_RAW, GAP_ESCAPE,
+    CODINGS, FMT_GAP, FMT_INDEXED, FMT_POW2, FMT_QSGD, FMT_RAW, FMT_SPARSE,
+    GAP_ESCAPE, SPARSE_FLOAT32,
     GAP_K_MASK, GAP_MAX_K, GAP_PARAM_WORDS, GAP_RESTARTS, GAP_RESTART_CODES,
     GAP_RESTART_WORDS, GAP_SIGN_ONLY, GAP_SPAN_SHIFT, HEADER_WORDS, INDEX_BITS, LOG2_ZERO, MAGIC, MAX_COUNT,
     MAX_D, MAX_GAP_SPAN, MAX_INDEX, MAX_QSGD_BUCKET, MERGE_MAX_COUNT,
@@ -102,3 +110,5 @@ from chainer_vgc.codec.pow2 import (  # NOQA: F401
     wire_scale)
 from chainer_vgc.codec.qsgd import qsgd_group  # NOQA: F401
 from chainer_vgc.codec.raw import raw_group  # NOQA: F401
+from chainer_vgc.codec.sparse import (  # NOQA: F401
+    sparse_group, sparse_max_words)

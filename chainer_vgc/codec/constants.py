@@ -38,6 +38,10 @@ GAP_RESTART_CODES = 1024
 GAP_RESTART_WORDS = 4
 GAP_MAX_K = 62
 MAX_COUNT = (1 << 32) - 1  # the header's count is one word
+#: unquantized values at gap-coded indices (top-k methods: dgc); ``b``
+#: flag SPARSE_FLOAT32: float32 values, else float16
+FMT_SPARSE = 5
+SPARSE_FLOAT32 = 1
 #: index codings of the pow2 elements (``index_coding`` of vgc, hybrid,
 #: strom); the native backend takes the position in this tuple
 CODINGS = ('auto', 'fixed', 'gap')

@@ -101,6 +101,22 @@ def gap_body(index, nibbles, k, sign_only, span=0):
         if span:
             body[:1] |= numpy.uint32(int(span) << GAP_SPAN_SHIFT)
         return body
+    nib = numpy.asarray(nibbles).astype(numpy.uint8).reshape(-1)
+    if sign_only:
+        vbits = (nib >> 3) & 1
+    else:
+        vbits = ((nib[:, None] >> numpy.arange(4, dtype=numpy.uint8))
+                 & 1).reshape(-1)
+    values = bits_to_words(vbits.astype(numpy.uint8))
+    return gap_index_words(index, k, (GAP_SIGN_ONLY if sign_only else 0)
+                           | int(span) << GAP_SPAN_SHIFT, values)
+
+
+def gap_index_words(index, k, flags, values):
+    """A body of gap-coded indices (FMT_GAP's, and FMT_SPARSE's): the
+    param word (``k``, ``flags``, the restart flag when the table is
+    there), ``G``, the restart table and the ``G`` words of gap codes of
+    the sorted unique ``index`` (NumPy), then the words ``values``."""
     k = int(k)
     if not 0 <= k <= GAP_K_MASK:
         raise ValueError('gap_body: k must be in 0..63, got {}'.format(k))
@@ -128,19 +144,11 @@ def gap_body(index, nibbles, k, sign_only, span=0):
     for b in range(k):
         bits[low_at + b] = (gaps >> b) & 1
     stream = bits_to_words(bits)
-    nib = numpy.asarray(nibbles).astype(numpy.uint8).reshape(-1)
-    if sign_only:
-        vbits = (nib >> 3) & 1
-    else:
-        vbits = ((nib[:, None] >> numpy.arange(4, dtype=numpy.uint8))
-                 & 1).reshape(-1)
-    values = bits_to_words(vbits.astype(numpy.uint8))
     if stream.size > 0xFFFFFFFF:
         raise ValueError('gap_body: {} words of gap codes; a group holds at '
                          'most 2**32 - 1'.format(stream.size))
-    param = (k | (GAP_SIGN_ONLY if sign_only else 0)
-             | (GAP_RESTARTS if gap_restarts(index.size) else 0)
-             | int(span) << GAP_SPAN_SHIFT)
+    param = (k | int(flags)
+             | (GAP_RESTARTS if gap_restarts(index.size) else 0))
     return numpy.concatenate([
         numpy.array([param, stream.size], dtype=numpy.uint32),
         restart_table(starts, index), stream, values])
@@ -186,6 +194,30 @@ def gap_decode_body(body, count, size):
     where = 'chainer_vgc wire message, FMT_GAP body: '
     if body.size < GAP_PARAM_WORDS:
         raise WireFormatError(where + 'truncated')
+    param = int(body[0])
+    index, first = gap_decode_indices(body, count, size,
+                                      gap_value_words(count, param), where)
+    # a byte a value field: element j's is bits 4j..4j+3 (SIGN_ONLY: bit
+    # j) of the value words, a bit string too
+    values = numpy.ascontiguousarray(body[first:], dtype='<u4').view(
+        numpy.uint8)
+    if param & GAP_SIGN_ONLY:
+        fields = numpy.unpackbits(values, bitorder='little') << 3
+    else:
+        fields = numpy.stack([values & 15, values >> 4], axis=1).reshape(-1)
+    if fields[count:].any():
+        raise WireFormatError(where + 'nonzero padding after the values')
+    return index, fields[:count].copy()
+
+
+def gap_decode_indices(body, count, size, n_values, where):
+    """The gap-coded indices of a body of gap codes (FMT_GAP's,
+    FMT_SPARSE's: uint32 host words) of ``count`` elements in an index
+    space of ``size``, followed by ``n_values`` value words, decoded and
+    checked as :func:`gap_decode_body` says: ``(index int64, the word
+    where the values start)``.  ``where`` begins its error messages."""
+    if body.size < GAP_PARAM_WORDS:
+        raise WireFormatError(where + 'truncated')
     param, n_stream = int(body[0]), int(body[1])
     if bool(param & GAP_RESTARTS) != bool(gap_restarts(count)):
         raise WireFormatError(
@@ -193,7 +225,6 @@ def gap_decode_body(body, count, size):
             'set exactly when there are more than {}'.format(
                 int(bool(param & GAP_RESTARTS)), count, GAP_RESTART_CODES))
     k = param & GAP_K_MASK
-    n_values = gap_value_words(count, param)
     n_table = GAP_RESTART_WORDS * gap_restarts(count)
     if body.size != GAP_PARAM_WORDS + n_table + n_stream + n_values:
         raise WireFormatError(where + '{} words, the header says {}'.format(
@@ -273,17 +304,7 @@ def gap_decode_body(body, count, size):
     if -(-pos // 32) != n_stream or bits(pos, nbits - pos):
         raise WireFormatError(where + 'gap stream longer than its codes or '
                               'nonzero padding (non-canonical)')
-    # a byte a value field: element j's is bits 4j..4j+3 (SIGN_ONLY: bit
-    # j) of the value words, a bit string too
-    values = numpy.ascontiguousarray(
-        body[first + n_stream:], dtype='<u4').view(numpy.uint8)
-    if param & GAP_SIGN_ONLY:
-        fields = numpy.unpackbits(values, bitorder='little') << 3
-    else:
-        fields = numpy.stack([values & 15, values >> 4], axis=1).reshape(-1)
-    if fields[count:].any():
-        raise WireFormatError(where + 'nonzero padding after the values')
-    return index, fields[:count].copy()
+    return index, first + n_stream
 
 
 # ---- the body on the device (CuPy) ------------------------------------------

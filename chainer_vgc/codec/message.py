@@ -10,13 +10,15 @@ import numpy
 from chainer_vgc.backends import arrays
 from chainer_vgc.backends.cuda import kernels
 from chainer_vgc.codec.constants import (
-    FMT_GAP, FMT_INDEXED, FMT_POW2, GAP_PARAM_WORDS, GAP_SPAN_SHIFT,
+    FMT_GAP, FMT_INDEXED, FMT_POW2, FMT_SPARSE, GAP_PARAM_WORDS,
+    GAP_SPAN_SHIFT,
     HEADER_WORDS, INDEX_BITS, MAGIC, MAX_COUNT, MAX_GAP_SPAN,
     MERGE_MAX_COUNT)
 from chainer_vgc.codec.formats import FORMATS, INTERNAL_FORMATS
 from chainer_vgc.codec.gap import gap_body, rice_parameter, span_parts
 from chainer_vgc.codec.header import Decoded, Group, WireFormatError, where
 from chainer_vgc.codec.pow2 import checked_pow2_table, pow2_header
+from chainer_vgc.codec.raw import raw_group
 
 
 def pack(groups, xp=numpy):
@@ -221,15 +223,24 @@ def _merged(run, sizes, decoder, encoder):
 
 def expand_gap(message, sizes, decoder=None):
     """A validated host ``message`` with every FMT_GAP group rewritten as
-    FMT_INDEXED (pow2 words and int64 indices: what the device adds from,
-    see :func:`add_validated`); ``message`` itself when it has none.
-    ``decoder(body, count, size) -> (index, nibbles)``: default
-    :func:`.gap_decode_body` (the native backend passes its own)."""
+    FMT_INDEXED (pow2 words and int64 indices) and every FMT_SPARSE group
+    as FMT_RAW (its values times 2**x in float64, where they are exact:
+    the device casts them to the state dtype, one rounding, as the
+    reference's): what the device adds from, see :func:`add_validated`;
+    ``message`` itself when it has neither.  ``decoder(body, count,
+    size) -> (index, nibbles)``: default :func:`.gap_decode_body` (the
+    native backend passes its own)."""
     groups = list(walk(message, sizes))
-    if not any(g.fmt == FMT_GAP for g in groups):
+    if not any(g.fmt in (FMT_GAP, FMT_SPARSE) for g in groups):
         return message
     out = []
     for g in groups:
+        if g.fmt == FMT_SPARSE:
+            index, value = FORMATS[FMT_SPARSE].decode(
+                g, sizes[g.tensor_id], numpy.float64, numpy)
+            out.append(raw_group(g.tensor_id, index, value,
+                                 sizes[g.tensor_id]))
+            continue
         if g.fmt != FMT_GAP:
             out.append(g)
             continue
