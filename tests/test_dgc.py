@@ -18,7 +18,45 @@ from chainer_vgc.rules import DGC
 pytestmark = pytest.mark.stack
 
 
-def _reference(grads, density, m, masking, warmup, dtype):
+def _floor_log2(x):
+    """floor(log2 x) of a positive float (frexp: x = f 2**e, f in [0.5,
+    1))."""
+    return math.frexp(x)[1] - 1
+
+
+def _on_the_wire(values, dtype, float32):
+    """What FMT_SPARSE delivers for ``values`` (state ``dtype``), worked
+    out from the spec (docs/wire_format.md): float32 values as they are
+    on a float32 model; else x = floor(log2 max |v|) - 14 and each value
+    rounded to float16 after dividing by 2**x (exact), times 2**x; None
+    when the largest is subnormal in ``dtype`` (nothing sent)."""
+    if float32 and dtype == numpy.float32:
+        return list(values)
+    top = max(abs(float(v)) for v in values)
+    if top < numpy.finfo(dtype).tiny:
+        return None
+    x = _floor_log2(top) - 14
+    wire = numpy.float32 if float32 else numpy.float16
+    return [dtype(float(wire(float(v) / 2.0 ** x)) * 2.0 ** x)
+            for v in values]
+
+
+def _clip_factor(grads, clip_norm, workers):
+    """DGC's local clipping factor (as the paper's Sec. 3.2 and the rule's
+    docstring): the norm summed tensor by tensor in float64."""
+    if clip_norm is None:
+        return 1.0
+    total = 0.0
+    for g in grads:
+        g64 = numpy.asarray(g, numpy.float64).reshape(-1)
+        total += float(g64.dot(g64))
+    limit = clip_norm / math.sqrt(workers)
+    norm = math.sqrt(total)
+    return limit / (norm + 1e-6) if norm > limit else 1.0
+
+
+def _reference(grads, density, m, masking, warmup, dtype, clip_norm=None,
+               float32=False, workers=1):
     """Every step's (index, values) of one tensor and its final (r, u),
     element by element in ``dtype`` (the state dtype)."""
     n = len(grads[0])
@@ -29,18 +67,28 @@ def _reference(grads, density, m, masking, warmup, dtype):
         d = density
         if warmup:
             d = max(density, 0.25 / 4.0 ** ((step - 1) // warmup))
+        c = _clip_factor([g], clip_norm, workers)
         for i in range(n):
+            gi = dtype(g[i])
+            if c != 1.0:
+                gi = dtype(gi * dtype(c))
             if m:
-                u[i] = dtype(u[i] * dtype(m)) + dtype(g[i])
+                u[i] = dtype(u[i] * dtype(m)) + gi
             else:
-                u[i] = dtype(g[i])
+                u[i] = gi
             r[i] = dtype(r[i] + u[i])
         k = min(n, max(1, int(math.ceil(d * n))))
         order = sorted(range(n), key=lambda i: (-abs(float(r[i])), i))[:k]
         index = sorted(i for i in order if r[i] != 0)
-        sent.append((index, [r[i] for i in index]))
-        for i in index:
-            r[i] = dtype(0)
+        values = _on_the_wire([r[i] for i in index], dtype, float32) \
+            if index else None
+        if values is None:
+            sent.append(([], []))
+            continue
+        kept = [(i, v) for i, v in zip(index, values) if v != 0]
+        sent.append(([i for i, _ in kept], [v for _, v in kept]))
+        for i, v in kept:
+            r[i] = dtype(r[i] - v)
             if masking:
                 u[i] = dtype(0)
     return sent, numpy.array(r, dtype), numpy.array(u, dtype)
@@ -59,17 +107,20 @@ def _stream(n, steps, seed, dtype):
 
 @pytest.mark.parametrize('backend', ['numpy', 'native'])
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
-@pytest.mark.parametrize('m,masking,warmup', [(0.9, True, 0),
-                                              (0.9, False, 2),
-                                              (0.0, True, 1)])
+@pytest.mark.parametrize('m,masking,warmup,clip,values', [
+    (0.9, True, 0, None, 'float16'), (0.9, False, 2, None, 'float32'),
+    (0.0, True, 1, 2.0, 'float16'), (0.9, True, 0, 3.0, 'float32')])
 def test_messages_and_state_equal_the_element_by_element_reference(
-        backend, dtype, m, masking, warmup):
+        backend, dtype, m, masking, warmup, clip, values):
     n, steps, density = 97, 6, 0.05
     grads = _stream(n, steps, 1, dtype)
-    want, r, u = _reference(grads, density, m, masking, warmup, dtype)
-    comp = GradientCompressor(
-        DGC(density, m, masking, warmup), ['w'], [(n,)], [dtype],
-        backend=backend)
+    want, r, u = _reference(grads, density, m, masking, warmup, dtype,
+                            clip, values == 'float32', workers=4)
+    rule = DGC(density, m, masking, warmup, clip_norm=clip,
+               value_dtype=values)
+    rule.workers = 4  # (as the exchange sets it)
+    comp = GradientCompressor(rule, ['w'], [(n,)], [dtype],
+                              backend=backend)
     for g, (index, values) in zip(grads, want):
         msg = comp.compress([g])
         got = codec.unpack(msg, [n], [dtype])

@@ -6,16 +6,28 @@ Per parameter, with momentum factor m (``momentum_factor``; 0: plain top-k
 with error feedback), minibatch gradient g and state u (the local
 velocity) and r (the accumulated velocity, the delayed update):
 
+0. local gradient clipping (``clip_norm`` c, None: off): when the norm of
+   this worker's whole gradient (every compressed tensor) exceeds
+   c / sqrt(p), p the workers, every g is multiplied by
+   (c / sqrt(p)) / (norm + 1e-6) (the paper's Sec. 3.2: each worker
+   clips its own gradient before accumulating it, the threshold scaled
+   by p**-1/2 so that the sum of p such gradients is clipped at c);
 1. momentum correction: u <- m u + g, then r <- r + u (the residual
    accumulates the velocity, not the raw gradient, so that the delayed
    update carries the momentum it would have had);
-2. the k = ceil(density n) elements of largest ``|r|`` are selected (ties at
-   the k-th largest ``|r|`` broken by the lower index; zeros never sent);
-3. they are sent with their values (FMT_RAW: a 32-bit index and the state
-   dtype's value each, so the residual reset loses nothing) and their r
-   is set to 0; momentum factor masking (``momentum_masking``) sets their
-   u to 0 too, so that a sent element's stale momentum does not push it
-   again.
+2. the k = ceil(density n) elements of largest ``|r|`` are selected (ties
+   at the k-th largest ``|r|`` broken by the lower index; zeros never
+   sent);
+3. they are sent as FMT_SPARSE (:mod:`chainer_vgc.codec.sparse`):
+   gap-coded indices and, by default (``value_dtype='float16'``), float16
+   values scaled by a power of two per tensor, as DGC's implementation
+   sends float16; an element's r becomes what rounding left of it (0
+   with ``value_dtype='float32'`` on a float32 model), so nothing is lost:
+   the rounding is fed back like everything not sent.  At 0.1 % density a
+   gap code takes about 12 bits, so a float16 element costs about 29 bits
+   on the wire against 45 with float32 values.  Momentum factor masking
+   (``momentum_masking``) sets the sent elements' u to 0, so that a sent
+   element's stale momentum does not push it again.
 
 The optimizer then applies the mean of what the workers sent as a plain
 gradient: with momentum correction on, make it momentum-free
@@ -27,12 +39,11 @@ falls by 4x after every ``density_warmup_steps`` steps (25 %, 6.25 %,
 exponential schedule over its first epochs (give it the steps of an
 epoch).  The step count is the rule's extra state, saved with snapshots.
 
-Not here yet (issue 51): DGC's local gradient clipping, its threshold
-estimated from a sample (the selection here is the exact top-k that the
-sample's fix-up arrives at), gap-coded indices, fp16 values and the
-native and GPU fast paths: this rule runs its NumPy code on every
-backend.  DGC compresses only tensors of more than one dimension: give
-the others to the dense group (``min_size`` or ``exclude``).
+DGC compresses only tensors of more than one dimension: vectors (biases,
+normalization layers' parameters) go to the dense group
+(:meth:`DGC.keeps_dense`).  The selection is the exact top-k: the native
+backend's fused pass finds it from a threshold estimated on a sample, the
+count fixed up, the same elements bit for bit.
 """
 
 import math
@@ -46,6 +57,10 @@ from chainer_vgc.rules import base
 #: the first warm-up density and the factor it falls by at each stage
 WARMUP_START = 0.25
 WARMUP_FACTOR = 4.0
+#: added to the gradient's norm before the clipping threshold is divided
+#: by it (as ``torch.nn.utils.clip_grad_norm_``)
+CLIP_EPSILON = 1e-6
+VALUE_DTYPES = ('float16', 'float32')
 
 
 class DGC(base.CompressionRule):
@@ -54,14 +69,15 @@ class DGC(base.CompressionRule):
 
     name = 'dgc'
     hyperparameters = ('density', 'momentum_factor', 'momentum_masking',
-                       'density_warmup_steps')
+                       'density_warmup_steps', 'clip_norm', 'value_dtype')
     #: the velocity u and the accumulated r are both averaged over the
     #: saved ranks when a run resumes at another world size
     residual_keys = ('r', 'u')
     variance_keys = ()
 
     def __init__(self, density=0.001, momentum_factor=0.9,
-                 momentum_masking=True, density_warmup_steps=0):
+                 momentum_masking=True, density_warmup_steps=0,
+                 clip_norm=None, value_dtype='float16'):
         self.density = base.check_real('density', density, low=0, high=1)
         self.momentum_factor = base.check_real(
             'momentum_factor', momentum_factor, low=0, high=1,
@@ -72,8 +88,21 @@ class DGC(base.CompressionRule):
         self.momentum_masking = bool(momentum_masking)
         self.density_warmup_steps = base.check_int(
             'density_warmup_steps', density_warmup_steps, 0, 2 ** 62)
+        self.clip_norm = None if clip_norm is None else base.check_real(
+            'clip_norm', clip_norm, low=0,
+            hint=' (None: no local clipping)')
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError('value_dtype must be one of {}, got {!r}'.format(
+                ', '.join(repr(v) for v in VALUE_DTYPES), value_dtype))
+        self.value_dtype = value_dtype
         #: steps begun (for the warm-up's density)
         self.steps = 0
+        #: this step's clipping factor (1.0: none), set by :meth:`prepare`
+        self.clip_factor = 1.0
+
+    def keeps_dense(self, shape):
+        """Tensors of one dimension or none go to the dense group."""
+        return len(shape) < 2
 
     def init_state(self, size, dtype, xp):
         return base.residual_state(size, dtype, xp, ('r', 'u'))
@@ -83,6 +112,22 @@ class DGC(base.CompressionRule):
 
     def set_extra_state(self, state):
         self.steps = int(state.get('steps', 0))
+
+    def prepare(self, grads):
+        """This step's clipping factor from every gradient (None: none):
+        the norm summed tensor by tensor in float64, in order."""
+        self.clip_factor = 1.0
+        if self.clip_norm is None:
+            return
+        total = 0.0
+        for g in grads:
+            if g is not None:
+                flat = g.reshape(-1).astype(numpy.float64)
+                total += float(flat.dot(flat))
+        limit = self.clip_norm / math.sqrt(self.workers)
+        norm = math.sqrt(total)
+        if norm > limit:
+            self.clip_factor = limit / (norm + CLIP_EPSILON)
 
     def begin_step(self):
         self.steps += 1
@@ -98,10 +143,13 @@ class DGC(base.CompressionRule):
                    WARMUP_START / WARMUP_FACTOR ** min(stage, 64))
 
     def _accumulate(self, grad, state):
-        """Momentum correction, in place: u <- m u + g, r <- r + u."""
+        """Clipping and momentum correction, in place: u <- m u + c g,
+        r <- r + u (c the clipping factor, its multiply skipped at 1)."""
         u, r = state['u'], state['r']
         dt = r.dtype
         g = grad.astype(dt, copy=False)
+        if self.clip_factor != 1.0:
+            g = g * dt.type(self.clip_factor)
         if self.momentum_factor:
             u *= dt.type(self.momentum_factor)
             u += g
@@ -111,13 +159,13 @@ class DGC(base.CompressionRule):
         return r, u
 
     def select(self, r, density):
-        """The indices (sorted) of the k = ceil(density n) largest ``|r|``,
-        ties broken by the lower index, zeros left out."""
+        """The indices (sorted) of the k = ceil(density n) largest
+        ``|r|``, ties broken by the lower index, zeros left out."""
         xp = arrays.get_array_module(r)
         n = int(r.size)
         if n == 0:
             return xp.zeros(0, numpy.int64)
-        k = min(n, max(1, int(math.ceil(density * n))))
+        k = top_k(n, density)
         mag = xp.abs(r)
         kth = xp.partition(mag, n - k)[n - k]  # the k-th largest
         above = xp.nonzero(mag > kth)[0]
@@ -136,8 +184,15 @@ class DGC(base.CompressionRule):
         index = self.select(r, self.current_density())
         if index.size == 0:
             return None
-        values = r[index].copy()
-        r[index] = 0
+        group, sent = codec.sparse_group(
+            tensor_id, index, r[index], r.size,
+            float32=self.value_dtype == 'float32')
+        r[index] -= sent  # what rounding left (0 where sent exactly)
         if self.momentum_masking:
-            u[index] = 0
-        return codec.raw_group(tensor_id, index, values, r.size)
+            u[index[sent != 0]] = 0
+        return group
+
+
+def top_k(n, density):
+    """k = ceil(density n), at least 1 and at most n."""
+    return min(n, max(1, int(math.ceil(density * n))))
