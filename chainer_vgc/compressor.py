@@ -123,9 +123,12 @@ class GradientCompressor(object):
                        if self.backend == 'native' else
                        reference.ReferenceEngine(self))
         self._device_engine = None
-        #: statistics of the last :meth:`compress`
+        #: statistics of the last :meth:`compress` or :meth:`reduce`: the
+        #: elements and bytes this worker sent, and (:meth:`reduce`) the
+        #: elements of each parameter ({index: elements})
         self.last_sent = 0
         self.last_bytes = 0
+        self.last_sent_by_tensor = {}
 
     @property
     def n_params(self):
@@ -141,6 +144,11 @@ class GradientCompressor(object):
         """Per-parameter state dict of parameter ``i`` (None before its
         first gradient)."""
         return self.states[i]
+
+    def new_state(self, i, xp):
+        """A fresh state of parameter ``i`` on ``xp`` (the rule's
+        :meth:`~chainer_vgc.rules.CompressionRule.tensor_state`)."""
+        return self.rule.tensor_state(i, self.shapes[i], self.dtypes[i], xp)
 
     @property
     def device_engine(self):
@@ -234,12 +242,88 @@ class GradientCompressor(object):
         gradients were not finite, :class:`SkippedStep` is raised on all of
         them with every state untouched.
         """
+        if self.rule.exchange == 'allreduce_factors':
+            raise TypeError(
+                'method {!r} exchanges dense factors by allreduce, not '
+                'messages: use GradientCompressor.reduce (a communicator '
+                'does)'.format(self.rule.name))
         engine = self.engine_for(grads)
         message, mergeable, reused = engine.compress(grads, sqsums, agree)
         message = self._merge_spans(message, mergeable)
         if copy and reused and message.base is not None:
             return message.copy()
         return message
+
+    def reduce(self, grads, allreduce=None, size=1, agree=None,
+               present=None):
+        """One step of a rule that exchanges by allreduce of factors
+        (:attr:`~chainer_vgc.rules.CompressionRule.exchange`
+        ``'allreduce_factors'``: PowerSGD): returns each parameter's mean
+        update over the ``size`` workers (an array of its shape in its
+        state dtype, on its gradient's device; None for a parameter that
+        takes no part) and sets :attr:`last_sent` (the elements this
+        worker sent).
+
+        ``allreduce(buffer)``: sums a flat array over the workers, in
+        place, the same on every worker (the collectives'
+        ``allreduce_sum``; None: one worker); the rule's rounds each make
+        one call per state dtype.  ``agree``: as for :meth:`compress`,
+        called twice: with this worker's input fault before anything is
+        computed, then after the rounds with any overflow (a non-finite
+        mean or next state); every state stays as it was unless every
+        worker's step went well.  ``present`` (the list the first
+        agreement fills, as the exchange's): which parameters some
+        worker has a gradient for; those take part everywhere, zeros
+        where this worker has none (without it: those with a gradient
+        here).
+        """
+        rule = self.rule
+        self.validate(grads, None, True, agree)
+        tensors, where = [], []
+        for i, g in enumerate(grads):
+            if g is None and not (present and present[i]):
+                continue
+            sdt = arrays.state_dtype(self.dtypes[i])
+            if g is None:
+                xp = numpy if self.states[i] is None else \
+                    arrays.get_array_module(self.states[i]['r'])
+                flat = xp.zeros(self.sizes[i], dtype=sdt)
+            else:
+                xp = arrays.get_array_module(g)
+                flat = g.reshape(-1).astype(sdt, copy=False)
+            if self.states[i] is None:
+                with arrays.device_scope(flat):
+                    self.states[i] = self.new_state(i, xp)
+            tensors.append((i, self.shapes[i], flat, self.states[i]))
+            where.append(i)
+        rule.prepare(grads)
+        rule.begin_step()
+
+        sent = [0]
+
+        def mean(buffers):
+            sent[0] += sum(int(b.nbytes) for b in buffers)
+            return allreduce_mean(buffers, allreduce, size)
+        with numpy.errstate(over='ignore', invalid='ignore'):
+            means, new_states, elements = rule.reduce(tensors, mean)
+        error = None
+        for i, m, st in zip(where, means, new_states):
+            bad = [k for k, a in sorted(st.items())
+                   if not faults.all_finite(a)]
+            if bad or not faults.all_finite(m):
+                key = bad[0] if bad else 'r'
+                error = faults.overflow(key, self.names[i],
+                                        arrays.state_dtype(self.dtypes[i]),
+                                        unchanged=True)
+                break
+        self.settle(error, agree)
+        out = [None] * len(grads)
+        for i, m, st in zip(where, means, new_states):
+            self.states[i] = st
+            out[i] = m.reshape(self.shapes[i])
+        self.last_sent_by_tensor = dict(zip(where, map(int, elements)))
+        self.last_sent, self.last_bytes = sum(map(int, elements)), sent[0]
+        return out
 
     def _merge_spans(self, message, mergeable=True):
         """:func:`chainer_vgc.codec.merge_spans` where the rule gap-codes
@@ -360,3 +444,29 @@ class GradientCompressor(object):
                 for shape, dt in zip(self.shapes, self.dtypes)]
         self.decode_into(message, outs)
         return outs
+
+
+def allreduce_mean(buffers, allreduce, size):
+    """The mean over ``size`` workers of each of ``buffers`` (flat arrays):
+    those of one dtype concatenated into one array, summed by one
+    ``allreduce(array)`` (in place; None: one worker, nothing to add),
+    divided by ``size`` in that dtype and cut apart again; new arrays, in
+    the order given."""
+    out = [None] * len(buffers)
+    by_dtype = {}
+    for j, b in enumerate(buffers):
+        by_dtype.setdefault(numpy.dtype(b.dtype), []).append(j)
+    for dtype in sorted(by_dtype, key=str):
+        js = by_dtype[dtype]
+        xp = arrays.get_array_module(buffers[js[0]])
+        with arrays.device_scope(buffers[js[0]]):
+            joined = xp.concatenate([buffers[j].reshape(-1) for j in js])
+            if allreduce is not None:
+                allreduce(joined)
+            joined /= dtype.type(size)
+        pos = 0
+        for j in js:
+            n = int(buffers[j].size)
+            out[j] = joined[pos:pos + n]
+            pos += n
+    return out

@@ -94,19 +94,27 @@ def figures(n_params, workers, sent, message_bytes, wire, dense_elements=0.0,
 
 def step_figures(blocks, n_params, elements=None, param_bytes=None,
                  size=None, dense_elements=0, dense_wire=0.0,
-                 n_compressed=None):
+                 n_compressed=None, allreduced_bytes=None):
     """:func:`figures` of one flat exchange of the messages ``blocks``
     (one per rank, ``size`` ranks, default len(blocks)), sent with the
     ring allgatherv: each rank sends (p - 1) / p of all messages, plus
     ``dense_wire`` for the dense group's allreduce.  ``elements``: per
-    message, when already counted."""
+    message, when already counted.  ``allreduced_bytes``: the bytes each
+    rank put into allreduces instead of messages (PowerSGD's factors,
+    ``elements`` then per rank): a ring allreduce sends 2 (p - 1) / p
+    of them."""
     p = size or len(blocks)
     if elements is None:
         elements = [codec.message_count(b) for b in blocks]
-    total_bytes = 4 * sum(int(b.size) for b in blocks)
+    if allreduced_bytes is not None:
+        total_bytes = p * allreduced_bytes
+        wire = 2 * (p - 1) * allreduced_bytes / p
+    else:
+        total_bytes = 4 * sum(int(b.size) for b in blocks)
+        wire = (p - 1) * total_bytes / p
     return figures(n_params, p, sum(elements), total_bytes,
-                   (p - 1) * total_bytes / p + dense_wire,
-                   dense_elements, param_bytes, p, n_compressed)
+                   wire + dense_wire, dense_elements, param_bytes, p,
+                   n_compressed)
 
 
 def new_totals():
@@ -159,6 +167,10 @@ def count_sent(counts, sizes, sent, compressor, model, size):
                                        compressor.dtypes).items():
             name = compressor.names[t]
             counts[name] = counts.get(name, 0) + n
+    if sent.allreduced_bytes is not None:  # factors: each rank the same
+        for t, n in compressor.last_sent_by_tensor.items():
+            name = compressor.names[t]
+            counts[name] = counts.get(name, 0) + n * size
     if sent.dense_indices:
         for i in sent.dense_indices:
             counts[names[i]] = counts.get(names[i], 0) + params[i].size * size

@@ -417,7 +417,7 @@ def test_tensor_over_2_28_elements_is_refused_only_with_fixed_words(method):
 
 def test_public_names():
     assert set(chainer_vgc.RULES) == {'vgc', 'hybrid', 'strom', 'qsgd',
-                                      'dgc', 'none'}
+                                      'dgc', 'powersgd', 'none'}
 
 
 def test_criterion_and_threshold_are_strict():

@@ -58,6 +58,7 @@ class ReferenceEngine(object):
         (not here)."""
         comp = self.compressor
         sqsums = comp.validate(grads, sqsums, True, agree)
+        comp.rule.prepare(grads)
         comp.rule.begin_step()
         groups = []
         xp = numpy
@@ -70,8 +71,7 @@ class ReferenceEngine(object):
             with arrays.device_scope(g), numpy.errstate(over='ignore',
                                                         invalid='ignore'):
                 if comp.states[i] is None:
-                    comp.states[i] = comp.rule.init_state(
-                        comp.sizes[i], comp.dtypes[i], xp)
+                    comp.states[i] = comp.new_state(i, xp)
                 group = comp.rule.compress(i, g.reshape(-1), flat_s,
                                            comp.states[i])
                 overflowed = [(key, arr) for key, arr in

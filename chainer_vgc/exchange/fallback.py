@@ -88,9 +88,8 @@ class DenseFallback(object):
                 continue
             state = compressor.states[i]
             if state is None:  # (the first step: empty residuals)
-                state = rule.init_state(compressor.sizes[i],
-                                        compressor.dtypes[i],
-                                        arrays.get_array_module(g))
+                state = compressor.new_state(
+                    i, arrays.get_array_module(g))
             n = rule.count(g, None if sqsums is None else sqsums[i], state)
             if n is None:
                 raise ValueError(

@@ -32,6 +32,7 @@ import chainer
 import numpy
 
 from chainer_vgc.backends import arrays
+from chainer_vgc.engines import reference
 from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc import reporting
 from chainer_vgc.exchange import fallback
@@ -243,6 +244,7 @@ def run_exchange(collectives, state, model, zero_fill, sqsums, loss_scale,
         result.figures = reporting.report_step(
             done.blocks, done.n_params, totals, done.elements,
             done.param_bytes, size=collectives.size,
+            allreduced_bytes=done.allreduced_bytes,
             dense_elements=done.n_dense * collectives.size,
             dense_wire=done.dense_wire, n_compressed=done.n_compressed,
             observer=model, label=state.label,
@@ -256,10 +258,14 @@ class Sent(object):
     ``blocks`` (every rank's message) and ``elements`` (per message), the
     dense group's ``n_dense`` elements per rank and ``dense_wire`` bytes
     per rank, and the sizes ``n_params``, ``n_compressed`` (elements)
-    and ``param_bytes``."""
+    and ``param_bytes``.  A rule that exchanges by allreduce of factors
+    sends no messages: ``blocks`` is empty, ``elements`` what each rank
+    sent, and ``allreduced_bytes`` the bytes each rank put into the
+    allreduces (None otherwise)."""
 
     def __init__(self, compressed, dense, blocks, elements, n_dense,
-                 dense_wire):
+                 dense_wire, allreduced_bytes=None):
+        self.allreduced_bytes = allreduced_bytes
         self.blocks, self.elements = blocks, elements
         self.n_dense, self.dense_wire = n_dense, dense_wire
         #: the dense group's indices in model_params order
@@ -278,7 +284,7 @@ def exchange_parameters(collectives, state, model, zero_fill, sqsums,
     gradients were not finite (the step is skipped, reported, and
     ``param.grad`` is NaN).  ``agree_on``: see :func:`_compressed_mean`."""
     compressed, dense = state.split(model, result.totals['steps'])
-    blocks, elements = [], None
+    blocks, elements, allreduced = [], None, None
     if compressed:
         state.ramp_alpha(result.totals['steps'])
         params = [p for _, p in compressed]
@@ -295,9 +301,12 @@ def exchange_parameters(collectives, state, model, zero_fill, sqsums,
                                        key=lambda ip: ip[0]), []
         else:
             blocks, elements = out
+            if blocks is None:  # allreduced factors, no messages
+                blocks, allreduced = [], state.compressor.last_bytes
     n_dense, dense_wire = collectives.dense_mean(
         [p for _, p in dense], zero_fill, state.dense_dtype)
-    return Sent(compressed, dense, blocks, elements, n_dense, dense_wire)
+    return Sent(compressed, dense, blocks, elements, n_dense, dense_wire,
+                allreduced)
 
 
 def nan_grads(params):
@@ -363,6 +372,10 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
             result.choice = choice
         return codes
 
+    if comp.rule.exchange == 'allreduce_factors':
+        return _factor_mean(collectives, comp, params, rule_grads,
+                            loss_scale, result, state, model, agree,
+                            present, spans)
     t0 = time.perf_counter()
     try:
         message = comp.compress(rule_grads, rule_sqsums, copy=False,
@@ -392,6 +405,44 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
                      'transport': t2 - t1, 'decode': time.perf_counter() - t2,
                      'agree_spans': spans}
     return blocks, elements
+
+
+def _factor_mean(collectives, comp, params, rule_grads, loss_scale, result,
+                 state, model, agree, present, spans):
+    """The compressed group's exchange for a rule whose exchange is
+    ``'allreduce_factors'`` (PowerSGD): the compressor's rounds, each an
+    allreduce of ``collectives`` (:meth:`~chainer_vgc.compressor.
+    GradientCompressor.reduce`), their mean into ``param.grad`` (times
+    the loss scale for Chainer to divide again; ``None`` stays where no
+    worker had a gradient and ``zero_fill`` is off).  Returns
+    ``(None, elements)``: no messages, and the elements each rank sent
+    (every rank the same), or None when a rank's gradients were not
+    finite."""
+    reduced = []  # (start, end) of each allreduce, perf_counter seconds
+
+    def allreduce(buffer):
+        t = time.perf_counter()
+        collectives.allreduce_sum(buffer)
+        reduced.append((t, time.perf_counter()))
+    t0 = time.perf_counter()
+    try:
+        means = comp.reduce(rule_grads, allreduce, collectives.size,
+                            agree=agree, present=present)
+    except SkippedStep as e:
+        skip_step(params, e, result, state, model)
+        return None
+    t1 = time.perf_counter()
+    for p, m in zip(params, means):
+        if m is None:  # no worker had a gradient (zero_fill off)
+            continue
+        with arrays.device_scope(p.array):  # (the mean is already one)
+            p.grad = reference.finish_mean(m, p.dtype, 1, loss_scale)
+    waited = sum(left - arrived for arrived, left in spans)
+    moved = sum(end - start for start, end in reduced)
+    result.timing = {'compress': t1 - t0 - waited - moved, 'agree': waited,
+                     'transport': moved, 'decode': time.perf_counter() - t1,
+                     'agree_spans': spans}
+    return None, [comp.last_sent] * collectives.size
 
 
 def skip_step(params, error, result, state, model):

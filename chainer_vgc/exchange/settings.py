@@ -24,8 +24,10 @@ def dense_group(model, rule, exclude=(), min_size=0, also=()):
     """Names of ``model``'s initialized parameters exchanged densely: all
     of them for a rule whose ``exchange`` is ``'allreduce'`` (``none``),
     else those named in ``exclude`` or selected by its predicates
-    ``f(name, param)``, those of fewer than ``min_size`` elements, and the
-    names in ``also``.  An unknown name in ``exclude`` raises ValueError."""
+    ``f(name, param)``, those of fewer than ``min_size`` elements, those
+    the rule keeps dense (:meth:`~chainer_vgc.rules.CompressionRule.
+    keeps_dense`: DGC's and PowerSGD's vectors), and the names in
+    ``also``.  An unknown name in ``exclude`` raises ValueError."""
     all_names, all_params = model_params(model)
     if rule.exchange == 'allreduce':
         return {n for n, p in zip(all_names, all_params)
@@ -42,6 +44,7 @@ def dense_group(model, rule, exclude=(), min_size=0, also=()):
     return {n for n, p in zip(all_names, all_params)
             if p.array is not None and (
                 n in names or p.size < min_size or
+                rule.keeps_dense(p.shape) or
                 any(f(n, p) for f in tests))}
 
 
@@ -59,7 +62,9 @@ def make_rule(method, hyperparams):
             'method must be a rule name ({}) or a '
             'chainer_vgc.rules.CompressionRule object, got {!r}'.format(
                 ', '.join(sorted(RULES)), method))
-    missing = [m for m in ('compress',)
+    needs = ('reduce',) if method.exchange == 'allreduce_factors' else \
+        ('compress',)
+    missing = [m for m in needs
                if getattr(type(method), m) is getattr(CompressionRule, m)]
     init = type(method).__init__
     takes = [] if init is object.__init__ else [
@@ -69,8 +74,10 @@ def make_rule(method, hyperparams):
                        'e.g. hyperparameters = {!r})'.format(tuple(takes)))
     if not isinstance(method.name, str) or not method.name:
         missing.insert(0, 'name (a string)')
-    if method.exchange not in ('allgatherv', 'allreduce'):
-        missing.append("exchange ('allgatherv' or 'allreduce')")
+    if method.exchange not in ('allgatherv', 'allreduce',
+                               'allreduce_factors'):
+        missing.append("exchange ('allgatherv', 'allreduce' or "
+                       "'allreduce_factors')")
     if missing:
         raise TypeError('method: the rule object {!r} does not define {}; '
                         'see chainer_vgc.rules.CompressionRule'.format(

@@ -71,8 +71,12 @@ class MethodState(object):
                 type(self.base_rule).count is CompressionRule.count:
             raise ValueError(
                 'dense_fallback needs a rule that counts what it would send '
-                '(CompressionRule.count: vgc, hybrid, strom); {!r} does not'
-                .format(self.base_rule.name))
+                '(CompressionRule.count: vgc, hybrid, strom, dgc); {!r} does '
+                'not{}'.format(self.base_rule.name, (
+                    " (powersgd sends the same factors every step: compare "
+                    "its step with method='none' once instead)"
+                    if self.base_rule.exchange == 'allreduce_factors'
+                    else '')))
         self.method = self.base_rule.name
         self.hyperparams = dict(hyperparams)
         self.method_arg = method
@@ -252,6 +256,8 @@ class MethodState(object):
         exchange (a no-op while nothing changed) and before loading state.
         """
         names, params = initialized_params(model)
+        # (a node's shard averages over the nodes)
+        self.rule.workers = self.workers or collectives.size
         dense = self.dense_group(model)
         if (self.names == names and self.dense == dense
                 and self.compressor is not None):
@@ -313,16 +319,14 @@ class MethodState(object):
             if threads:
                 bindings.set_num_threads(threads)
         for i, (name, p) in enumerate(pairs):
+            with arrays.device_scope(p.array):
+                fresh = self.compressor.new_state(i, p.xp)
             old = kept.get(name)
-            if old is not None and all(
-                    a.size == p.size and
-                    a.dtype == arrays.state_dtype(p.dtype)
-                    for a in old.values()):
-                self.compressor.states[i] = old
-            else:
-                with arrays.device_scope(p.array):
-                    self.compressor.states[i] = self.rule.init_state(
-                        p.size, p.dtype, p.xp)
+            if old is not None and sorted(old) == sorted(fresh) and all(
+                    old[k].size == a.size and old[k].dtype == a.dtype
+                    for k, a in fresh.items()):
+                fresh = old
+            self.compressor.states[i] = fresh
         self.names, self.dense = names, dense
         if self.loaded is not None:
             self._install_loaded([p for _, p in pairs])

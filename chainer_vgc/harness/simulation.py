@@ -101,6 +101,15 @@ class InProcessCollectives(object):
             pos += m.size
         return transport.split_blocks(buf, counts), counts
 
+    def allreduce_sum(self, buffer):
+        """Sum ``buffer`` over the ranks in place, in MPI's
+        recursive-doubling order (:func:`chainer_vgc.engines.reference.
+        tree_sum`), as :meth:`Collectives.allreduce_sum
+        <chainer_vgc.chainermn.collectives.Collectives.allreduce_sum>`."""
+        everyone = self.allgather_obj(buffer.copy())
+        buffer[...] = reference.tree_sum([[b] for b in everyone])[0]
+        return buffer
+
     def dense_mean(self, params, zero_fill, dense_dtype=None):
         """The dense group's mean, as the allreduce of
         :meth:`Collectives.dense_mean
@@ -227,8 +236,9 @@ class SimulatedWorkers(object):
 
     def state_dict(self):
         """What a resumed run needs, as host arrays and plain values (for
-        pickle): the step count, the totals, the per-parameter counts
-        and every worker's residuals by parameter name.  Rules with a
+        pickle): the step count, the totals, the per-parameter counts,
+        every worker's residuals by parameter name and its rule's own
+        state (DGC's and PowerSGD's step counts).  Rules with a
         random stream of their own (QSGD) are refused: their stream is
         not part of it."""
         if self.rule.name == 'qsgd':
@@ -243,7 +253,9 @@ class SimulatedWorkers(object):
                 'residuals': [
                     {name: {k: host.send(v) for k, v in st.items()}
                      for name, st in state.residuals().items()}
-                    for state in self.states]}
+                    for state in self.states],
+                'rules': [state.rule.get_extra_state()
+                          for state in self.states]}
 
     def load_state_dict(self, state):
         """Install a :meth:`state_dict`: fresh workers with its totals,
@@ -260,6 +272,8 @@ class SimulatedWorkers(object):
         for st, saved in zip(self.states, state['residuals']):
             st.totals = dict(state['totals'])
             st.loaded = saved
+        for st, extra in zip(self.states, state.get('rules', ())):
+            st.rule.set_extra_state(extra)
         self.states[0].elements_by_parameter = dict(
             state['elements_by_parameter'])
 

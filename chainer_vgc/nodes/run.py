@@ -67,6 +67,14 @@ class NodeMethodState(MethodState):
 
     def __init__(self, *args, **kwargs):
         super(NodeMethodState, self).__init__(*args, **kwargs)
+        if self.base_rule.exchange == 'allreduce_factors':
+            raise ValueError(
+                "hierarchy='node' makes each node one worker, so that the "
+                'allgatherv of the messages grows with the nodes rather '
+                "than the ranks; method {!r} sums its factors by "
+                'allreduce, whose traffic does not grow with the workers: '
+                'use the flat communicator (hierarchy=None)'.format(
+                    self.method))
         self.whole = None  # (names, dense) of the whole model
         self.view = None
         self.owners = None  # each initialized parameter's local rank

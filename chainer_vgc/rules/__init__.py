@@ -1,16 +1,17 @@
 """Compression rules: ``vgc``, ``hybrid``, ``strom``, ``qsgd``, ``dgc``,
-``none``."""
+``powersgd``, ``none``."""
 
 from chainer_vgc.rules.base import CompressionRule  # NOQA
 from chainer_vgc.rules.dgc import DGC
 from chainer_vgc.rules.hybrid import Hybrid
 from chainer_vgc.rules.none import NoCompression
+from chainer_vgc.rules.powersgd import PowerSGD
 from chainer_vgc.rules.qsgd import QSGD
 from chainer_vgc.rules.strom import Strom
 from chainer_vgc.rules.vgc import VGC
 
 RULES = {cls.name: cls for cls in (VGC, Hybrid, Strom, QSGD, DGC,
-                                   NoCompression)}
+                                   PowerSGD, NoCompression)}
 
 
 def create_rule(method, **kwargs):

@@ -36,14 +36,52 @@ class CompressionRule(object):
     #: so not a hyperparameter: ranks and resumed runs may differ in it
     index_coding = None
     #: how workers combine what they send: ``'allgatherv'`` (every worker's
-    #: message to every worker, decoded and averaged, paper Sec. 4.3) or
-    #: ``'allreduce'`` (the gradients are not compressed: a dense MPI
-    #: allreduce, as ChainerMN's naive communicator)
+    #: message to every worker, decoded and averaged, paper Sec. 4.3;
+    #: the rule's :meth:`compress`), ``'allreduce'`` (the gradients are
+    #: not compressed: a dense MPI allreduce, as ChainerMN's naive
+    #: communicator) or ``'allreduce_factors'`` (dense factors of the
+    #: gradients summed by allreduces, one after the other, PowerSGD's;
+    #: the rule's :meth:`reduce`)
     exchange = 'allgatherv'
 
     def init_state(self, size, dtype, xp):
         """Fresh per-parameter state: dict of flat arrays (may be empty)."""
         return {}
+
+    def tensor_state(self, tensor_id, shape, dtype, xp):
+        """Fresh state of tensor ``tensor_id`` (its position in the
+        compressor's list, the same on every worker) of ``shape``: what
+        every caller makes a tensor's state with.  By default
+        :meth:`init_state` of its size; a rule whose state depends on the
+        tensor's shape or position (PowerSGD's Q) overrides this."""
+        return self.init_state(int(math.prod(shape)), dtype, xp)
+
+    def keeps_dense(self, shape):
+        """Whether a parameter of ``shape`` goes to the dense group
+        (allreduce, uncompressed) rather than to this rule, whatever the
+        communicator's ``exclude`` and ``min_size`` say: DGC's and
+        PowerSGD's vectors, PowerSGD's matrices that its rank would not
+        compress.  False by default."""
+        return False
+
+    #: the number of workers whose messages are averaged, set by the
+    #: exchange before the first step (1 for a compressor used alone); a
+    #: rule whose step depends on it reads it (DGC's local clipping)
+    workers = 1
+
+    def reduce(self, tensors, mean):
+        """One step of a rule whose :attr:`exchange` is
+        ``'allreduce_factors'``: ``tensors`` is ``[(tensor_id, shape,
+        grad, state)]`` (flat gradients in the state dtype, the states
+        not to be changed here), ``mean(buffers)`` the mean over the
+        workers of a list of flat arrays (one allreduce, the same calls on
+        every worker).  Returns ``(means, new_states, elements)``, a list
+        of each: each tensor's mean update (flat, state dtype), its next
+        state (swapped in by the compressor once every worker's step went
+        well) and the elements this worker sent for it."""
+        raise NotImplementedError(
+            'rule {!r} exchanges by {!r}, not by allreduce of factors'
+            .format(self.name, self.exchange))
 
     #: the per-parameter state keys that are delayed gradient (Alg. 1's
     #: r: what was accumulated and not yet sent) and those that are its
@@ -103,6 +141,13 @@ class CompressionRule(object):
         """The rule worker ``rank`` runs (its own copy).  Default: a copy of
         this one; a randomized rule gives each rank its own stream."""
         return copy.deepcopy(self)
+
+    def prepare(self, grads):
+        """Called once per step by the compressor with every gradient
+        (None where a parameter has none), after every worker's inputs
+        were accepted and before :meth:`begin_step`: for a rule whose step
+        depends on the whole gradient (DGC's local clipping by its norm).
+        Nothing by default."""
 
     def begin_step(self):
         """Called once per step by the compressor, after every worker's

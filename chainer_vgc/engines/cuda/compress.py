@@ -287,6 +287,7 @@ class DeviceStep(object):
         view of a host buffer reused by the next call."""
         comp = self.comp
         sqsums = comp.validate(grads, sqsums, False, agree)
+        comp.rule.prepare(grads)
         comp.rule.begin_step()
         with self.device:
             self._install()

@@ -97,6 +97,7 @@ class NativeEngine(reference.ReferenceEngine):
         else:
             sqsums = comp.check_inputs(grads, sqsums, values=False)
         flat_g, flat_s = self._flat_inputs(grads, sqsums)
+        rule.prepare(grads)
         rule.begin_step()
         if self._workspace is None:
             self._workspace = bindings.Workspace()
@@ -118,14 +119,12 @@ class NativeEngine(reference.ReferenceEngine):
             if g is None:
                 continue
             if comp.states[i] is None:
-                comp.states[i] = rule.init_state(comp.sizes[i],
-                                                 comp.dtypes[i], numpy)
+                comp.states[i] = comp.new_state(i, numpy)
             if in_place:
                 out_state = comp.states[i]
             else:
                 if self._spares[i] is None:
-                    self._spares[i] = rule.init_state(
-                        comp.sizes[i], comp.dtypes[i], numpy)
+                    self._spares[i] = comp.new_state(i, numpy)
                 out_state = self._spares[i]
             words, count, flags = path.compress(
                 self._workspace, i, g, s, comp.states[i], out_state,
