@@ -61,13 +61,36 @@ LONG = [
     ('Strom, tau=0.01', 'strom', dict(tau=0.01)),
     ('Strom, tau=0.1', 'strom', dict(tau=0.1)),
     ('hybrid, tau=0.1, alpha=2', 'hybrid', dict(tau=0.1, alpha=2.0)),
+    # what users pick instead (issue 51): DGC at 0.1 % with the paper's
+    # density warm-up over the first four epochs (25 % falling 4x an
+    # epoch), its momentum correction with momentum SGD (plain top-k with
+    # error feedback under Adam: see dgc_optimizer); PowerSGD at rank 2
+    ('DGC, density=0.001', 'dgc',
+     dict(density=0.001, density_warmup_epochs=1)),
+    ('PowerSGD, rank=2', 'powersgd', dict(matrix_rank=2)),
 ]
 
 COLUMNS = ['key', 'setting', 'label', 'method', 'hyperparameters',
            'optimizer', 'seed', 'epochs', 'workers', 'batchsize',
            'iterations', 'device', 'accuracy', 'compression',
            'bits_per_element', 'seconds', 'epoch_accuracy',
-           'epoch_compression', 'param_sizes', 'epoch_param_elements']
+           'epoch_compression', 'param_sizes', 'epoch_param_elements',
+           'wire_compression']
+
+
+def dgc_optimizer(method, kw, optimizer, lr):
+    """(rule arguments, optimizer) of a row: DGC's momentum correction
+    (momentum_factor 0.9) needs a momentum-free optimizer, so its
+    momentum SGD rows run plain SGD at the same learning rate; under Adam
+    (whose moments are its own) DGC is top-k with error feedback
+    (momentum_factor 0).  Other methods: as given, optimizer None (the
+    row's own)."""
+    if method != 'dgc':
+        return kw, None
+    kw = dict(kw, momentum_factor=0.9 if optimizer == 'momentum' else 0.0)
+    if optimizer == 'momentum':
+        return kw, chainer.optimizers.SGD(lr=lr)
+    return kw, None
 
 
 def run_key(args, label, optimizer, seed):
@@ -90,10 +113,22 @@ def read_ledger(path):
 
 def append_row(path, row):
     """Append one row, under a lock (several processes may finish at
-    once); the header is written with the first row."""
+    once); the header is written with the first row.  A ledger written
+    before a column existed is rewritten first with today's header, its
+    rows' new columns empty."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, 'a+', newline='') as f:
         fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        header = next(csv.reader(f), None)
+        if header is not None and header != COLUMNS:
+            f.seek(0)
+            old = list(csv.DictReader(f))
+            f.seek(0)
+            f.truncate()
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, restval='')
+            writer.writeheader()
+            writer.writerows(old)
         f.seek(0, os.SEEK_END)
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if f.tell() == 0:
@@ -114,7 +149,6 @@ class Run(object):
         self.label, self.method, self.optimizer_name = label, method, \
             optimizer
         self.seed = seed
-        self.kw = common.with_seed(method, kw, seed)
         self.state_dir = state_dir
         device = chainer.get_device(args.device)
         self.device = device
@@ -122,18 +156,24 @@ class Run(object):
         self.model.to_device(device)
         if device.xp is not numpy:
             device.use()
-        opt, wd = common.make_optimizer(optimizer, args.lr,
-                                        args.weight_decay)
-        self.opt = common.setup_optimizer(opt, wd, self.model)
-        self.sim = SimulatedWorkers(
-            self.model, self.opt, args.workers, method,
-            **paper_table.group_settings(args, {}, train, seed), **self.kw)
-        self.sim.count_by_parameter = True
         self.iters = [datasets.iterator(
             datasets.shard(train, w, args.workers, seed), args.batchsize, w,
             seed) for w in range(args.workers)]
         self.per_epoch = (args.iterations_per_epoch or
                           len(self.iters[0].dataset) // args.batchsize)
+        kw, own = dgc_optimizer(method, kw, optimizer, args.lr)
+        kw = dict(kw)
+        if 'density_warmup_epochs' in kw:  # (DGC's warm-up, in steps)
+            kw['density_warmup_steps'] = int(
+                kw.pop('density_warmup_epochs') * self.per_epoch)
+        self.kw = common.with_seed(method, kw, seed)
+        opt, wd = common.make_optimizer(optimizer, args.lr,
+                                        args.weight_decay)
+        self.opt = common.setup_optimizer(own or opt, wd, self.model)
+        self.sim = SimulatedWorkers(
+            self.model, self.opt, args.workers, method,
+            **paper_table.group_settings(args, {}, train, seed), **self.kw)
+        self.sim.count_by_parameter = True
         self.epoch = 0
         self.records = []   # per epoch: accuracy, compression, elements
         self.seconds = 0.0
@@ -228,7 +268,13 @@ class Run(object):
             'param_sizes': json.dumps(dict(zip(
                 sim.names, [int(p.size) for p in sim.params]))),
             'epoch_param_elements': json.dumps(
-                [r['elements'] for r in self.records])}
+                [r['elements'] for r in self.records]),
+            # what a dense ring allreduce of the same steps would have sent
+            # per rank, over the bytes each rank sent (messages and dense
+            # group): compression in bytes on the wire
+            'wire_compression': (summary['vgc/dense_bytes']
+                                 / summary['vgc/total_bytes']
+                                 if summary['vgc/total_bytes'] else '')}
 
 
 def state_dir_of(args, key):

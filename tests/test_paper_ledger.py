@@ -44,14 +44,19 @@ def final_params(tmp, name):
         return {k: f[k].copy() for k in f.files}
 
 
-@pytest.mark.parametrize('only', ['VGC, alpha=2', 'Strom, tau=0.1'])
-def test_interrupted_run_resumes_bit_for_bit(tmp_path, capsys, only):
+@pytest.mark.parametrize('only,extra', [
+    ('VGC, alpha=2', ()), ('Strom, tau=0.1', ()),
+    # the rule's own state too: DGC's step count (its density warm-up
+    # changes at the epoch), PowerSGD's Q; DGC's momentum rows run SGD
+    ('DGC, density=0.001', ('--seeds', '', '--momentum-seeds', '0')),
+    ('PowerSGD, rank=2', ())])
+def test_interrupted_run_resumes_bit_for_bit(tmp_path, capsys, only, extra):
     tmp = str(tmp_path)
-    whole = ledger_run(tmp, 'whole', only)
+    whole = ledger_run(tmp, 'whole', only, *extra)
     # the same run, cut after its first epoch, then resumed
-    cut = ledger_run(tmp, 'cut', only, '--max-epochs', '1')
+    cut = ledger_run(tmp, 'cut', only, '--max-epochs', '1', *extra)
     assert not os.path.exists(cut)  # no row for an unfinished run
-    ledger_run(tmp, 'cut', only)
+    ledger_run(tmp, 'cut', only, *extra)
     (a,), (b,) = rows(whole), rows(cut)
     for column in paper_ledger.COLUMNS:
         if column != 'seconds':
@@ -64,7 +69,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, capsys, only):
         numpy.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
     # a finished row is never run again
     capsys.readouterr()
-    ledger_run(tmp, 'cut', only)
+    ledger_run(tmp, 'cut', only, *extra)
     assert '0 to run' in capsys.readouterr().out
     assert len(rows(cut)) == 1
 
@@ -181,3 +186,23 @@ def test_report_of_the_committed_ledger(tmp_path):
                  'long_accuracy_by_epoch', 'long_density_by_layer'):
         with open(tmp_path / (name + '.png'), 'rb') as f:
             assert f.read(8) == b'\x89PNG\r\n\x1a\n', name
+
+
+def test_a_ledger_of_fewer_columns_gets_the_new_ones_empty(tmp_path):
+    """A row appended to a ledger written before a column existed
+    rewrites it with today's header first: its old rows keep every value
+    and get the new columns empty."""
+    path = str(tmp_path / 'old.csv')
+    old = paper_ledger.COLUMNS[:-1]
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=old)
+        writer.writeheader()
+        writer.writerow({c: 'old ' + c for c in old})
+    paper_ledger.append_row(path, {c: 'new ' + c
+                                   for c in paper_ledger.COLUMNS})
+    with open(path, newline='') as f:
+        assert next(csv.reader(f)) == paper_ledger.COLUMNS
+    first, second = rows(path)
+    assert first == dict({c: 'old ' + c for c in old},
+                         **{paper_ledger.COLUMNS[-1]: ''})
+    assert second == {c: 'new ' + c for c in paper_ledger.COLUMNS}
