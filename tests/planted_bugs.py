@@ -67,6 +67,11 @@ BUGS = {
         '        r += u',
         '        r += g  # (the raw gradient: no momentum correction)',
         ['tests/test_dgc.py']),
+    'powersgd-without-error-feedback': (
+        'chainer_vgc/rules/powersgd.py',
+        "new_states.append({'r': (mat - update).reshape(-1), 'q': q})",
+        "new_states.append({'r': (mat * 0).reshape(-1), 'q': q})",
+        ['tests/test_powersgd.py']),
     'device-decode-ignores-its-checks': (
         'chainer_vgc/engines/cuda/decode.py',
         'if errs is not None and errs.get().any():  # (waits for the device)',

@@ -690,3 +690,62 @@ def oracle_merge_spans(words, sizes):
     for g in out:
         m += [int(w) for w in g[:5]] + [int(w) for w in g[5]]
     return m
+
+
+# ---- PowerSGD (Vogels, Karimireddy, Jaggi 2019) ------------------------------
+
+def powersgd_first_q(seed, tensor_id, m, r, dtype, step=0):
+    """The Q a tensor starts from (the rule's docstring): m x r standard
+    normal from NumPy's RandomState seeded with [seed, tensor, step]."""
+    draw = numpy.random.RandomState([seed, tensor_id, step])
+    return draw.standard_normal(m * r).astype(dtype).reshape(m, r)
+
+
+def gram_schmidt(p, eps=1e-8):
+    """The columns of ``p`` orthonormalized in order, as the paper's code
+    does: each divided by its norm plus ``eps``, then its projection
+    taken off every later column (a new array)."""
+    p = p.copy()
+    for i in range(p.shape[1]):
+        col = p[:, i:i + 1]
+        col /= numpy.sqrt(numpy.sum(col * col)) + p.dtype.type(eps)
+        for j in range(i + 1, p.shape[1]):
+            other = p[:, j:j + 1]
+            other -= numpy.sum(col * other, axis=0) * col
+    return p
+
+
+class PowerSGDWorker(object):
+    """One worker of the paper's Algorithm 1 with error feedback (its
+    Algorithm 2), tensor by tensor: ``shapes`` of the compressed tensors
+    (each seen as its first axis against the rest), rank ``r``;
+    :meth:`step` takes this worker's gradients and ``mean(x)``, the mean
+    of ``x`` over the workers, and returns the update every worker
+    applies."""
+
+    def __init__(self, shapes, r, seed, dtype=numpy.float32,
+                 warm_start=True):
+        self.r, self.seed, self.dtype = r, seed, dtype
+        self.warm_start, self.steps = warm_start, 0
+        self.mats = [(s[0], int(numpy.prod(s[1:]))) for s in shapes]
+        self.e = [numpy.zeros(nm, dtype) for nm in self.mats]
+        self.q = [powersgd_first_q(seed, t, m, r, dtype)
+                  for t, (_, m) in enumerate(self.mats)]
+
+    def step(self, grads, mean):
+        self.steps += 1
+        if not self.warm_start and self.steps > 1:
+            self.q = [powersgd_first_q(self.seed, t, m, self.r, self.dtype,
+                                       self.steps)
+                      for t, (_, m) in enumerate(self.mats)]
+        out = []
+        ms = [g.reshape(nm) + e for g, nm, e in zip(grads, self.mats, self.e)]
+        ps = [mean(m @ q) for m, q in zip(ms, self.q)]
+        p_hats = [gram_schmidt(p) for p in ps]
+        qs = [mean(m.T @ p_hat) for m, p_hat in zip(ms, p_hats)]
+        for t, (m, p_hat, q) in enumerate(zip(ms, p_hats, qs)):
+            update = p_hat @ q.T
+            self.e[t] = m - update
+            self.q[t] = q
+            out.append(update)
+        return out

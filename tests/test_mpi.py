@@ -33,6 +33,8 @@ SUITE = {
     'test_double_buffering_equals_a_one_step_delayed_loop': (
         'double_buffering:oracle', 'double buffering OK at p={p}'),
     'test_dense_fallback': ('fallback', 'fallback OK at p={p}'),
+    'test_dgc_and_powersgd_against_their_references': (
+        'methods', 'methods OK at p={p}'),
     'test_hierarchical_exchange_equals_flat_run_of_node_workers': (
         'hierarchy:{k}', 'hierarchy OK at p={p}'),
 }
@@ -185,8 +187,8 @@ def test_elastic_resume_shares_what_the_saved_ranks_held(tmp_path, saved,
 #: flight); '+f16' a float16 model, updated in float32 (the snapshot holds
 #: the float32 master weights, which Chainer's own serialization leaves out)
 RESUMED = {2: ['vgc', 'qsgd', 'hybrid', 'topk', 'vgc-groups', 'vgc+db',
-               'qsgd+db', 'hybrid+f16', 'vgc+db+f16'],
-           4: ['vgc', 'vgc-groups+db']}
+               'qsgd+db', 'hybrid+f16', 'vgc+db+f16', 'dgc', 'powersgd+db'],
+           4: ['vgc', 'vgc-groups+db', 'powersgd']}
 
 
 def _params(out, method, mode, rank):
@@ -322,4 +324,14 @@ def test_dense_fallback(request, p):
     run of 'vgc' on the other steps and 'none' on these; a tiny c
     against 1024 workers is a warm-up of every step; hierarchical
     shards and the measured link agree on every rank."""
+    check_in_suite(request)
+
+
+@pytest.mark.parametrize('p', [2, 4])
+def test_dgc_and_powersgd_against_their_references(request, p):
+    """tests/mpi/check_methods.py: powersgd's mean on every rank is the
+    paper's Algorithm 1 (tests/reference.py) whose allreduce is MPI's own,
+    at matrix ranks 1 to 4, with its figures; dgc's is the rank-order mean
+    of every rank's element-by-element reference (clipping, float16 and
+    float32 values)."""
     check_in_suite(request)

@@ -58,16 +58,17 @@ def orthogonalize(p):
     """Gram-Schmidt over the columns of ``p`` (n x r), in place and in
     order: each column is divided by its norm (plus
     :data:`ORTHOGONALIZATION_EPSILON`), then its projection is taken off
-    the columns after it."""
+    each column after it, one at a time (each product summed over one
+    contiguous column, as the reference sums it)."""
     xp = arrays.get_array_module(p)
     eps = p.dtype.type(ORTHOGONALIZATION_EPSILON)
     r = p.shape[1]
     for i in range(r):
         col = p[:, i:i + 1]
         col /= xp.sqrt(xp.sum(col * col)) + eps
-        if i + 1 < r:
-            rest = p[:, i + 1:]
-            rest -= xp.sum(col * rest, axis=0) * col
+        for j in range(i + 1, r):
+            other = p[:, j:j + 1]
+            other -= xp.sum(col * other, axis=0) * col
     return p
 
 

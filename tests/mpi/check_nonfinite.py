@@ -116,8 +116,10 @@ def check_compressed_step_is_skipped_collectively(method, kw):
     if sq is None:
         loss.backward()
     comm.set_sqsums(sq)
-    if world.rank == 0:
-        model.predictor[2].b.grad[0] = numpy.inf
+    if world.rank == 0:  # the last parameter the method compresses
+        name = [n for n, _ in sorted(model.namedparams())
+                if n not in comm.dense_group(model)][-1]
+        dict(model.namedparams())[name].grad.reshape(-1)[0] = numpy.inf
     comm.multi_node_mean_grad(model, True)
     assert st.skipped
     assert st.totals['skipped'] == 2
@@ -237,7 +239,9 @@ def main():
     check_none_passes_nonfinite_like_naive()
     for method, kw in [('vgc', dict(alpha=1.5)),
                        ('hybrid', dict(tau=0.001)),
-                       ('strom', dict(tau=0.001)), ('qsgd', dict(seed=1))]:
+                       ('strom', dict(tau=0.001)), ('qsgd', dict(seed=1)),
+                       ('dgc', dict(density=0.1)),
+                       ('powersgd', dict(matrix_rank=1))]:
         check_compressed_step_is_skipped_collectively(method, kw)
     check_optimizer_keeps_params_on_a_bad_step()
     check_unscaled_residuals()

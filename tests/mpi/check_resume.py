@@ -55,6 +55,9 @@ def run(mode, n, out, method):
     dtype = numpy.float16 if 'f16' in flags else numpy.float32
     kw = {'vgc': dict(alpha=1.0), 'hybrid': dict(tau=0.001),
           'strom': dict(tau=0.001), 'qsgd': dict(seed=3),
+          # (its density warm-up crosses the snapshot's step)
+          'dgc': dict(density=0.05, density_warmup_steps=4),
+          'powersgd': dict(matrix_rank=2, seed=4),
           'vgc-groups': dict(alpha=1.0, warmup=12, min_size=10,
                              exclude=['/predictor/layers/0/W'])}.get(method, {})
     if method == 'topk':
