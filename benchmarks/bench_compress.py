@@ -16,6 +16,11 @@ into VGG-like tensors) and times, as a user calls them:
 each compressor as ``create_communicator`` builds it by default (the
 residuals updated in place after one read-only check of the inputs); the
 ratios at the end add ``spare_residuals=True`` beside it, step by step.
+Then the methods users pick instead (issue 51): dgc at ``--dgc-density``
+(its top-k, FMT_SPARSE with float16 values) with the same three rows,
+and powersgd's step at ranks 2 and 4 on the tensors it compresses (one
+worker: its products, orthogonalization and error feedback, no
+allreduce), each against the same copyto.
 Each against ``numpy.copyto`` of the gradient bytes, at one density per
 ``--alphas`` entry (vgc's alpha: 2 sends about 10-15 % of this
 noise-dominated stream, 10 about 2 %).  Prints medians of ``--repeat``
@@ -157,6 +162,9 @@ def main():
                    "reference (slow: its gap decoder is Python)")
     p.add_argument('--no-hybrid', action='store_true',
                    help='skip hybrid (and its tau search)')
+    p.add_argument('--dgc-density', type=float, default=0.001)
+    p.add_argument('--no-others', action='store_true',
+                   help='skip dgc and powersgd')
     args = p.parse_args()
     stream = Stream(args.params, args.draws)
     src = numpy.concatenate([g.ravel() for g in stream.draws[0]])
@@ -230,13 +238,80 @@ def main():
                ("hybrid / vgc compress+encode, 'fixed', same density "
                 '(<= 1.3)', nat['hybrid:fixed']['compress'] /
                 nat['vgc:fixed']['compress'])] if tau else [])))
-    print('\nThe ratios of the issue-25 and issue-48 targets (native '
-          "backend; the 'auto' ratios from compressors run in turn, step "
-          'by step, {} steps each):\n'.format(3 * args.repeat))
+    if not args.no_others:
+        targets.append(others(stream, args, copy_t))
+    print('\nThe ratios of the issue-25, issue-48 and issue-51 targets '
+          "(native backend; the 'auto' ratios from compressors run in "
+          'turn, step by step, {} steps each):\n'.format(3 * args.repeat))
     for title, pairs in targets:
         print(title)
         for what, ratio in pairs:
             print('  {:<62} {:.2f}'.format(what, ratio))
+
+
+def others(stream, args, copy_t):
+    """dgc's rows (at ``--dgc-density``, every tensor) and powersgd's step
+    (ranks 2 and 4, the tensors it would compress); the issue-51 ratios."""
+    from chainer_vgc.rules import PowerSGD
+    print('\n| method | backend | density sent | bits/element | '
+          'compress+encode ms | x copyto | decode_into ms | x copyto | '
+          'decode+mean of 4 ms | x copyto |')
+    print('|---|---|---|---:|---:|---:|---:|---:|---:|---:|')
+    label = 'dgc (density {:g})'.format(args.dgc_density)
+    rows = {}
+    for backend in args.backends.split(','):
+        comp = stream.compressor('dgc', backend, density=args.dgc_density)
+        t, density, nbytes, messages = run_compress(stream, comp,
+                                                    args.warmup, args.repeat)
+        one, mean = run_decode(stream, comp, messages, args.repeat)
+        print('| {} | {} | {:.3%} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | '
+              '{:.2f} | {:.1f} | {:.2f} |'.format(
+                  label, backend, density,
+                  8 * nbytes / max(density * comp.n_params, 1), t * 1e3,
+                  t / copy_t, one * 1e3, one / copy_t, mean * 1e3,
+                  mean / copy_t), flush=True)
+        rows[backend] = t
+    print('\n| method | tensors compressed | numbers sent / elements | '
+          'step ms | x copyto (of every gradient) |')
+    print('|---|---:|---:|---:|---:|')
+    ratios = [("dgc compress+encode / copyto at {:g} density (<= 3)".format(
+        args.dgc_density), rows['native'] / copy_t)]
+    # the stream's tensors as the layers' matrices (output channels
+    # against the rest, as a convolution's W): powers of two of at least
+    # 32 rows, no more rows than columns; the rest stay vectors
+    matrices = [_as_matrix(s[0]) for s in stream.shapes]
+    for rank in (2, 4):
+        rule = PowerSGD(matrix_rank=rank)
+        which = [i for i, s in enumerate(matrices)
+                 if not rule.keeps_dense(s)]
+        comp = GradientCompressor(
+            rule, [stream.names[i] for i in which],
+            [matrices[i] for i in which], [numpy.float32] * len(which))
+
+        def step(k):
+            grads = stream.step(k)
+            return comp.reduce([grads[i].reshape(matrices[i])
+                                for i in which])
+        for k in range(2):
+            step(k)
+        t = median_time(lambda: step(2), args.repeat)
+        print('| powersgd (rank {}) | {} of {} ({:.1%} of the elements) | '
+              '{:.4%} | {:.1f} | {:.2f} |'.format(
+                  rank, len(which), len(stream.shapes),
+                  comp.n_params / sum(s.size for s in stream.step(0)),
+                  comp.last_sent / comp.n_params, t * 1e3, t / copy_t),
+              flush=True)
+        ratios.append(('powersgd rank {} step / copyto'.format(rank),
+                       t / copy_t))
+    return 'the methods users pick instead', ratios
+
+
+def _as_matrix(n):
+    rows = 0
+    for r in (32, 64, 128, 256, 512, 1024):
+        if n % r == 0 and n // r >= r:
+            rows = r
+    return (rows, n // rows) if rows else (n,)
 
 
 def measure(stream, method, backend, kw, args, copy_t, alpha, label):

@@ -276,15 +276,6 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
     return j == (int64_t)count; /* always: every index < span_size */
 }
 
-/* A float16 (IEEE binary16 bits h) as a double, exactly. */
-static double vgc_half_to_double(uint32_t h) {
-    const uint32_t e = (h >> 10) & 31, f = h & 1023;
-    double v = e == 0    ? std::ldexp((double)f, -24)
-               : e == 31 ? (f ? NAN : INFINITY)
-                         : std::ldexp((double)(f | 1024), (int)e - 25);
-    return (h >> 15) ? -v : v;
-}
-
 /* Decodes and validates a FMT_SPARSE group of tensor t (header fields
  * count, a = x, b = flags; body of body_words words at body): its
  * indices to index[count], its values (wire value times 2**x, float64)

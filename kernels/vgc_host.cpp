@@ -179,6 +179,21 @@ int64_t vgc_native_strom(void *ws, int tid, int gcode, const void *g,
     });
 }
 
+/* DGC's step (vgc_passes.h: vgc_dgc); k the elements to select */
+int64_t vgc_native_dgc(void *ws, int tid, int gcode, const void *g,
+                       const void *r_in, const void *u_in, void *r_out,
+                       void *u_out, int64_t n, double clip, double momentum,
+                       int masking, int64_t k, int float32_values,
+                       uint32_t *out, int64_t *info) {
+    return vgc_dispatch(gcode, [&](auto gt, auto st) {
+        VGC_TYPES(gt, st);
+        return vgc_dgc<G, S>((vgc_workspace *)ws, tid, (const G *)g,
+                             (const S *)r_in, (const S *)u_in, (S *)r_out,
+                             (S *)u_out, n, clip, momentum, masking, k,
+                             float32_values, out, info);
+    });
+}
+
 int64_t vgc_native_qsgd(void *ws, int tid, int gcode, const void *g,
                         const void *u, int64_t n, int64_t bucket, int levels,
                         uint32_t *out, int64_t *info) {

@@ -80,6 +80,36 @@ template <typename G, typename S> static inline S vgc_load(const G *p, int64_t i
 
 /* vgc_finite(x): kernels/vgc_numerics.cuh */
 
+/* FMT_SPARSE's float16 values (IEEE binary16 bits), as NumPy converts:
+ * a double rounded to the nearest float16, ties to even, subnormals
+ * included, overflow to infinity (a float's conversion is the same: the
+ * double holds it exactly) */
+static inline uint32_t vgc_half_bits(double x) {
+    const uint32_t s = std::signbit(x) ? 0x8000u : 0u;
+    const double a = std::fabs(x);
+    if (std::isnan(a)) return s | 0x7E00u;
+    if (a >= 65520.0) return s | 0x7C00u; /* rounds past 65504 */
+    if (a < 6.103515625e-05) /* below 2**-14: units of 2**-24 (1024 is the
+                                smallest normal's bits, also right) */
+        return s | (uint32_t)std::nearbyint(a * 16777216.0);
+    int e;
+    double m = std::nearbyint(std::ldexp(std::frexp(a, &e), 11));
+    if (m == 2048.0) {
+        m = 1024.0;
+        ++e;
+    }
+    return s | (uint32_t)(e + 14) << 10 | ((uint32_t)m - 1024u);
+}
+
+/* and back, exactly */
+static inline double vgc_half_to_double(uint32_t h) {
+    const uint32_t e = (h >> 10) & 31, f = h & 1023;
+    double v = e == 0    ? std::ldexp((double)f, -24)
+               : e == 31 ? (f ? NAN : INFINITY)
+                         : std::ldexp((double)(f | 1024), (int)e - 25);
+    return (h >> 15) ? -v : v;
+}
+
 template <typename S> static inline bool vgc_good_sqsum(S x) {
     return (x >= (S)0) & (x <= std::numeric_limits<S>::max());
 }

@@ -485,4 +485,228 @@ static int64_t vgc_qsgd(vgc_workspace *ws, int tid, const G *g, const S *u,
     return info[0];
 }
 
+/* ---- DGC (Lin et al. 2018): top-k of the accumulated velocity -------- */
+
+/* The accumulation of one chunk (clipping factor c applied where CLIP,
+ * momentum m where MOM), u and r written to the *_out arrays, and the
+ * candidates: the offsets in the chunk (c.words) and |r| (the staged
+ * values) of the elements with |r| >= t and r != 0, in index order. */
+template <bool CLIP, bool MOM, typename G, typename S>
+static void vgc_dgc_pass(vgc_chunk &c, const G *g, const S *r_in,
+                         const S *u_in, S *r_out, S *u_out, S clip, S m,
+                         S t) {
+    typedef typename vgc_lane<S>::I I;
+    const int B = vgc_block<S>::N;
+    const int64_t SCAN = 1024; /* the candidates' scan follows this many */
+    I bad_g[B] = {0}, over[B] = {0};
+    std::vector<S> &mags = vgc_stage<S>::values(c);
+    for (int64_t s0 = c.begin; s0 < c.end; s0 += SCAN) {
+        const int64_t s1 = std::min(c.end, s0 + SCAN);
+        int64_t i = s0;
+        for (; i + B <= s1; i += B)
+            for (int j = 0; j < B; ++j) {
+                S gi = vgc_load<G, S>(g, i + j);
+                bad_g[j] |= (I)!vgc_finite(gi);
+                if (CLIP) gi = gi * clip;
+                const S ui = MOM ? u_in[i + j] * m + gi : gi;
+                const S ri = r_in[i + j] + ui;
+                over[j] |= (I)!vgc_finite(ri) | (I)!vgc_finite(ui);
+                u_out[i + j] = ui;
+                r_out[i + j] = ri;
+            }
+        for (; i < s1; ++i) {
+            S gi = vgc_load<G, S>(g, i);
+            bad_g[0] |= (I)!vgc_finite(gi);
+            if (CLIP) gi = gi * clip;
+            const S ui = MOM ? u_in[i] * m + gi : gi;
+            const S ri = r_in[i] + ui;
+            over[0] |= (I)!vgc_finite(ri) | (I)!vgc_finite(ui);
+            u_out[i] = ui;
+            r_out[i] = ri;
+        }
+        for (i = s0; i < s1; ++i) {
+            const S a = std::fabs(r_out[i]);
+            if (a >= t && a != (S)0) {
+                vgc_reserve<S>(c, 1, true, false);
+                c.words[c.count] = (uint32_t)(i - c.begin);
+                mags[c.count++] = a;
+            }
+        }
+    }
+    c.flags = vgc_lane_flags(bad_g, (I *)NULL, over, (I *)NULL, B);
+}
+
+/* The FMT_SPARSE body of the sorted index[count] (param, G, restart
+ * table, gap codes) of a tensor of n elements; the values' words follow
+ * at the returned offset. */
+static int64_t vgc_sparse_index_words(const int64_t *index, int64_t count,
+                                      int64_t n, uint32_t *body) {
+    const int k = vgc_rice_parameter(count, n);
+    uint64_t bits = 0;
+    for (int64_t j = 0, prev = -1; j < count; prev = index[j++])
+        bits += (uint64_t)vgc_gap_code_length(index[j] - prev - 1, k);
+    const int64_t G = (int64_t)((bits + 31) / 32);
+    const int64_t T = VGC_GAP_RESTART_WORDS * vgc_gap_restarts(count);
+    body[0] = (uint32_t)k | (T ? VGC_GAP_RESTARTS : 0u);
+    body[1] = (uint32_t)G;
+    uint32_t *table = body + VGC_GAP_PARAM_WORDS;
+    vgc_bit_writer gaps(table + T);
+    for (int64_t j = 0, prev = -1; j < count; prev = index[j++]) {
+        if (j && j % VGC_GAP_RESTART_CODES == 0)
+            vgc_put_restart(table, j / VGC_GAP_RESTART_CODES,
+                            32 * (gaps.wi - gaps.first) + gaps.nb, prev);
+        gaps.code((uint64_t)(index[j] - prev - 1), k);
+    }
+    if (count) gaps.store_edges();
+    return VGC_GAP_PARAM_WORDS + T + G;
+}
+
+/* DGC's step on one tensor of n elements (chainer_vgc/rules/dgc.py, bit
+ * for bit): clipping and momentum correction in one pass over the
+ * chunks, the k elements of largest |r| (ties by the lower index, zeros
+ * never) found among the candidates above a threshold estimated from a
+ * sample (every element when the sample's threshold lets fewer than k
+ * through), then their values as FMT_SPARSE's float16 (or float32) and
+ * r reduced by what the receivers decode, u zeroed where sent
+ * (masking).  info: words, elements, flags. */
+template <typename G, typename S>
+static int64_t vgc_dgc(vgc_workspace *ws, int tid, const G *g,
+                       const S *r_in, const S *u_in, S *r_out, S *u_out,
+                       int64_t n, double clip_d, double m_d, int masking,
+                       int64_t k, int float32_values, uint32_t *out,
+                       int64_t *info) {
+    info[0] = info[1] = info[2] = 0;
+    if (n == 0) return 0;
+    const S clip = (S)clip_d, m = (S)m_d;
+    const bool use_clip = clip_d != 1.0, mom = m_d != 0.0;
+    /* the threshold: the (1.5 k s / n + 8)-th largest |r| of s sampled
+     * elements, computed as the pass will (only a guess: the selection
+     * is exact whatever it is) */
+    S t = 0;
+    const int64_t s = std::min<int64_t>(n, std::max<int64_t>(4096, n / 64));
+    const int64_t want = (int64_t)std::ceil(1.5 * (double)k * s / n) + 8;
+    if (n > 16384 && want < s / 4) {
+        std::vector<S> sample((size_t)s);
+        for (int64_t j = 0; j < s; ++j) {
+            const int64_t i = j * n / s;
+            S gi = vgc_load<G, S>(g, i);
+            if (use_clip) gi = gi * clip;
+            const S ui = mom ? u_in[i] * m + gi : gi;
+            sample[j] = std::fabs(r_in[i] + ui);
+        }
+        std::nth_element(sample.begin(), sample.begin() + (s - want),
+                         sample.end());
+        t = sample[s - want];
+        if (!(t >= (S)0)) t = 0; /* (a NaN: flagged by the pass) */
+    }
+    vgc_plan(ws, n);
+    vgc_for_chunks(ws, [&](vgc_chunk &c) {
+        if (use_clip)
+            mom ? vgc_dgc_pass<true, true, G, S>(c, g, r_in, u_in, r_out,
+                                                 u_out, clip, m, t)
+                : vgc_dgc_pass<true, false, G, S>(c, g, r_in, u_in, r_out,
+                                                  u_out, clip, m, t);
+        else
+            mom ? vgc_dgc_pass<false, true, G, S>(c, g, r_in, u_in, r_out,
+                                                  u_out, clip, m, t)
+                : vgc_dgc_pass<false, false, G, S>(c, g, r_in, u_in, r_out,
+                                                   u_out, clip, m, t);
+    });
+    info[2] = vgc_flags(ws);
+    if (info[2]) return 0; /* the compressor raises; nothing is sent */
+    /* the candidates in index order; every nonzero element when they
+     * are fewer than k (and t let some through: a second look) */
+    std::vector<int64_t> idx;
+    std::vector<S> mag;
+    for (size_t q = 0; q < ws->chunks.size(); ++q) {
+        vgc_chunk &c = ws->chunks[q];
+        for (int64_t j = 0; j < c.count; ++j) {
+            idx.push_back(c.begin + (int64_t)c.words[j]);
+            mag.push_back(vgc_stage<S>::values(c)[j]);
+        }
+    }
+    if ((int64_t)idx.size() < k && t > (S)0) {
+        idx.clear();
+        mag.clear();
+        for (int64_t i = 0; i < n; ++i) {
+            const S a = std::fabs(r_out[i]);
+            if (a != (S)0) {
+                idx.push_back(i);
+                mag.push_back(a);
+            }
+        }
+    }
+    /* the k largest, ties at the k-th by the lower index */
+    std::vector<int64_t> sel;
+    if ((int64_t)idx.size() <= k) {
+        sel = idx;
+    } else {
+        std::vector<S> tmp(mag);
+        std::nth_element(tmp.begin(), tmp.begin() + (tmp.size() - k),
+                         tmp.end());
+        const S kth = tmp[tmp.size() - k];
+        int64_t above = 0;
+        for (size_t j = 0; j < mag.size(); ++j) above += mag[j] > kth;
+        int64_t ties = k - above;
+        for (size_t j = 0; j < mag.size(); ++j)
+            if (mag[j] > kth || (mag[j] == kth && ties-- > 0))
+                sel.push_back(idx[j]);
+    }
+    if (sel.empty()) return 0;
+    /* the values: float32 as they are (float32 values, float32 state), or
+     * divided by 2**x (x = floor(log2 max |v|) - 14) and rounded */
+    S top = 0;
+    for (size_t j = 0; j < sel.size(); ++j)
+        top = std::max(top, std::fabs(r_out[sel[j]]));
+    const bool exact = float32_values && sizeof(S) == 4;
+    const int e = vgc_floor_log2(top);
+    if (!exact && e == VGC_LOG2_ZERO) return 0; /* all subnormal */
+    const int x = exact ? 0 : e - 14;
+    std::vector<int64_t> keep;
+    std::vector<uint32_t> wire;
+    keep.reserve(sel.size());
+    wire.reserve(sel.size());
+    for (size_t j = 0; j < sel.size(); ++j) {
+        const int64_t i = sel[j];
+        const S v = r_out[i];
+        uint32_t w;
+        double back;
+        if (exact) {
+            memcpy(&w, &v, 4);
+            back = (double)v;
+        } else if (float32_values) {
+            const float f = (float)std::ldexp((double)v, -x);
+            memcpy(&w, &f, 4);
+            back = (double)f;
+        } else {
+            w = vgc_half_bits(std::ldexp((double)v, -x));
+            back = vgc_half_to_double(w);
+        }
+        if (back == 0.0) continue; /* rounds to zero: not sent */
+        const S sent = (S)std::ldexp(back, x);
+        r_out[i] = v - sent;
+        if (masking && sent != (S)0) u_out[i] = 0;
+        keep.push_back(i);
+        wire.push_back(w);
+    }
+    const int64_t count = (int64_t)keep.size();
+    if (count == 0) return 0;
+    uint32_t *body = out + VGC_HEADER_WORDS;
+    int64_t words = vgc_sparse_index_words(keep.data(), count, n, body);
+    uint32_t *v = body + words;
+    if (float32_values) {
+        memcpy(v, wire.data(), 4 * (size_t)count);
+        words += count;
+    } else {
+        for (int64_t j = 0; j < count; j += 2)
+            v[j / 2] = wire[j] | (j + 1 < count ? wire[j + 1] << 16 : 0u);
+        words += (count + 1) / 2;
+    }
+    vgc_header(out, tid, VGC_FMT_SPARSE, count, (uint32_t)x,
+               float32_values ? VGC_SPARSE_FLOAT32 : 0u);
+    info[0] = VGC_HEADER_WORDS + words;
+    info[1] = count;
+    return info[0];
+}
+
 #endif /* CHAINER_VGC_PASSES_H */

@@ -204,3 +204,51 @@ def test_the_simulation_trains_with_it_at_its_density():
                            for _ in range(2)])
     assert sim.totals['steps'] == 5
     assert sim.last['vgc/compression_compressed'] == pytest.approx(100.0)
+
+
+def _large(case, n, step, dtype):
+    """Gradients of ``n`` elements that steer the native pass's sampled
+    threshold: plain noise; a few levels (ties at the k-th); large values
+    only at the sampled positions (the threshold lets fewer than k
+    through: the pass's fallback); mostly zeros (fewer than k nonzero)."""
+    rng = numpy.random.default_rng(1000 * step + n)
+    g = rng.normal(0, 1, n)
+    if case == 'ties':
+        g = numpy.round(g * 2) / 2
+    elif case == 'sampled-only':
+        s = max(4096, n // 64)
+        g = rng.normal(0, 0.01, n)
+        g[numpy.arange(s) * n // s] = 1000.0
+    elif case == 'zeros':
+        g[rng.random(n) > 0.0005] = 0
+    return g.astype(dtype)
+
+
+@pytest.mark.parametrize('case,n,density', [
+    ('noise', 200003, 0.001), ('ties', 150000, 0.003),
+    ('sampled-only', 200000, 0.03), ('zeros', 131072, 0.001),
+    ('noise', 20000, 0.25)])
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32,
+                                   numpy.float64])
+@pytest.mark.parametrize('clip,values,masking', [
+    (None, 'float16', True), (5.0, 'float32', False)])
+def test_native_equals_the_rule_on_large_tensors(case, n, density, dtype,
+                                                 clip, values, masking):
+    """The fused pass (its sampled threshold, its fallback, two threads)
+    against the rule's own compress, the reference tested above: the
+    messages and both states bit for bit, step after step."""
+    def make(backend):
+        rule = DGC(density, 0.9, masking, clip_norm=clip,
+                   value_dtype=values)
+        rule.workers = 2
+        return GradientCompressor(rule, ['w'], [(n,)], [dtype],
+                                  backend=backend)
+    ref, fast = make('numpy'), make('native')
+    assert fast.uses_native([numpy.zeros(n, dtype)])
+    for step in range(3):
+        g = _large(case, n, step, dtype)
+        a, b = ref.compress([g]), fast.compress([g])
+        assert a.tobytes() == b.tobytes(), step
+        for key in ('r', 'u'):
+            assert ref.states[0][key].tobytes() == \
+                fast.states[0][key].tobytes(), (step, key)

@@ -46,12 +46,15 @@ backend's fused pass finds it from a threshold estimated on a sample, the
 count fixed up, the same elements bit for bit.
 """
 
+import ctypes
 import math
 
 import numpy
 
 from chainer_vgc.backends import arrays
+from chainer_vgc.backends import registry
 from chainer_vgc import codec
+from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
 
 #: the first warm-up density and the factor it falls by at each stage
@@ -196,3 +199,33 @@ class DGC(base.CompressionRule):
 def top_k(n, density):
     """k = ceil(density n), at least 1 and at most n."""
     return min(n, max(1, int(math.ceil(density * n))))
+
+
+#: the native pass (kernels/vgc_passes.h: vgc_dgc): r, u in, r, u out, n,
+#: the clipping factor, the momentum factor, masking, k, float32 values,
+#: the group's words
+_native_dgc = bindings.fused_pass('dgc', [
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_int,
+    ctypes.c_int64, ctypes.c_int, ctypes.c_void_p])
+
+
+def _native_path(rule):
+    """DGC on the native CPU backend: the accumulation and the candidates
+    above a sampled threshold in one fused pass, the exact top-k among
+    them, FMT_SPARSE (the rule's compress, bit for bit)."""
+    float32 = rule.value_dtype == 'float32'
+
+    def compress(ws, tensor_id, grad, sqsum, state, new_state, out):
+        n = int(grad.size)
+        return _native_dgc(
+            ws, tensor_id, grad, state['r'], state['u'], new_state['r'],
+            new_state['u'], n, rule.clip_factor, rule.momentum_factor,
+            int(rule.momentum_masking), top_k(n, rule.current_density()),
+            int(float32), out)
+    return registry.FastPath(
+        compress, lambda size, dtype: codec.sparse_max_words(size, float32),
+        True)
+
+
+registry.register('native', DGC, _native_path)
