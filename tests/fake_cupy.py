@@ -79,7 +79,8 @@ FUNCTIONS = (
     'repeat', 'diff', 'cumsum', 'unique', 'abs', 'sqrt', 'floor', 'clip',
     'signbit', 'isfinite', 'minimum', 'maximum', 'ascontiguousarray',
     'searchsorted', 'sort', 'argsort', 'take', 'add', 'logical_and',
-    'logical_or', 'count_nonzero', 'sum', 'any', 'all', 'einsum', 'matmul')
+    'logical_or', 'count_nonzero', 'sum', 'any', 'all', 'einsum', 'matmul',
+    'partition')
 #: functions whose array operands must all be device arrays
 _SEQUENCE_FUNCTIONS = ('concatenate', 'stack')
 #: CuPy's ``_concatenate``: one kernel for more than this many inputs ...

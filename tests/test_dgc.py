@@ -252,3 +252,38 @@ def test_native_equals_the_rule_on_large_tensors(case, n, density, dtype,
         for key in ('r', 'u'):
             assert ref.states[0][key].tobytes() == \
                 fast.states[0][key].tobytes(), (step, key)
+
+
+@pytest.mark.parametrize('values', ['float16', 'float32'])
+def test_the_gpu_path_through_the_fake_equals_the_reference(device, values):
+    """CuPy gradients (tests/fake_cupy.py): the rule's own compress runs on
+    the device arrays (no whole-model GPU step for dgc yet) and gives the
+    NumPy reference's messages and states bit for bit; its selected values
+    and indices go through the host (two downloads a tensor, the sizes of
+    a top-k), the message one more."""
+    fake = device
+    fake.ftz = True  # CuPy's own arithmetic flushes float32 subnormals
+    shapes, dtypes = [(40, 30), (7, 5, 3), (300,)], [numpy.float32,
+                                                    numpy.float64,
+                                                    numpy.float16]
+
+    def make():
+        rule = DGC(0.02, 0.9, True, 2, clip_norm=30.0, value_dtype=values)
+        rule.workers = 2
+        return GradientCompressor(rule, list('abc'), shapes, dtypes,
+                                  backend='numpy')
+    host, dev = make(), make()
+    rng = numpy.random.default_rng(4)
+    for step in range(5):
+        gs = [rng.normal(0, 1, s).astype(d) for s, d in zip(shapes, dtypes)]
+        gs[0][:5, :5] = numpy.float32(3e-39)  # subnormal: kept, not flushed
+        want = host.compress(gs)
+        fake.reset()
+        got = dev.compress([fake.asarray(g) for g in gs])
+        assert isinstance(got, numpy.ndarray)
+        assert got.tobytes() == want.tobytes(), step
+        assert fake.count('download') <= 2 * len(shapes) + 1  # (+ pack)
+        for a, b in zip(host.states, dev.states):
+            for key in ('r', 'u'):
+                assert isinstance(b[key], fake.ndarray)
+                assert a[key].tobytes() == fake.asnumpy(b[key]).tobytes()

@@ -237,3 +237,22 @@ def test_elastic_resume_merges_e_and_keeps_q():
     numpy.testing.assert_array_equal(out['r'], numpy.full(4, 1.5))
     numpy.testing.assert_array_equal(out['q'], saved[0]['q'])
     assert out['q'] is not saved[0]['q']
+
+
+def test_the_gpu_path_through_the_fake_runs_on_the_device(device):
+    """CuPy gradients (tests/fake_cupy.py): the same CuPy code, its state
+    and means on the device, the allreduce's buffer through the host
+    (Collectives.allreduce_sum); with the fake's NumPy arithmetic, the
+    CPU's bits (a real GPU's cuBLAS sums in its own order: every rank
+    still gets the same mean, from the same allreduce)."""
+    fake = device
+    host, dev = compressor(matrix_rank=2), compressor(matrix_rank=2)
+    for step in range(3):
+        w, k, _ = worker_grads(step, 0)
+        want = host.reduce([k, w])
+        got = dev.reduce([fake.asarray(k), fake.asarray(w)])
+        for a, b in zip(want, got):
+            assert isinstance(b, fake.ndarray)
+            numpy.testing.assert_array_equal(a, fake.asnumpy(b))
+    assert all(isinstance(a, fake.ndarray) for st in dev.states
+               for a in st.values())

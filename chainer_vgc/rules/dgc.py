@@ -53,6 +53,7 @@ import numpy
 
 from chainer_vgc.backends import arrays
 from chainer_vgc.backends import registry
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc import codec
 from chainer_vgc.engines.native import bindings
 from chainer_vgc.rules import base
@@ -147,18 +148,20 @@ class DGC(base.CompressionRule):
 
     def _accumulate(self, grad, state):
         """Clipping and momentum correction, in place: u <- m u + c g,
-        r <- r + u (c the clipping factor, its multiply skipped at 1)."""
+        r <- r + u (c the clipping factor, its multiply skipped at 1), by
+        the kernels' arithmetic on a GPU (the subnormal rule:
+        :mod:`chainer_vgc.backends.cuda.kernels`; NumPy's own here)."""
         u, r = state['u'], state['r']
         dt = r.dtype
-        g = grad.astype(dt, copy=False)
+        g = kernels.cast(grad, dt)
         if self.clip_factor != 1.0:
-            g = g * dt.type(self.clip_factor)
+            g = kernels.scale(g, dt.type(self.clip_factor))
         if self.momentum_factor:
-            u *= dt.type(self.momentum_factor)
-            u += g
+            u[...] = kernels.scale(u, dt.type(self.momentum_factor))
+            kernels.add_into(u, g)
         else:
             u[...] = g
-        r += u
+        kernels.add_into(r, u)
         return r, u
 
     def select(self, r, density):
@@ -190,7 +193,9 @@ class DGC(base.CompressionRule):
         group, sent = codec.sparse_group(
             tensor_id, index, r[index], r.size,
             float32=self.value_dtype == 'float32')
-        r[index] -= sent  # what rounding left (0 where sent exactly)
+        left = r[index]  # what rounding left (0 where sent exactly)
+        kernels.add_into(left, kernels.scale(sent, -1))
+        r[index] = left
         if self.momentum_masking:
             u[index[sent != 0]] = 0
         return group
