@@ -316,7 +316,8 @@ def start(args, train=None):
     comm = chainer_vgc.create_communicator(
         args.method, mpi_comm=mpi_comm, allgatherv=args.allgatherv,
         **group_kwargs(args, train, mpi_comm.Get_size()),
-        **rule_kwargs(args))
+        **with_optimizer(args.method, rule_kwargs(args),
+                         getattr(args, 'optimizer', None)))
     device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
     if args.gpu >= 0:
         device.use()
@@ -395,11 +396,26 @@ def add_data_args(p):
                    help="--model vgg without App. D's dropout layers")
 
 
-def make_optimizer(name, lr=0.05, weight_decay=0.0):
+def with_optimizer(method, kw, optimizer):
+    """The rule arguments of ``method`` under ``optimizer``: DGC's
+    momentum correction (momentum_factor 0.9) is momentum SGD's momentum
+    moved into the rule (:func:`make_optimizer` then gives plain SGD);
+    under Adam, whose moments are its own, DGC is top-k with error
+    feedback (momentum_factor 0).  Other methods: ``kw`` as given."""
+    if method != 'dgc' or optimizer not in OPTIMIZERS:
+        return kw
+    return dict(kw, momentum_factor=0.9 if optimizer == 'momentum' else 0.0)
+
+
+def make_optimizer(name, lr=0.05, weight_decay=0.0, method=None):
     """(optimizer ``name``, weight decay) for :func:`setup_optimizer`; the
-    learning rate is momentum SGD's (Adam keeps its default)."""
+    learning rate is momentum SGD's (Adam keeps its default).  With
+    ``method`` 'dgc', momentum SGD's momentum is the rule's
+    (:func:`with_optimizer`): plain SGD at that learning rate."""
     if name == 'adam':
         opt = chainer.optimizers.Adam()
+    elif name == 'momentum' and method == 'dgc':
+        opt = chainer.optimizers.SGD(lr=lr)
     elif name == 'momentum':
         opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:

@@ -64,7 +64,8 @@ LONG = [
     # what users pick instead (issue 51): DGC at 0.1 % with the paper's
     # density warm-up over the first four epochs (25 % falling 4x an
     # epoch), its momentum correction with momentum SGD (plain top-k with
-    # error feedback under Adam: see dgc_optimizer); PowerSGD at rank 2
+    # error feedback under Adam: example_common.with_optimizer); PowerSGD
+    # at rank 2
     ('DGC, density=0.001', 'dgc',
      dict(density=0.001, density_warmup_epochs=1)),
     ('PowerSGD, rank=2', 'powersgd', dict(matrix_rank=2)),
@@ -77,20 +78,6 @@ COLUMNS = ['key', 'setting', 'label', 'method', 'hyperparameters',
            'epoch_compression', 'param_sizes', 'epoch_param_elements',
            'wire_compression']
 
-
-def dgc_optimizer(method, kw, optimizer, lr):
-    """(rule arguments, optimizer) of a row: DGC's momentum correction
-    (momentum_factor 0.9) needs a momentum-free optimizer, so its
-    momentum SGD rows run plain SGD at the same learning rate; under Adam
-    (whose moments are its own) DGC is top-k with error feedback
-    (momentum_factor 0).  Other methods: as given, optimizer None (the
-    row's own)."""
-    if method != 'dgc':
-        return kw, None
-    kw = dict(kw, momentum_factor=0.9 if optimizer == 'momentum' else 0.0)
-    if optimizer == 'momentum':
-        return kw, chainer.optimizers.SGD(lr=lr)
-    return kw, None
 
 
 def run_key(args, label, optimizer, seed):
@@ -161,15 +148,15 @@ class Run(object):
             seed) for w in range(args.workers)]
         self.per_epoch = (args.iterations_per_epoch or
                           len(self.iters[0].dataset) // args.batchsize)
-        kw, own = dgc_optimizer(method, kw, optimizer, args.lr)
-        kw = dict(kw)
+        # (DGC's momentum is the rule's under momentum SGD: plain SGD)
+        kw = dict(common.with_optimizer(method, kw, optimizer))
         if 'density_warmup_epochs' in kw:  # (DGC's warm-up, in steps)
             kw['density_warmup_steps'] = int(
                 kw.pop('density_warmup_epochs') * self.per_epoch)
         self.kw = common.with_seed(method, kw, seed)
         opt, wd = common.make_optimizer(optimizer, args.lr,
-                                        args.weight_decay)
-        self.opt = common.setup_optimizer(own or opt, wd, self.model)
+                                        args.weight_decay, method)
+        self.opt = common.setup_optimizer(opt, wd, self.model)
         self.sim = SimulatedWorkers(
             self.model, self.opt, args.workers, method,
             **paper_table.group_settings(args, {}, train, seed), **self.kw)

@@ -105,11 +105,12 @@ def simulate(method, kw, optimizer, seed, args, train, settings=None):
     process; returns (model, SimulatedWorkers, iterations).  ``settings``:
     a row's dense group and warm-up (see :func:`group_settings`)."""
     model = common.make_network(args, seed)
-    opt, wd = common.make_optimizer(optimizer, args.lr, args.weight_decay)
+    opt, wd = common.make_optimizer(optimizer, args.lr, args.weight_decay,
+                                    method)
     common.setup_optimizer(opt, wd, model)
     sim = SimulatedWorkers(model, opt, args.workers, method,
                            **group_settings(args, settings, train, seed),
-                           **kw)
+                           **common.with_optimizer(method, kw, optimizer))
     iters = [datasets.iterator(
         datasets.shard(train, w, args.workers, seed), args.batchsize, w, seed)
         for w in range(args.workers)]

@@ -68,7 +68,8 @@ def main():
                             args.seed)
     model.to_device(device)
     lr = args.lr if args.lr is not None else 0.05 * comm.size
-    opt, wd = make_optimizer(args.optimizer, lr, args.weight_decay)
+    opt, wd = make_optimizer(args.optimizer, lr, args.weight_decay,
+                             args.method)
     optimizer = setup_optimizer(
         chainer_vgc.create_multi_node_optimizer(
             opt, comm, double_buffering=args.double_buffering), wd, model)

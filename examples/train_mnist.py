@@ -71,7 +71,8 @@ def main():
     comm, device = start(args, train)
     model = make_network(args, args.seed)
     model.to_device(device)
-    opt, wd = make_optimizer(args.optimizer, args.lr, args.weight_decay)
+    opt, wd = make_optimizer(args.optimizer, args.lr, args.weight_decay,
+                             args.method)
     optimizer = setup_optimizer(
         chainer_vgc.create_multi_node_optimizer(
             opt, comm, double_buffering=args.double_buffering), wd, model)

@@ -36,6 +36,10 @@ CASES = [
     ('vgc', dict(alpha=1.5, zeta=0.99)),  # 'auto': per tensor and step
     ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='gap')),
     ('strom', dict(tau=0.05)),
+    # FMT_SPARSE (issue 51), recorded when it was introduced: dgc's top-k,
+    # float16 values (clipped, warm-up) and float32 ones
+    ('dgc', dict(density=0.2, clip_norm=5.0, density_warmup_steps=2)),
+    ('dgc', dict(density=0.1, momentum_factor=0.0, value_dtype='float32')),
 ]
 STEPS = 6
 #: FMT_GAP groups of more than 1,024 elements, with the restart table of
@@ -48,6 +52,7 @@ RESTART_CASES = [
     ('vgc', dict(alpha=1.5, zeta=0.99)),
     ('hybrid', dict(alpha=2.0, tau=0.05, index_coding='gap')),
     ('strom', dict(tau=0.05)),
+    ('dgc', dict(density=0.2)),
 ]
 
 

@@ -23,7 +23,7 @@ import struct
 import numpy
 
 MAGIC = 0x31434756  # b'VGC1' little-endian
-FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP = 1, 2, 3, 4
+FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP, FMT_SPARSE = 1, 2, 3, 4, 5
 MAX_D = 7
 
 
@@ -194,6 +194,19 @@ def decode_group(tensor_id, fmt, count, a, b, body, size, sizes=None):
         else:
             assert len(vals) == count
             value = [_f32(w) for w in vals]
+    elif fmt == FMT_SPARSE:  # FMT_GAP's codes, then float16/32 values
+        x = struct.unpack('<i', struct.pack('<I', a))[0]
+        assert not body[0] & (SIGN_ONLY | 0xFFFFFF00)  # no span
+        words = sparse_value_words(count, b)
+        index, vals = oracle_decode_codes(body, count, size, words)
+        if b & 1:
+            wire = [_f32(w) for w in vals]
+        else:
+            halves = [(w >> s) & 0xFFFF for w in vals for s in (0, 16)]
+            assert not halves[count:] or halves[count] == 0
+            wire = [struct.unpack('<e', struct.pack('<H', h))[0]
+                    for h in halves[:count]]
+        value = [w * 2.0 ** x for w in wire]
     elif fmt == FMT_QSGD:
         n_rec, bucket = a, b & 0xFFFFFF
         words = body[4 * n_rec:]
@@ -223,20 +236,24 @@ def parse_message(words):
     for _ in range(words[1]):
         tid, fmt, count, a, b = words[pos:pos + 5]
         pos += 5
-        length = body_length(fmt, count, a, words[pos:pos + 2])
+        length = body_length(fmt, count, a, words[pos:pos + 2], b)
         out.append((tid, fmt, count, a, b, words[pos:pos + length]))
         pos += length
     assert pos == len(words)
     return out
 
 
-def body_length(fmt, count, a, head):
+def body_length(fmt, count, a, head, b=0):
     """Words of a group's body, from its header fields and ``head``, the
-    first two body words (FMT_GAP: param word and gap-stream length)."""
+    first two body words (FMT_GAP, FMT_SPARSE: param word and gap-stream
+    length)."""
     if fmt == FMT_POW2:
         return count
     if fmt == FMT_GAP:
         return body_words_needed(head[0], head[1], count)
+    if fmt == FMT_SPARSE:
+        return 2 + 4 * restarts(count) + head[1] + sparse_value_words(
+            count, b)
     if fmt == FMT_RAW:
         return (0 if a & 1 else count) + count * (2 if a & 2 else 1)
     return 4 * a + count
@@ -552,6 +569,12 @@ def body_words_needed(param, G, count):
     return 2 + 4 * restarts(count) + G + (count * vbits + 31) // 32
 
 
+def sparse_value_words(count, flags):
+    """FMT_SPARSE's value words: float32 (flag bit 0) one an element,
+    float16 two a word."""
+    return count if flags & 1 else (count + 1) // 2
+
+
 def oracle_decode_body(body, count, size):
     """(indices, nibbles) as lists of ints, or raises :class:`Reject`.
     ``body`` must be exactly the group's body.  Sign-only nibbles are
@@ -562,11 +585,33 @@ def oracle_decode_body(body, count, size):
     body = [int(w) for w in body]
     if len(body) < 2:
         raise Reject('no param/G words')
+    sign_only = bool(body[0] & SIGN_ONLY)
+    vbits = 1 if sign_only else 4
+    index, vals = oracle_decode_codes(body, count, size,
+                                      (count * vbits + 31) // 32)
+    v = BitReader(vals, 32 * len(vals))
+    nibbles = []
+    for _ in range(count):
+        x = v.field(vbits)
+        nibbles.append(x << 3 if sign_only else x)
+    while v.pos < 32 * len(vals):
+        if v.bit():
+            raise Reject('nonzero padding after the last value')
+    return index, nibbles
+
+
+def oracle_decode_codes(body, count, size, value_words):
+    """(indices, the value words) of a body of gap codes (FMT_GAP's and
+    FMT_SPARSE's) followed by ``value_words`` words, or raises
+    :class:`Reject`; as :func:`oracle_decode_body`."""
+    body = [int(w) for w in body]
+    if len(body) < 2:
+        raise Reject('no param/G words')
     param, G = body[0], body[1]
     if bool(param & 0x80) != bool(restarts(count)):
         raise Reject('param bit 7 must say whether a restart table follows')
-    k, sign_only = param & 63, bool(param & SIGN_ONLY)
-    if len(body) != body_words_needed(param, G, count):
+    k = param & 63
+    if len(body) != 2 + 4 * restarts(count) + G + value_words:
         raise Reject('body length')
     t = 4 * restarts(count)
     table = body[2:2 + t]
@@ -600,17 +645,7 @@ def oracle_decode_body(body, count, size):
     while r.pos < 32 * G:
         if r.bit():
             raise Reject('nonzero padding after the last code')
-    vbits = 1 if sign_only else 4
-    vals = body[2 + t + G:]
-    v = BitReader(vals, 32 * len(vals))
-    nibbles = []
-    for _ in range(count):
-        x = v.field(vbits)
-        nibbles.append(x << 3 if sign_only else x)
-    while v.pos < 32 * len(vals):
-        if v.bit():
-            raise Reject('nonzero padding after the last value')
-    return index, nibbles
+    return index, body[2 + t + G:]
 
 
 # ---- FMT_GAP spans (ADDENDUM v2): the encoder's merge rule ------------------

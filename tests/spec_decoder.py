@@ -16,7 +16,8 @@ import numpy
 
 # the constants table of the specification (Sec. 3)
 MAGIC = 0x31434756
-FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP = 1, 2, 3, 4
+FMT_POW2, FMT_RAW, FMT_QSGD, FMT_GAP, FMT_SPARSE = 1, 2, 3, 4, 5
+SPARSE_FLOAT32 = 1
 RAW_DENSE, RAW_FLOAT64 = 1, 2
 GAP_ESCAPE = 16
 GAP_SIGN_ONLY = 0x40
@@ -145,6 +146,13 @@ def body_length(m, pos, fmt, count, a, b, size):
         value_bits = 1 if m[pos] & GAP_SIGN_ONLY else 4
         return (2 + 4 * restart_points(count) + m[pos + 1]
                 + -(-count * value_bits // 32))
+    if fmt == FMT_SPARSE:  # (Sec. 4.8: FMT_GAP's codes, then V values)
+        if b & ~SPARSE_FLOAT32:
+            raise Invalid('sparse flags')
+        if pos + 2 > len(m):
+            raise Invalid('truncated body')
+        return (2 + 4 * restart_points(count) + m[pos + 1]
+                + (count if b & SPARSE_FLOAT32 else -(-count // 2)))
     raise Invalid('format code')
 
 
@@ -186,6 +194,8 @@ def decode(message, sizes, dtypes):
             out.append(_raw(tid, body, count, a, size, dtype))
         elif fmt == FMT_QSGD:
             out.append(_qsgd(tid, body, count, a, b, size, dtype))
+        elif fmt == FMT_SPARSE:
+            out.append(_sparse(tid, body, count, a, b, size, dtype))
         else:
             out.extend(_gap(tid, last, body, count, a, b, sizes, dtypes))
     if pos != len(m):
@@ -265,3 +275,37 @@ def _gap(tid, last, body, count, a, b, sizes, dtypes):
             out.append((t, [i for i, _ in mine], [table[n] for _, n in mine]))
         offset += sizes[t]
     return out
+
+
+def _sparse(tid, body, count, a, b, size, dtype):
+    """FMT_SPARSE (Sec. 4.8): FMT_GAP's param word (no SIGN_ONLY, no
+    span), G, restart table and codes, then float16 (two a word, padding
+    0) or float32 values; each times 2**x (``a``) in the state dtype."""
+    param, G = body[0], body[1]
+    if param & GAP_SIGN_ONLY or param >> GAP_SPAN_SHIFT:
+        raise Invalid('sparse param word')
+    if bool(param & GAP_RESTARTS) != (count > GAP_RESTART_CODES):
+        raise Invalid('restart flag')
+    r = restart_points(count)
+    stream = body[2 + 4 * r:2 + 4 * r + G]
+    if G < 1:
+        raise Invalid('a code runs past the stream')
+    values = body[2 + 4 * r + G:]
+    if b & SPARSE_FLOAT32:
+        wire = [f32(w) for w in values]
+    else:
+        halves = [(w >> (16 * (j & 1))) & 0xFFFF
+                  for j, w in ((j, values[j >> 1]) for j in range(count))]
+        if count % 2 and values[-1] >> 16:
+            raise Invalid('value padding')
+        wire = [struct.unpack('<e', struct.pack('<H', h))[0]
+                for h in halves]
+    index = gap_indices(stream, count, param & 63, size, body[2:2 + 4 * r])
+    x = a - (1 << 32) if a >= 1 << 31 else a
+    if not all(math.isfinite(w) for w in wire):
+        raise Invalid('sparse value not finite')
+    with numpy.errstate(all='ignore'):
+        value = [numpy.ldexp(dtype(w), x) for w in wire]
+    if not all(numpy.isfinite(v) for v in value):
+        raise Invalid('sparse value out of range')
+    return tid, index, value

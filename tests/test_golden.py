@@ -29,7 +29,8 @@ def test_messages_equal_the_recorded_ones(backend, k):
 @pytest.mark.parametrize('k', range(len(golden.RESTART_CASES)))
 def test_restart_table_messages_equal_the_recorded_ones(backend, k):
     """FMT_GAP groups of more than 1,024 elements (issue 25's restart
-    tables), recorded when the table was introduced."""
+    tables), recorded when the table was introduced; FMT_SPARSE's (dgc,
+    issue 51) when it was."""
     from chainer_vgc import codec
     from chainer_vgc.codec.message import walk
     method, kw = golden.RESTART_CASES[k]
@@ -42,5 +43,5 @@ def test_restart_table_messages_equal_the_recorded_ones(backend, k):
             method, kw, step)
         sizes = [int(numpy.prod(s)) for s in golden.RESTART_SHAPES]
         tables += sum(codec.gap_restarts(g.count) for g in walk(m, sizes)
-                      if g.fmt == codec.FMT_GAP)
+                      if g.fmt in (codec.FMT_GAP, codec.FMT_SPARSE))
     assert tables > 0  # the cases do carry restart points

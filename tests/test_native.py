@@ -1451,3 +1451,57 @@ def test_a_rule_declares_its_fused_pass_from_its_own_module():
     _assert_same(r_a, r_b, 'r')
     with pytest.raises(AttributeError, match='vgc_native_no_such_rule'):
         bindings.fused_pass('no_such_rule', [vp])
+
+
+@pytest.mark.parametrize('state_dtype', [numpy.float32, numpy.float64])
+def test_corrupt_sparse_messages_are_rejected_as_the_reference_rejects(
+        state_dtype):
+    """FMT_SPARSE (dgc's messages, issue 51): float16 and float32 values
+    with exponents across the state dtype's range (values that overflow
+    it, subnormal ones), their bodies and headers corrupted; every build
+    of the native decoder accepts exactly what codec.unpack accepts, with
+    the same sums, and writes nothing otherwise."""
+    rng = numpy.random.default_rng(11)
+    sizes = [9, 400, 1, 3000]
+    dtypes = [state_dtype] * len(sizes)
+    seen = {True: 0, False: 0}
+    for trial in range(1200):
+        groups = []
+        for tid, size in enumerate(sizes):
+            count = int(rng.integers(1, min(size, 1500) + 1))
+            index = list(_gap_patterns(rng, size, count))[trial % 2]
+            values = _edge_values(rng, index.size, state_dtype)
+            values[values == 0] = 1.0
+            g, _ = codec.sparse_group(tid, index, values, size,
+                                      float32=bool(rng.random() < 0.4))
+            if g is not None:
+                groups.append(g)
+        good = codec.pack(groups)
+        target = int(rng.integers(0, len(groups)))
+        pos = 2 + sum(codec.HEADER_WORDS + g.body.size
+                      for g in groups[:target])
+        g = groups[target]
+        body, how = _gap_body_corruptions(rng, g.body)
+        head = good[pos:pos + codec.HEADER_WORDS].copy()
+        what = rng.random()
+        if what < 0.15:  # x: values overflow or vanish in the state dtype
+            head[3] = numpy.uint32(int(rng.integers(-1200, 1200)) % 2 ** 32)
+            body = g.body
+        elif what < 0.25:  # the flags
+            head[4] ^= numpy.uint32(1 << int(rng.integers(0, 3)))
+            body = g.body
+        elif what < 0.3:  # the count
+            head[2] = numpy.uint32(rng.integers(0, g.count + 3))
+        bad = numpy.concatenate([good[:pos], head, body,
+                                 good[pos + codec.HEADER_WORDS
+                                      + g.body.size:]])
+        blocks = [good, bad] if trial % 3 == 0 else [bad]
+        try:
+            want = [numpy.zeros(n, state_dtype) for n in sizes]
+            for blk in blocks:
+                codec.decode_into(blk, want, sizes)
+        except WireFormatError:
+            want = None
+        _every_build_decodes_as(want, blocks, sizes, dtypes, (trial, how))
+        seen[want is not None] += 1
+    assert seen[True] > 100 and seen[False] > 300, seen

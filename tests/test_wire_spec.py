@@ -58,7 +58,7 @@ def test_every_golden_message_decodes_alike(messages):
     assert restarts > 0
     assert len(messages) >= 50
     assert formats == {codec.FMT_POW2, codec.FMT_RAW, codec.FMT_QSGD,
-                       codec.FMT_GAP}, formats
+                       codec.FMT_GAP, codec.FMT_SPARSE}, formats
 
 
 def mutate(m, rnd):

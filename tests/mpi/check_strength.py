@@ -136,7 +136,8 @@ def split_messages(words):
         for _ in range(n_groups):
             fmt, count, a = words[pos + 1:pos + 4]
             pos += 5
-            pos += reference.body_length(fmt, count, a, words[pos:pos + 2])
+            pos += reference.body_length(fmt, count, a, words[pos:pos + 2],
+                                         words[pos - 1])
         out.append(words[start:pos])
     assert pos == len(words)
     return out
