@@ -18,6 +18,10 @@ HYPERPARAMETERS = {
     'vgc': dict(alpha=2.0),
     'hybrid': dict(alpha=2.0, tau=0.01),
     'strom': dict(tau=0.01),
+    # the methods users pick instead (issue 51) at their papers' settings:
+    # DGC's 0.1 % density, PowerSGD's rank 2
+    'dgc': dict(density=0.001),
+    'powersgd': dict(matrix_rank=2),
 }
 
 

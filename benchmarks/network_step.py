@@ -43,6 +43,11 @@ from bench_common import hyperparameters
 from bench_common import timed
 from bench_network import to_accuracy
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), 'examples'))
+from example_common import make_optimizer as make_example_optimizer  # NOQA
+from example_common import with_optimizer  # NOQA: E402
+
 #: the phases of the compressed exchange (chainer_vgc's result.timing):
 #: 'agree' is the fault codes' allgathers inside compress, split out of it
 #: because it is mostly waiting for the slowest rank
@@ -158,7 +163,8 @@ def make_communicator(args, world):
     if args.method == 'naive':
         return (chainermn.create_communicator('naive', world),
                 chainermn.create_multi_node_optimizer)
-    kw = hyperparameters(args.method, alpha=args.alpha, tau=args.tau)
+    kw = with_optimizer(args.method, hyperparameters(
+        args.method, alpha=args.alpha, tau=args.tau), args.optimizer)
     if args.index_coding is not None:
         kw['index_coding'] = args.index_coding
     if args.hierarchy is not None:
@@ -203,9 +209,10 @@ def make_data(args, rank, size):
 
 
 def make_optimizer(args):
-    if args.optimizer == 'adam':
-        return chainer.optimizers.Adam()
-    return chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9)
+    """Adam, or momentum SGD (dgc: plain SGD, the momentum being the
+    rule's; examples/example_common.py's make_optimizer)."""
+    return make_example_optimizer(args.optimizer, args.lr,
+                                  method=args.method)[0]
 
 
 def time_exchanges(comm):

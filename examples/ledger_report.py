@@ -1,8 +1,8 @@
 """The long runs' write-up from the ledger (examples/paper_ledger.py
 --report): the table (mean and range over seeds), accuracy against
-compression, compression over the epochs, density per layer over the
-epochs for each method (the layers from input to output), and which
-layers carry the last epoch's traffic."""
+compression in bytes on the wire, compression over the epochs, density per
+layer over the epochs for each method (the layers from input to output),
+and which layers carry the last epoch's traffic."""
 
 import functools
 import json
@@ -49,12 +49,29 @@ def paired_gaps(rows):
     return out
 
 
+def wire_compression(row):
+    """What a dense ring allreduce of the run's steps would have sent per
+    rank over the bytes each rank sent (messages, factors and dense
+    group): the row's ``wire_compression``.  Rows from before the column
+    existed are allgatherv runs without a dense group, whose ring sends
+    (p - 1) / p of every message: (2 (p - 1) / p) 4 N over (p - 1) N
+    b / (8 C), that is 64 C / (p b), C the compression in elements and b
+    the bits per element (1 for no compression)."""
+    if row.get('wire_compression') not in ('', None):
+        return float(row['wire_compression'])
+    if row['method'] == 'none':
+        return 1.0
+    return (64 * float(row['compression'])
+            / (int(row['workers']) * float(row['bits_per_element'])))
+
+
 def table(rows):
     """Markdown: one line per (optimizer, method)."""
     lines = ['| optimizer | method | seeds | test accuracy % | '
              'minus no compression, same seed (points) | compression '
-             '| epoch 1 | last epoch | bits/element |',
-             '|---|---|---:|---:|---:|---:|---:|---:|---:|']
+             '| in bytes on the wire | epoch 1 | last epoch | '
+             'bits/element |',
+             '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|']
     gaps = paired_gaps(rows)
     for (opt, label), rs in _groups(rows).items():
         acc = [100 * float(r['accuracy']) for r in rs]
@@ -64,11 +81,14 @@ def table(rows):
         bits = [float(r['bits_per_element']) for r in rs
                 if r['bits_per_element'] not in ('', None)]
         gap = gaps[(opt, label)]
-        lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+        wire = [wire_compression(r) for r in rs]
+        lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'
+                     .format(
             opt, label, len(rs), _mean_range(acc, '{:.2f}'),
             '–' if rs[0]['method'] == 'none' else
             _mean_range(gap, '{:+.2f}') if gap else 'no baseline',
-            _mean_range(comp, '{:,.1f}'), _mean_range(first, '{:,.1f}'),
+            _mean_range(comp, '{:,.1f}'), _mean_range(wire, '{:,.1f}'),
+            _mean_range(first, '{:,.1f}'),
             _mean_range(last, '{:,.1f}'),
             _mean_range(bits, '{:.1f}') if bits else '–'))
     return '\n'.join(lines)
@@ -157,13 +177,14 @@ def write(rows, out_dir):
     print(traffic(rows))
     groups = _groups(rows)
     colors = {'none': 'black', 'vgc': 'tab:blue', 'strom': 'tab:red',
-              'hybrid': 'tab:green'}
-    markers = ['o', '^', 's', 'D', 'v', 'P']
+              'hybrid': 'tab:green', 'dgc': 'tab:purple',
+              'powersgd': 'tab:orange'}
+    markers = ['o', '^', 's', 'D', 'v', 'P', 'X', '*', 'h']
     labels = list(dict.fromkeys(label for _, label in groups))
     optimizers = list(dict.fromkeys(opt for opt, _ in groups))
     def scatter(ax, k, rs):
         if rs:
-            ax.scatter([float(r['compression']) for r in rs],
+            ax.scatter([wire_compression(r) for r in rs],
                        [100 * float(r['accuracy']) for r in rs],
                        color=colors.get(rs[0]['method'], 'gray'),
                        marker=markers[k % len(markers)], label=labels[k])
@@ -181,7 +202,8 @@ def write(rows, out_dir):
                             alpha=0.15, color=color)
 
     for draw, scale, xlabel, ylabel, name in (
-            (scatter, 'x', 'compression over the run (log)',
+            (scatter, 'x', 'compression in bytes on the wire: dense ring '
+             'allreduce / bytes sent per rank (log)',
              'final test accuracy (%)', 'long_accuracy_vs_compression.png'),
             (functools.partial(curves, column='epoch_compression',
                                skip_none=True),

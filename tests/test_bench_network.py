@@ -101,7 +101,8 @@ def test_dry_run_prints_setup_launch_and_teardown():
     assert sum(ln.startswith('$ ip netns del') for ln in lines) == 3
 
 
-@pytest.mark.parametrize('method', ['naive', 'vgc', 'vgc+db', 'vgc+spare'])
+@pytest.mark.parametrize('method', ['naive', 'vgc', 'vgc+db', 'vgc+spare',
+                                    'dgc', 'powersgd'])
 def test_network_step_times_the_exchange(method):
     """network_step.py (one rank per emulated host) on loopback, 2 ranks,
     a small MLP: the exchange it times is the one the optimizer calls

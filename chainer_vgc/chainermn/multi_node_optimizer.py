@@ -60,7 +60,9 @@ class VGCMultiNodeOptimizer(object):
         self.target_params = []
         self._first_update_done = False
         self._resumed = False
-        float32_update(actual_optimizer, communicator.state().base_rule)
+        rule = communicator.state().base_rule
+        rule.check_optimizer(actual_optimizer)
+        float32_update(actual_optimizer, rule)
 
     def __getattr__(self, name):
         return getattr(self.actual_optimizer, name)

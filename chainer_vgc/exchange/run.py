@@ -385,6 +385,7 @@ def _compressed_mean(collectives, state, params, sqsums, zero_fill,
         return None
     except faults.DenseStep as e:
         result.choice = e.choice
+        comp.rule.dense_step()
         return e
     t1 = time.perf_counter()
     # the message is in host memory on every path (codec.pack): MPI never

@@ -185,7 +185,8 @@ class SimulatedWorkers(object):
                  **hyperparams):
         self.model, self.optimizer, self.size = model, optimizer, size
         self.rule = settings.make_rule(method, hyperparams)
-        float32_update(optimizer, self.rule)  # as the multi-node optimizer
+        self.rule.check_optimizer(optimizer)  # as the multi-node optimizer
+        float32_update(optimizer, self.rule)
         self.method, self.zero_fill = self.rule.name, zero_fill
         self._settings = dict(hyperparams, method=method, exclude=exclude,
                               min_size=min_size, warmup=warmup)

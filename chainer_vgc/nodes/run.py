@@ -75,6 +75,14 @@ class NodeMethodState(MethodState):
                 'allreduce, whose traffic does not grow with the workers: '
                 'use the flat communicator (hierarchy=None)'.format(
                     self.method))
+        if self.base_rule.reads_every_gradient:
+            raise ValueError(
+                "hierarchy='node': each rank of a node compresses a shard "
+                "of the model, and {!r} needs the norm of the node's whole "
+                'gradient (its clip_norm): clip before the exchange '
+                '(chainer.optimizer_hooks.GradientClipping on the local '
+                'gradient), or use the flat communicator'.format(
+                    self.base_rule))
         self.whole = None  # (names, dense) of the whole model
         self.view = None
         self.owners = None  # each initialized parameter's local rank

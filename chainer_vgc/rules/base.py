@@ -142,16 +142,32 @@ class CompressionRule(object):
         this one; a randomized rule gives each rank its own stream."""
         return copy.deepcopy(self)
 
+    def check_optimizer(self, optimizer):
+        """Raise ValueError, naming the fix, when the Chainer optimizer
+        that applies this rule's mean would undo the method (DGC's
+        momentum correction under a momentum optimizer: momentum twice).
+        Called by the multi-node optimizer; nothing by default."""
+
     def prepare(self, grads):
         """Called once per step by the compressor with every gradient
         (None where a parameter has none), after every worker's inputs
         were accepted and before :meth:`begin_step`: for a rule whose step
-        depends on the whole gradient (DGC's local clipping by its norm).
-        Nothing by default."""
+        depends on the whole gradient (DGC's local clipping by its norm;
+        say so with :attr:`reads_every_gradient`).  Nothing by default."""
+
+    #: whether :meth:`prepare` needs every gradient of the worker (a
+    #: hierarchical run's ranks each hold a shard of the model, so such a
+    #: rule is refused there)
+    reads_every_gradient = False
 
     def begin_step(self):
         """Called once per step by the compressor, after every worker's
         inputs were accepted and before the first tensor is compressed."""
+
+    def dense_step(self):
+        """Called instead of :meth:`begin_step` for a step the dense
+        fallback sent uncompressed (no state moved): a rule whose schedule
+        counts steps (DGC's density warm-up) counts it too."""
 
     def compress(self, tensor_id, grad, sqsum, state):
         """Update ``state`` in place; return a Group, or None if nothing is

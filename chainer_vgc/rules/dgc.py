@@ -104,6 +104,26 @@ class DGC(base.CompressionRule):
         #: this step's clipping factor (1.0: none), set by :meth:`prepare`
         self.clip_factor = 1.0
 
+    @property
+    def reads_every_gradient(self):
+        """The clipping needs the norm of the whole gradient."""
+        return self.clip_norm is not None
+
+    def check_optimizer(self, optimizer):
+        """Momentum correction is the optimizer's momentum moved into the
+        rule: an optimizer with momentum of its own would apply it twice."""
+        momentum = getattr(getattr(optimizer, 'hyperparam', None),
+                           'momentum', 0) or 0
+        if self.momentum_factor and momentum:
+            raise ValueError(
+                'dgc with momentum_factor={} applies the momentum itself '
+                "(momentum correction, Lin et al. 2018); the optimizer's "
+                'own momentum ({} {}) would apply it twice: use '
+                'chainer.optimizers.SGD(lr=...) with dgc, or '
+                'momentum_factor=0 (top-k with error feedback) with this '
+                'optimizer'.format(self.momentum_factor,
+                                   type(optimizer).__name__, momentum))
+
     def keeps_dense(self, shape):
         """Tensors of one dimension or none go to the dense group."""
         return len(shape) < 2
@@ -136,6 +156,10 @@ class DGC(base.CompressionRule):
     def begin_step(self):
         self.steps += 1
 
+    def dense_step(self):
+        """A step sent dense by the fallback still moves the warm-up."""
+        self.steps += 1
+
     def current_density(self, step=None):
         """The density of step ``step`` (1, 2, ...; default: the step
         begun last): the warm-up's stage, not below ``density``."""
@@ -153,7 +177,7 @@ class DGC(base.CompressionRule):
         :mod:`chainer_vgc.backends.cuda.kernels`; NumPy's own here)."""
         u, r = state['u'], state['r']
         dt = r.dtype
-        g = kernels.cast(grad, dt)
+        g = kernels.cast(grad.reshape(-1), dt)
         if self.clip_factor != 1.0:
             g = kernels.scale(g, dt.type(self.clip_factor))
         if self.momentum_factor:

@@ -88,6 +88,33 @@ def check_steps_predicted_slow_are_sent_dense():
         assert all(x == all_steps[0] for x in all_steps)
 
 
+def check_dgc_goes_dense_while_its_warmup_density_is_high():
+    """dgc's density warm-up (25 %, then 6.25 %, then its density) with
+    the same 1/8 limit: the 25 % steps go dense (the fallback's steps
+    still move the warm-up), the later ones compress; each step's mean
+    is the dense allreduce's or dgc's own."""
+    fb = dict(bandwidth='1Gbit', workers=16, bits_per_element=32)
+    kw = dict(density=0.01, density_warmup_steps=2, momentum_factor=0.0)
+    comm = chainer_vgc.create_communicator('dgc', dense_fallback=fb, **kw)
+    dense = chainer_vgc.create_communicator('none')
+    compressing = chainer_vgc.create_communicator('dgc', **kw)
+    model, oracle = make(), make()
+    went = []
+    for t in range(6):
+        r = exchange(comm, model, t)
+        went.append(r.figures['vgc/dense_steps'] == 1.0)
+        if went[-1]:
+            exchange(dense, oracle, t)
+            compressing.state(oracle).rule.steps += 1  # (as dense_step)
+        else:
+            exchange(compressing, oracle, t)
+        for (n, a), (_, b) in zip(sorted(model.namedparams()),
+                                  sorted(oracle.namedparams())):
+            assert numpy.array_equal(a.grad, b.grad), (t, n, went)
+    assert went == [True, True, False, False, False, False], went
+    assert comm.state(model).rule.steps == 6
+
+
 def check_every_step_dense_is_a_warmup_run():
     """A tiny c (alpha 1e-6: nearly every element would be sent)
     against 1024 workers: every step dense, the run equal to a warm-up of
@@ -142,6 +169,7 @@ def check_link_measured_once():
 
 if __name__ == '__main__':
     runner.run([check_steps_predicted_slow_are_sent_dense,
+                check_dgc_goes_dense_while_its_warmup_density_is_high,
                 check_every_step_dense_is_a_warmup_run,
                 check_hierarchical_shards_choose_alike,
                 check_link_measured_once], 'fallback')

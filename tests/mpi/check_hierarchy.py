@@ -108,6 +108,7 @@ def check_equals_flat_run_of_node_workers():
     cases = [('vgc', dict(min_size=20, warmup=2)),
              ('vgc', dict(alpha=0.7, index_coding='gap')),
              ('hybrid', dict(min_size=20)), ('strom', dict(tau=0.5)),
+             ('dgc', dict(density=0.05, density_warmup_steps=2)),
              ('none', {})]
     for method, kw in cases:
         hier = chainer_vgc.create_communicator(

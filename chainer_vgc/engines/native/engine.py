@@ -97,8 +97,6 @@ class NativeEngine(reference.ReferenceEngine):
         else:
             sqsums = comp.check_inputs(grads, sqsums, values=False)
         flat_g, flat_s = self._flat_inputs(grads, sqsums)
-        rule.prepare(grads)
-        rule.begin_step()
         if self._workspace is None:
             self._workspace = bindings.Workspace()
             self._buffer = numpy.empty(2 + sum(
@@ -113,6 +111,12 @@ class NativeEngine(reference.ReferenceEngine):
                 (i, f) for i, f in enumerate(bindings.check_inputs(
                     self._workspace, flat_g, flat_s)) if f]
             comp.agree_inputs(comp.fault_of(bad) if bad else None, agree)
+        # the rule's step begins once the inputs are agreed on (a step
+        # skipped or sent dense before this moves nothing of the rule's;
+        # one the passes refuse below gets its own state back)
+        before = rule.get_extra_state()
+        rule.prepare(grads)
+        rule.begin_step()
         buf, pos, n_groups, sent = self._buffer, 2, 0, 0
         flagged, done = [], []
         for i, (g, s) in enumerate(zip(flat_g, flat_s)):
@@ -139,6 +143,7 @@ class NativeEngine(reference.ReferenceEngine):
         try:
             comp.settle(comp.fault_of(flagged) if flagged else None, agree)
         except Exception as e:
+            rule.set_extra_state(before)
             if in_place:
                 self._lost = (
                     'chainer_vgc: this compressor\'s residuals were updated '
