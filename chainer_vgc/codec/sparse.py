@@ -43,7 +43,7 @@ def sparse_value_words(count, flags):
 
 def sparse_scale(values):
     """x, the exponent of a float16 group's scale, for ``values`` (state
-    dtype, nonzero): floor(log2 max |v|) - 14; None when every value is
+    dtype, nonzero): floor(log2 max ``|v|``) - 14; None when every value is
     zero or subnormal in its dtype."""
     e = floor_log2(numpy.abs(values).max())
     return None if e == LOG2_ZERO else e - FLOAT16_TOP
