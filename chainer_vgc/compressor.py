@@ -25,6 +25,7 @@ a fault.
 import numpy
 
 from chainer_vgc.backends import arrays
+from chainer_vgc.backends.cuda import kernels
 from chainer_vgc import codec
 from chainer_vgc import faults
 from chainer_vgc.engines import reference
@@ -279,23 +280,28 @@ class GradientCompressor(object):
         """
         rule = self.rule
         self.validate(grads, None, True, agree)
+        # (a gradient missing here is zeros where the others are: on the
+        # device of its state, or of this worker's gradients)
+        like = next((g for g in grads if g is not None), None)
         tensors, where = [], []
         for i, g in enumerate(grads):
             if g is None and not (present and present[i]):
                 continue
             sdt = arrays.state_dtype(self.dtypes[i])
             if g is None:
-                xp = numpy if self.states[i] is None else \
-                    arrays.get_array_module(self.states[i]['r'])
-                flat = xp.zeros(self.sizes[i], dtype=sdt)
+                on = like if self.states[i] is None else self.states[i]['r']
+                xp = numpy if on is None else arrays.get_array_module(on)
+                with arrays.device_scope(on):
+                    flat = xp.zeros(self.sizes[i], dtype=sdt)
             else:
                 xp = arrays.get_array_module(g)
-                flat = g.reshape(-1).astype(sdt, copy=False)
+                flat = kernels.cast(g.reshape(-1), sdt)
             if self.states[i] is None:
                 with arrays.device_scope(flat):
                     self.states[i] = self.new_state(i, xp)
             tensors.append((i, self.shapes[i], flat, self.states[i]))
             where.append(i)
+        before = rule.get_extra_state()  # (given back if the step fails)
         rule.prepare(grads)
         rule.begin_step()
 
@@ -316,7 +322,11 @@ class GradientCompressor(object):
                                         arrays.state_dtype(self.dtypes[i]),
                                         unchanged=True)
                 break
-        self.settle(error, agree)
+        try:
+            self.settle(error, agree)
+        except Exception:
+            rule.set_extra_state(before)
+            raise
         out = [None] * len(grads)
         for i, m, st in zip(where, means, new_states):
             self.states[i] = st

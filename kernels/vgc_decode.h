@@ -276,13 +276,12 @@ static bool vgc_check_gap(vgc_group *groups, int64_t t0, int64_t span,
     return j == (int64_t)count; /* always: every index < span_size */
 }
 
-/* Decodes and validates a FMT_SPARSE group of tensor t (header fields
- * count, a = x, b = flags; body of body_words words at body): its
- * indices to index[count], its values (wire value times 2**x, float64)
- * to value[count], each finite as sent and once cast to the tensor's
- * state dtype; groups[t] then reads them. */
-static bool vgc_check_sparse(vgc_group *groups, int64_t t,
-                             const int64_t *sizes, const int *scodes,
+/* Decodes and validates a FMT_SPARSE group of a tensor of size
+ * elements in state dtype scode (header fields count, a = x, b = flags;
+ * body of body_words words at body): its indices to index[count], its
+ * values (wire value times 2**x, float64) to value[count], each finite
+ * as sent and once cast to the state dtype; g then reads them. */
+static bool vgc_check_sparse(vgc_group &g, int64_t size, int scode,
                              const uint32_t *body, int64_t body_words,
                              uint32_t count, uint32_t a, uint32_t b,
                              int64_t *index, double *value) {
@@ -291,10 +290,10 @@ static bool vgc_check_sparse(vgc_group *groups, int64_t t,
     const uint32_t *v = body + body_words - V;
     const bool f32 = (b & VGC_SPARSE_FLOAT32) != 0;
     if (!f32 && (count & 1) && (v[V - 1] >> 16)) return false; /* padding */
-    if (!vgc_gap_decode_indices(body, body_words, count, sizes[t], V, index))
+    if (!vgc_gap_decode_indices(body, body_words, count, size, V, index))
         return false;
     const int x = (int)(int32_t)a;
-    const bool f64 = scodes[t] == VGC_F64;
+    const bool f64 = scode == VGC_F64;
     uint32_t bad = 0;
     for (int64_t j = 0; j < (int64_t)count; ++j) {
         const double w = f32 ? (double)vgc_word_float(v + j)
@@ -306,7 +305,6 @@ static bool vgc_check_sparse(vgc_group *groups, int64_t t,
                                                  : vgc_finite((float)d)));
     }
     if (bad) return false;
-    vgc_group &g = groups[t];
     g.body = body;
     g.fmt = VGC_FMT_SPARSE;
     g.count = count;

@@ -324,10 +324,11 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
                     /* no device decode of its own: checked in full */
                     std::unique_ptr<int64_t[]> scratch(
                         new int64_t[2 * (size_t)job.count]);
-                    std::vector<vgc_group> one((size_t)n_tensors);
-                    if (!vgc_check_sparse(one.data(), job.tid, sizes, scodes,
-                                          job.body, job.length, job.count,
-                                          job.a, job.b, scratch.get(),
+                    vgc_group one;
+                    if (!vgc_check_sparse(one, sizes[job.tid],
+                                          scodes[job.tid], job.body,
+                                          job.length, job.count, job.a,
+                                          job.b, scratch.get(),
                                           (double *)(scratch.get() +
                                                      job.count)))
                         valid[b] = 0;
@@ -382,9 +383,10 @@ int vgc_native_decode(int p, const uint32_t *const *blocks,
             if (job.fmt == VGC_FMT_SPARSE) { /* indices, float64 values */
                 gap_scratch[j].reset(new int64_t[2 * (size_t)job.count]);
                 int64_t *index = gap_scratch[j].get();
-                ok[j] = vgc_check_sparse(row, job.tid, sizes, scodes,
-                                         job.body, job.length, job.count,
-                                         job.a, job.b, index,
+                ok[j] = vgc_check_sparse(row[job.tid], sizes[job.tid],
+                                         scodes[job.tid], job.body,
+                                         job.length, job.count, job.a,
+                                         job.b, index,
                                          (double *)(index + job.count));
                 continue;
             }

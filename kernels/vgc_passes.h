@@ -585,7 +585,7 @@ static int64_t vgc_dgc(vgc_workspace *ws, int tid, const G *g,
     S t = 0;
     const int64_t s = std::min<int64_t>(n, std::max<int64_t>(4096, n / 64));
     const int64_t want = (int64_t)std::ceil(1.5 * (double)k * s / n) + 8;
-    if (n > 16384 && want < s / 4) {
+    if (n > 16384 && want < s) {
         std::vector<S> sample((size_t)s);
         for (int64_t j = 0; j < s; ++j) {
             const int64_t i = j * n / s;
@@ -614,43 +614,54 @@ static int64_t vgc_dgc(vgc_workspace *ws, int tid, const G *g,
     });
     info[2] = vgc_flags(ws);
     if (info[2]) return 0; /* the compressor raises; nothing is sent */
-    /* the candidates in index order; every nonzero element when they
-     * are fewer than k (and t let some through: a second look) */
-    std::vector<int64_t> idx;
-    std::vector<S> mag;
-    for (size_t q = 0; q < ws->chunks.size(); ++q) {
-        vgc_chunk &c = ws->chunks[q];
-        for (int64_t j = 0; j < c.count; ++j) {
-            idx.push_back(c.begin + (int64_t)c.words[j]);
-            mag.push_back(vgc_stage<S>::values(c)[j]);
-        }
-    }
-    if ((int64_t)idx.size() < k && t > (S)0) {
-        idx.clear();
-        mag.clear();
+    /* the candidates, chunk by chunk in index order; when t let fewer
+     * than k through, every nonzero element instead (a second look at the
+     * tensor, into the first chunk's staging) */
+    int64_t total = 0;
+    for (size_t q = 0; q < ws->chunks.size(); ++q)
+        total += ws->chunks[q].count;
+    if (total < k && t > (S)0) {
+        for (size_t q = 1; q < ws->chunks.size(); ++q)
+            ws->chunks[q].count = 0;
+        vgc_chunk &c0 = ws->chunks[0];
+        c0.count = 0;
         for (int64_t i = 0; i < n; ++i) {
             const S a = std::fabs(r_out[i]);
             if (a != (S)0) {
-                idx.push_back(i);
-                mag.push_back(a);
+                vgc_reserve<S>(c0, 1, true, false);
+                c0.words[c0.count] = (uint32_t)(i - c0.begin);
+                vgc_stage<S>::values(c0)[c0.count++] = a;
             }
         }
+        total = c0.count;
     }
-    /* the k largest, ties at the k-th by the lower index */
-    std::vector<int64_t> sel;
-    if ((int64_t)idx.size() <= k) {
-        sel = idx;
-    } else {
-        std::vector<S> tmp(mag);
-        std::nth_element(tmp.begin(), tmp.begin() + (tmp.size() - k),
-                         tmp.end());
-        const S kth = tmp[tmp.size() - k];
+    /* the k largest, ties at the k-th by the lower index (kth: the k-th
+     * largest |r|, found in a copy of the candidates' magnitudes) */
+    S kth = 0;
+    int64_t ties = 0;
+    if (total > k) {
+        std::vector<S> tmp;
+        tmp.reserve((size_t)total);
+        for (size_t q = 0; q < ws->chunks.size(); ++q) {
+            const std::vector<S> &mags = vgc_stage<S>::values(ws->chunks[q]);
+            tmp.insert(tmp.end(), mags.begin(),
+                       mags.begin() + ws->chunks[q].count);
+        }
+        std::nth_element(tmp.begin(), tmp.begin() + (total - k), tmp.end());
+        kth = tmp[total - k];
         int64_t above = 0;
-        for (size_t j = 0; j < mag.size(); ++j) above += mag[j] > kth;
-        int64_t ties = k - above;
-        for (size_t j = 0; j < mag.size(); ++j)
-            if (mag[j] > kth || (mag[j] == kth && ties-- > 0))
-                sel.push_back(idx[j]);
+        for (int64_t j = 0; j < total; ++j) above += tmp[j] > kth;
+        ties = k - above;
+    }
+    std::vector<int64_t> sel;
+    sel.reserve((size_t)std::min(total, k));
+    for (size_t q = 0; q < ws->chunks.size(); ++q) {
+        vgc_chunk &c = ws->chunks[q];
+        const std::vector<S> &mags = vgc_stage<S>::values(c);
+        for (int64_t j = 0; j < c.count; ++j)
+            if (total <= k || mags[j] > kth ||
+                (mags[j] == kth && ties-- > 0))
+                sel.push_back(c.begin + (int64_t)c.words[j]);
     }
     if (sel.empty()) return 0;
     /* the values: float32 as they are (float32 values, float32 state), or

@@ -206,7 +206,12 @@ def decode_group(tensor_id, fmt, count, a, b, body, size, sizes=None):
             assert not halves[count:] or halves[count] == 0
             wire = [struct.unpack('<e', struct.pack('<H', h))[0]
                     for h in halves[:count]]
-        value = [w * 2.0 ** x for w in wire]
+        try:  # (Python floats: the cast to the state dtype is the caller's)
+            value = [math.ldexp(w, x) for w in wire]
+        except OverflowError:
+            raise Reject('FMT_SPARSE value out of range')
+        if not all(math.isfinite(v) for v in value):
+            raise Reject('FMT_SPARSE value not finite')
     elif fmt == FMT_QSGD:
         n_rec, bucket = a, b & 0xFFFFFF
         words = body[4 * n_rec:]
@@ -752,7 +757,13 @@ def gram_schmidt(p, eps=1e-8):
 
 class PowerSGDWorker(object):
     """One worker of the paper's Algorithm 1 with error feedback (its
-    Algorithm 2), tensor by tensor: ``shapes`` of the compressed tensors
+    Algorithm 2), tensor by tensor.  Bit for bit needs the same
+    operations in the same order, so its Gram-Schmidt (the paper's code)
+    and the first Q's draw are the rule's by construction: what this
+    checks independently is the rest (the rounds, the allreduce and its
+    mean, error feedback with the averaged Q, warm start, which tensors);
+    test_powersgd.py checks the orthonormalization against its
+    definition.  ``shapes`` of the compressed tensors
     (each seen as its first axis against the rest), rank ``r``;
     :meth:`step` takes this worker's gradients and ``mean(x)``, the mean
     of ``x`` over the workers, and returns the update every worker

@@ -12,6 +12,7 @@ import pytest
 
 from chainer_vgc import GradientCompressor
 from chainer_vgc import codec
+from chainer_vgc.exchange import mean as exchange_mean
 from chainer_vgc.rules import DGC
 
 # on both stacks (make test): its results depend on NumPy
@@ -56,9 +57,11 @@ def _clip_factor(grads, clip_norm, workers):
 
 
 def _reference(grads, density, m, masking, warmup, dtype, clip_norm=None,
-               float32=False, workers=1):
+               float32=False, workers=1, clip_factors=None):
     """Every step's (index, values) of one tensor and its final (r, u),
-    element by element in ``dtype`` (the state dtype)."""
+    element by element in ``dtype`` (the state dtype); ``clip_factors``:
+    each step's clipping factor when the norm is over more tensors than
+    this one (else from ``clip_norm`` and this tensor)."""
     n = len(grads[0])
     r = [dtype(0)] * n
     u = [dtype(0)] * n
@@ -67,7 +70,8 @@ def _reference(grads, density, m, masking, warmup, dtype, clip_norm=None,
         d = density
         if warmup:
             d = max(density, 0.25 / 4.0 ** ((step - 1) // warmup))
-        c = _clip_factor([g], clip_norm, workers)
+        c = (_clip_factor([g], clip_norm, workers) if clip_factors is None
+             else clip_factors[step - 1])
         for i in range(n):
             gi = dtype(g[i])
             if c != 1.0:
@@ -254,6 +258,14 @@ def test_native_equals_the_rule_on_large_tensors(case, n, density, dtype,
                 fast.states[0][key].tobytes(), (step, key)
 
 
+def _device_param(xp, shape, dtype):
+    """What mean_gradients reads of a chainer.Parameter, on ``xp``."""
+    import types
+    return types.SimpleNamespace(
+        array=xp.zeros(shape, dtype), grad=xp.ones(shape, dtype), xp=xp,
+        dtype=numpy.dtype(dtype), shape=shape, size=int(numpy.prod(shape)))
+
+
 @pytest.mark.parametrize('values', ['float16', 'float32'])
 def test_the_gpu_path_through_the_fake_equals_the_reference(device, values):
     """CuPy gradients (tests/fake_cupy.py): the rule's own compress runs on
@@ -287,3 +299,39 @@ def test_the_gpu_path_through_the_fake_equals_the_reference(device, values):
             for key in ('r', 'u'):
                 assert isinstance(b[key], fake.ndarray)
                 assert a[key].tobytes() == fake.asnumpy(b[key]).tobytes()
+        # every parameter with a gradient: the GPU engine's decode, which
+        # takes FMT_SPARSE tensor by tensor (its whole-model decode has no
+        # descriptor for it), gives the CPU's means bit for bit
+        blocks = [want, got]
+        means = []
+        for xp in (numpy, fake):
+            params = [_device_param(xp, s, d) for s, d in zip(shapes, dtypes)]
+            exchange_mean.mean_gradients(blocks, dev if xp is fake else host,
+                                         params, [p.grad for p in params],
+                                         2, True, False)
+            means.append([xp.asnumpy(p.grad) if xp is fake else p.grad
+                          for p in params])
+        for a, b in zip(*means):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize('backend', ['numpy', 'native'])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_a_value_that_rounds_to_zero_is_not_sent_and_stays(backend, dtype):
+    """Selected values 2**-40 times the largest round to a float16 zero:
+    left out of the message, their r kept whole, their u not masked (as
+    the element-by-element reference does it)."""
+    g = numpy.zeros(10, dtype)
+    g[2], g[5], g[7] = 1.0, 1e-13, -3e-13
+    grads = [g, g * dtype(0.5)]
+    want, r, u = _reference(grads, 0.3, 0.9, True, 0, dtype)
+    comp = GradientCompressor(DGC(0.3, 0.9, True), ['w'], [(10,)], [dtype],
+                              backend=backend)
+    for step, (index, values) in enumerate(want):
+        got = codec.unpack(comp.compress([g if step == 0 else grads[1]]),
+                           [10], [dtype])
+        assert got[0].index.tolist() == index == [2]
+        assert got[0].value.tolist() == values
+    assert r[5] != 0 and r[7] != 0 and u[5] != 0 and u[7] != 0
+    assert comp.states[0]['r'].tobytes() == r.tobytes()
+    assert comp.states[0]['u'].tobytes() == u.tobytes()

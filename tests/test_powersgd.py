@@ -13,6 +13,7 @@ import pytest
 
 import reference
 from chainer_vgc import GradientCompressor
+from chainer_vgc import faults
 from chainer_vgc import create_communicator
 from chainer_vgc.harness.simulation import SimulatedWorkers
 from chainer_vgc.rules import PowerSGD
@@ -188,20 +189,31 @@ def test_one_worker_with_and_without_warm_start(warm_start):
 
 
 def test_a_non_finite_gradient_or_an_overflow_changes_no_state():
-    comp = compressor(matrix_rank=2)
+    """Neither the states nor the rule's own step count move on a step
+    refused before the rounds (a NaN gradient) or after them (an
+    overflow); the next good step is the one that would have come."""
+    comp = compressor(matrix_rank=2, warm_start=False)
+    ref = compressor(matrix_rank=2, warm_start=False)
     w, k, _ = worker_grads(0, 0)
     comp.reduce([k, w])
+    ref.reduce([k, w])
     before = [{key: a.copy() for key, a in st.items()} for st in comp.states]
     bad = w.copy()
     bad[3, 4] = numpy.nan
-    with pytest.raises(Exception, match="'W'"):
+    with pytest.raises(faults.InputFault,
+                       match="gradient of parameter 'W' contains NaN"):
         comp.reduce([k, bad])
     huge = numpy.full_like(w, 3e38)
-    with pytest.raises(FloatingPointError, match='unchanged'):
+    with pytest.raises(FloatingPointError,
+                       match="parameter 'W' overflowed.*unchanged"):
         comp.reduce([k, huge])
+    assert comp.rule.steps == 1
     for st, old in zip(comp.states, before):
         for key in old:
             numpy.testing.assert_array_equal(st[key], old[key])
+    w1, k1, _ = worker_grads(1, 0)
+    for a, b in zip(comp.reduce([k1, w1]), ref.reduce([k1, w1])):
+        numpy.testing.assert_array_equal(a, b)
 
 
 def test_its_compress_points_at_reduce():
@@ -245,12 +257,21 @@ def test_the_gpu_path_through_the_fake_runs_on_the_device(device):
     (Collectives.allreduce_sum); with the fake's NumPy arithmetic, the
     CPU's bits (a real GPU's cuBLAS sums in its own order: every rank
     still gets the same mean, from the same allreduce)."""
+    from mpi4py import MPI
+    from chainer_vgc.chainermn.collectives import Collectives
     fake = device
+    one = Collectives(MPI.COMM_SELF)  # MPI's own Allreduce, of one rank
     host, dev = compressor(matrix_rank=2), compressor(matrix_rank=2)
     for step in range(3):
         w, k, _ = worker_grads(step, 0)
-        want = host.reduce([k, w])
-        got = dev.reduce([fake.asarray(k), fake.asarray(w)])
+        want = host.reduce([k, w], one.allreduce_sum)
+        on_device = [fake.asarray(k), fake.asarray(w)]
+        fake.reset()
+        got = dev.reduce(on_device, one.allreduce_sum)
+        # each round's buffer went through the host and back, once (the
+        # first step also uploads the two drawn Qs)
+        assert fake.count('download') == 2
+        assert fake.count('upload') == (2 if step else 4)
         for a, b in zip(want, got):
             assert isinstance(b, fake.ndarray)
             numpy.testing.assert_array_equal(a, fake.asnumpy(b))

@@ -114,6 +114,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         memory unless ``cuda_aware_mpi``."""
         from mpi4py import MPI
         if self.cuda_aware_mpi or isinstance(buffer, numpy.ndarray):
+            arrays.finish_stream(buffer)  # (MPI reads the device memory)
             self.mpi_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
             return buffer
         host = arrays.to_numpy(buffer)

@@ -123,29 +123,26 @@ def _sparse_body_words(g, head):
             + int(head[1]) + sparse_value_words(g.count, g.b))
 
 
-def _sparse_wire(g, first):
-    """The values as sent (float16 or float32), from body word ``first``."""
-    words = numpy.ascontiguousarray(g.body[first:], dtype='<u4')
-    if g.b & SPARSE_FLOAT32:
-        return words.view(numpy.float32)
-    halves = words.view(numpy.uint16)
-    if g.count % 2 and halves[g.count]:
-        raise WireFormatError(where(g) + 'nonzero padding after the values')
-    return halves[:g.count].view(numpy.float16)
-
-
 def sparse_decode_body(g, size):
     """``(index int64, wire values)`` of a FMT_SPARSE group read from a
-    message (host words), its codes and padding checked."""
+    message (host words): its param word, the values' padding, then its
+    codes checked (the order of the specification's rule V27)."""
     body = numpy.asarray(arrays.to_numpy(g.body), dtype=numpy.uint32)
     if body.size and int(body[0]) & (GAP_SIGN_ONLY | (0xFFFFFF <<
                                                       GAP_SPAN_SHIFT)):
         raise WireFormatError(where(g) + 'FMT_SPARSE param word with the '
                               'SIGN_ONLY bit or a span')
+    n_values = sparse_value_words(g.count, g.b)
+    words = numpy.ascontiguousarray(body[body.size - n_values:], '<u4') \
+        if body.size >= n_values else numpy.zeros(0, '<u4')
+    if not g.b & SPARSE_FLOAT32 and g.count % 2 and words.size and \
+            int(words[-1]) >> 16:
+        raise WireFormatError(where(g) + 'nonzero padding after the values')
     index, first = gap.gap_decode_indices(
-        body, g.count, size, sparse_value_words(g.count, g.b),
-        where(g) + 'FMT_SPARSE body: ')
-    return index, _sparse_wire(g._replace(body=body), first)
+        body, g.count, size, n_values, where(g) + 'FMT_SPARSE body: ')
+    if g.b & SPARSE_FLOAT32:
+        return index, words.view(numpy.float32)
+    return index, words.view(numpy.uint16)[:g.count].view(numpy.float16)
 
 
 def _sparse_values(g, size, dtype, xp):

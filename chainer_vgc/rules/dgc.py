@@ -7,11 +7,12 @@ with error feedback), minibatch gradient g and state u (the local
 velocity) and r (the accumulated velocity, the delayed update):
 
 0. local gradient clipping (``clip_norm`` c, None: off): when the norm of
-   this worker's whole gradient (every compressed tensor) exceeds
-   c / sqrt(p), p the workers, every g is multiplied by
-   (c / sqrt(p)) / (norm + 1e-6) (the paper's Sec. 3.2: each worker
-   clips its own gradient before accumulating it, the threshold scaled
-   by p**-1/2 so that the sum of p such gradients is clipped at c);
+   this worker's gradient over every tensor it compresses (the dense
+   group's vectors are neither counted nor clipped) exceeds c / sqrt(p),
+   p the workers, every such g is multiplied by (c / sqrt(p)) /
+   (norm + 1e-6) (the paper's Sec. 3.2: each worker clips its own
+   gradient before accumulating it, the threshold scaled by p**-1/2 so
+   that the sum of p independent such gradients has a norm of about c);
 1. momentum correction: u <- m u + g, then r <- r + u (the residual
    accumulates the velocity, not the raw gradient, so that the delayed
    update carries the momentum it would have had);
@@ -204,6 +205,10 @@ class DGC(base.CompressionRule):
         return index[mag[index] > 0]
 
     def count(self, grad, sqsum, state):
+        """The elements the next step selects (the dense fallback's
+        estimate: the last step's clipping factor, and elements whose
+        value would round to zero on the wire counted), the state
+        unchanged."""
         st = {key: a.copy() for key, a in state.items()}
         r, _ = self._accumulate(grad, st)  # (the next step's density)
         return int(self.select(r, self.current_density(self.steps + 1))

@@ -5,7 +5,8 @@ against their references, bit for bit, at the job's world size.
   feedback (tests/reference.py's PowerSGDWorker) whose allreduce is MPI's
   own (an independent oracle of the sum), at ranks 1..4 of the matrix
   rank; the figures count (n + m) r numbers a tensor and the bytes of a
-  ring allreduce of them;
+  ring allreduce of them; an overflow on one rank raises the same error
+  on every rank, and no state or step count moves anywhere;
 - dgc: every rank's mean equals the mean, in rank order, of what each
   rank's element-by-element reference (tests/test_dgc.py's) sends.
 
@@ -101,6 +102,36 @@ def check_powersgd_is_algorithm_1():
         assert obs['vgc/bytes'] == 2 * (p - 1) / p * 4 * (sent + 30), obs
 
 
+def check_powersgd_overflow_on_one_rank_moves_nothing_anywhere():
+    """Rank 0's gradient overflows its factors: every rank raises the
+    same error, and no rank's state (E, Q) or step count moved."""
+    comm = chainer_vgc.create_communicator('powersgd', world,
+                                           abort_on_exception=False)
+    model = Net()
+    for step in range(2):
+        exchange(comm, model, grads_of(step, world.rank))
+    st = comm.state(model)
+    before = [{k: a.copy() for k, a in s.items()}
+              for s in st.compressor.states]
+    steps = st.rule.steps
+    grads = grads_of(2, world.rank)
+    if world.rank == 0:
+        grads['/W'][:] = numpy.float32(3e38)
+    try:
+        exchange(comm, model, grads)
+    except FloatingPointError as e:
+        error = str(e)
+    else:
+        error = None
+    errors = world.allgather(error)
+    assert errors[0] is not None and "parameter '/W'" in errors[0], errors
+    assert all(e == errors[0] for e in errors), errors
+    assert st.rule.steps == steps
+    for s, old in zip(st.compressor.states, before):
+        for k in old:
+            assert numpy.array_equal(s[k], old[k]), k
+
+
 def check_dgc_is_the_reference_mean():
     steps, density = 5, 0.05
     for values in ('float16', 'float32'):
@@ -130,35 +161,18 @@ def check_dgc_is_the_reference_mean():
 
 
 def _reference_sends(grads, name, density, values):
-    """Every step's (index, values) of ``name`` from one rank's reference,
-    its gradients clipped by the norm over both compressed tensors."""
-    import math
-    out = []
-    n = grads[0][name].size
-    r = [numpy.float32(0)] * n
-    u = [numpy.float32(0)] * n
-    for step, g in enumerate(grads):
-        c = test_dgc._clip_factor([g['/K'], g['/W']], 20.0, world.size)
-        flat = g[name].reshape(-1)
-        for i in range(n):
-            gi = numpy.float32(flat[i])
-            if c != 1.0:
-                gi = numpy.float32(gi * numpy.float32(c))
-            u[i] = numpy.float32(u[i] * numpy.float32(0.9)) + gi
-            r[i] = numpy.float32(r[i] + u[i])
-        k = min(n, max(1, int(math.ceil(density * n))))
-        order = sorted(range(n), key=lambda i: (-abs(float(r[i])), i))[:k]
-        index = sorted(i for i in order if r[i] != 0)
-        vals = test_dgc._on_the_wire([r[i] for i in index], numpy.float32,
-                                     values == 'float32')
-        kept = [(i, v) for i, v in zip(index, vals) if v != 0]
-        out.append(([i for i, _ in kept], [v for _, v in kept]))
-        for i, v in kept:
-            r[i] = numpy.float32(r[i] - v)
-            u[i] = numpy.float32(0)
-    return out
+    """Every step's (index, values) of ``name`` from one rank's
+    element-by-element reference (test_dgc's), its gradients clipped by
+    the norm over both compressed tensors."""
+    factors = [test_dgc._clip_factor([g['/K'], g['/W']], 20.0, world.size)
+               for g in grads]
+    sent, _, _ = test_dgc._reference(
+        [g[name].reshape(-1) for g in grads], density, 0.9, True, 0,
+        numpy.float32, float32=values == 'float32', clip_factors=factors)
+    return sent
 
 
 if __name__ == '__main__':
     runner.run([check_powersgd_is_algorithm_1,
+                check_powersgd_overflow_on_one_rank_moves_nothing_anywhere,
                 check_dgc_is_the_reference_mean], 'methods')

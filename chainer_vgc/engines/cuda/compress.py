@@ -287,6 +287,7 @@ class DeviceStep(object):
         view of a host buffer reused by the next call."""
         comp = self.comp
         sqsums = comp.validate(grads, sqsums, False, agree)
+        before = comp.rule.get_extra_state()  # (given back on a fault)
         comp.rule.prepare(grads)
         comp.rule.begin_step()
         with self.device:
@@ -294,7 +295,11 @@ class DeviceStep(object):
             self._passes(arrays.cupy, grads, sqsums)
             message, flags, info = self._download()
         flagged = [(int(i), int(flags[i])) for i in numpy.flatnonzero(flags)]
-        comp.settle(comp.fault_of(flagged) if flagged else None, agree)
+        try:
+            comp.settle(comp.fault_of(flagged) if flagged else None, agree)
+        except Exception:
+            comp.rule.set_extra_state(before)
+            raise
         self._commit(self.active_key)
         comp.last_sent = int(info[2]) | (int(info[3]) << 32)
         self.mergeable = bool(info[4])

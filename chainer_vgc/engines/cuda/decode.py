@@ -29,9 +29,9 @@ new array a dtype.  The means equal
 :func:`chainer_vgc.engines.reference.sum_messages` + ``write_mean`` bit for bit
 (``tests/test_device_step.py``, ``tests/test_device_decode_checks.py``).
 Applies when every parameter has a gradient, the tensors have at most
-2**28 elements and no message carries FMT_QSGD; otherwise the GPU
-engine (:mod:`chainer_vgc.engines.cuda.engine`) decodes tensor by
-tensor."""
+2**28 elements and no message carries FMT_QSGD or FMT_SPARSE
+(:data:`TENSOR_BY_TENSOR`); otherwise the GPU engine
+(:mod:`chainer_vgc.engines.cuda.engine`) decodes tensor by tensor."""
 
 import numpy
 
@@ -47,6 +47,11 @@ GAP_ROW = 5
 POW2, RAW32, RAW64, DENSE32, DENSE64, GAP = 1, 2, 3, 4, 5, 6
 #: ranks the dense tree adds in registers (more: tensor by tensor)
 TREE_MAX = 64
+#: the formats this decode has no descriptor for (FMT_QSGD's records,
+#: FMT_SPARSE's values): a message carrying one is decoded tensor by tensor
+#: (:mod:`chainer_vgc.engines.cuda.engine`, after
+#: :func:`chainer_vgc.codec.expand_gap`)
+TENSOR_BY_TENSOR = (codec.FMT_QSGD, codec.FMT_SPARSE)
 #: what :func:`mean` returns when a message's FMT_GAP codes failed the
 #: device's checks (no gradient written)
 REFUSED = type('Refused', (), {'__repr__': lambda _: 'REFUSED'})()
@@ -232,14 +237,15 @@ def mean(blocks, sizes, staging, params, size, dense, rescale, rows=None):
     :class:`~chainer_vgc.backends.arrays.HostStaging`, kept from step to
     step (the upload's size changes every step, and a new pinned buffer a
     step would pin more memory each step).  Returns False (nothing done) when
-    a message carries FMT_QSGD; :data:`REFUSED` (nothing written) when a
+    a message carries a format of :data:`TENSOR_BY_TENSOR` (FMT_QSGD,
+    FMT_SPARSE); :data:`REFUSED` (nothing written) when a
     message's codes failed the device's checks.  ``rows``: their group
     table, as the validation read it (default: :func:`group_rows`).
     Messages that MPI received into the upload's buffer
     (:func:`receive_into`) are uploaded where they are."""
     if rows is None:
         rows = group_rows(blocks, sizes)
-    if (rows[:, 2] == codec.FMT_QSGD).any():
+    if numpy.isin(rows[:, 2], TENSOR_BY_TENSOR).any():
         return False
     p, n = len(blocks), len(sizes)
     xp = arrays.get_array_module(params[0].array)

@@ -14,7 +14,8 @@ does it fall back to?
   host engine (the native walk, or the reference's), for the whole-model
   decode (:mod:`.decode`) all but the FMT_GAP codes, which it checks on
   the device; they go up in one copy and are decoded and summed there.
-  Otherwise (FMT_QSGD, a missing gradient) their FMT_GAP groups are
+  Otherwise (FMT_QSGD or FMT_SPARSE, a missing gradient) their FMT_GAP
+  and FMT_SPARSE groups are
   expanded to indices on the host (:func:`chainer_vgc.codec.expand_gap`),
   uploaded in one copy (:func:`upload_blocks`) and decoded tensor by
   tensor on the device, in the reference's rank order
