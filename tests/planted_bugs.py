@@ -64,8 +64,9 @@ BUGS = {
         ['tests/test_mpi.py', '-k', 'one_step_delayed']),
     'dgc-residual-without-momentum': (
         'chainer_vgc/rules/dgc.py',
-        '        r += u',
-        '        r += g  # (the raw gradient: no momentum correction)',
+        '        kernels.add_into(r, u)',
+        '        kernels.add_into(r, g)  # (the raw gradient: no momentum '
+        'correction)',
         ['tests/test_dgc.py']),
     'powersgd-without-error-feedback': (
         'chainer_vgc/rules/powersgd.py',
