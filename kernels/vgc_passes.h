@@ -581,18 +581,28 @@ static int64_t vgc_dgc(vgc_workspace *ws, int tid, const G *g,
     const bool use_clip = clip_d != 1.0, mom = m_d != 0.0;
     /* the threshold: the (1.5 k s / n + 8)-th largest |r| of s sampled
      * elements, computed as the pass will (only a guess: the selection
-     * is exact whatever it is) */
+     * is exact whatever it is); the sample is s / 16 runs of 16
+     * consecutive elements spread over the tensor, a cache line of each
+     * array a run, so that it costs a few thousand lines, not one a
+     * sampled element */
     S t = 0;
-    const int64_t s = std::min<int64_t>(n, std::max<int64_t>(4096, n / 64));
-    const int64_t want = (int64_t)std::ceil(1.5 * (double)k * s / n) + 8;
+    const int64_t RUN = 16;
+    const int64_t s = RUN * std::min<int64_t>(
+        n / RUN, std::max<int64_t>(4096, n / 1024) / RUN);
+    const int64_t want = s ? (int64_t)std::ceil(1.5 * (double)k * s / n) + 8
+                           : 0;
     if (n > 16384 && want < s) {
         std::vector<S> sample((size_t)s);
-        for (int64_t j = 0; j < s; ++j) {
-            const int64_t i = j * n / s;
-            S gi = vgc_load<G, S>(g, i);
-            if (use_clip) gi = gi * clip;
-            const S ui = mom ? u_in[i] * m + gi : gi;
-            sample[j] = std::fabs(r_in[i] + ui);
+        const int64_t runs = s / RUN;
+        for (int64_t q = 0; q < runs; ++q) {
+            const int64_t i0 = q * (n / runs);
+            for (int64_t j = 0; j < RUN; ++j) {
+                const int64_t i = i0 + j;
+                S gi = vgc_load<G, S>(g, i);
+                if (use_clip) gi = gi * clip;
+                const S ui = mom ? u_in[i] * m + gi : gi;
+                sample[q * RUN + j] = std::fabs(r_in[i] + ui);
+            }
         }
         std::nth_element(sample.begin(), sample.begin() + (s - want),
                          sample.end());

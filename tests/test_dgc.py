@@ -219,10 +219,12 @@ def _large(case, n, step, dtype):
     g = rng.normal(0, 1, n)
     if case == 'ties':
         g = numpy.round(g * 2) / 2
-    elif case == 'sampled-only':
-        s = max(4096, n // 64)
+    elif case == 'sampled-only':  # (kernels/vgc_passes.h's sample: runs
+        # of 16 elements, 4096 or n / 1024 of them, spread over the tensor)
+        runs = min(n // 16, max(4096, n // 1024) // 16)
         g = rng.normal(0, 0.01, n)
-        g[numpy.arange(s) * n // s] = 1000.0
+        g[(numpy.arange(runs)[:, None] * (n // runs)
+           + numpy.arange(16)).ravel()] = 1000.0
     elif case == 'zeros':
         g[rng.random(n) > 0.0005] = 0
     return g.astype(dtype)

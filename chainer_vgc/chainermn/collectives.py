@@ -32,6 +32,7 @@ from chainer_vgc.backends import arrays  # NOQA: E402
 from chainer_vgc import reporting  # NOQA: E402
 from chainer_vgc.chainermn import transport  # NOQA: E402
 from chainer_vgc.params import model_params  # NOQA: E402
+from chainer_vgc.params import with_gradients  # NOQA: E402
 
 
 class Collectives(mpi_communicator_base.MpiCommunicatorBase):
@@ -130,14 +131,7 @@ class Collectives(mpi_communicator_base.MpiCommunicatorBase):
         debug mode), or with ``dense_dtype`` float16 one allreduce of the
         whole group in float16.  Returns (elements per rank, bytes each
         rank sends with a ring allreduce)."""
-        grads = []
-        for param in params:  # model_params order: the same on every rank
-            if zero_fill and param.grad is None:
-                if param.data is None:
-                    continue
-                param.grad = param.xp.zeros_like(param.data)
-            if param.grad is not None:
-                grads.append(param)
+        grads = with_gradients(params, zero_fill)
         if not grads:
             return 0, 0.0
         p = self.size

@@ -35,6 +35,7 @@ from chainer_vgc.exchange.state import MethodState
 from chainer_vgc import reporting
 from chainer_vgc.rules.base import float32_update
 from chainer_vgc.statistics import PerSampleSquares
+from chainer_vgc.params import with_gradients
 from chainer_vgc.statistics import model_params
 
 
@@ -123,14 +124,7 @@ class InProcessCollectives(object):
         if dense_dtype is not None:
             raise ValueError('SimulatedWorkers: dense_dtype is not '
                              'simulated; use dense_dtype=None')
-        grads = []
-        for param in params:
-            if zero_fill and param.grad is None:
-                if param.array is None:
-                    continue
-                param.grad = param.xp.zeros_like(param.array)
-            if param.grad is not None:
-                grads.append(param)
+        grads = with_gradients(params, zero_fill)
         mine = [q.grad.astype(arrays.state_dtype(q.dtype)) for q in grads]
         everyone = self.allgather_obj(mine)
         if not grads:
