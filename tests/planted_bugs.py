@@ -70,8 +70,8 @@ BUGS = {
         ['tests/test_dgc.py']),
     'powersgd-without-error-feedback': (
         'chainer_vgc/rules/powersgd.py',
-        "new_states.append({'r': (mat - update).reshape(-1), 'q': q})",
-        "new_states.append({'r': (mat * 0).reshape(-1), 'q': q})",
+        'mat -= update  # E = M - P^ Q^T',
+        'mat *= 0  # (no error feedback)',
         ['tests/test_powersgd.py']),
     'device-decode-ignores-its-checks': (
         'chainer_vgc/engines/cuda/decode.py',

@@ -172,6 +172,7 @@ class PowerSGD(base.CompressionRule):
             n, m = mat.shape
             update = p_hat @ q.reshape(m, r).T
             means.append(update.reshape(-1))
-            new_states.append({'r': (mat - update).reshape(-1), 'q': q})
+            mat -= update  # E = M - P^ Q^T (M, this step's own, is done)
+            new_states.append({'r': mat.reshape(-1), 'q': q})
             elements.append((n + m) * r)
         return means, new_states, elements
