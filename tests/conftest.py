@@ -9,6 +9,11 @@ import os
 # waiting changes.  Inherited by every subprocess the tests start with this
 # environment (mpiexec's ranks, the examples, the runbook).
 os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+# each kernel compiled for the host once per test run, whichever process
+# asks first (tests/kernel_harness.py), in the checkout's build/ (ignored)
+os.environ.setdefault('VGC_HOST_KERNEL_CACHE', os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'build',
+    'host_kernels'))
 
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402

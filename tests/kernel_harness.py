@@ -26,6 +26,14 @@ not zero after it.  Only the raw arrays are checked: the others are read
 at ``i`` by the generated loop, which is within their size by construction
 (and an address a kernel reads through, ``vgc_model_gather``'s table, is
 not an array of the harness's).
+
+Compiled libraries are kept by the hash of what they are built from (the
+generated source, the kernels' header, the mode, the compiler and its
+flags): in the harness's work folder, and where ``VGC_HOST_KERNEL_CACHE``
+names a folder (tests/conftest.py sets ``build/host_kernels`` of the
+checkout) also there, shared by every process of a test run (the pytest
+workers, both stacks, the GPU runbook's dry run), so that each kernel is
+compiled once, not once a process.
 """
 
 import collections
@@ -223,20 +231,28 @@ class HostKernels(object):
     accesses in the last call.
     """
 
-    def __init__(self, cxx=None, workdir=None, checked=False):
+    def __init__(self, cxx=None, workdir=None, checked=False, cache=None):
         self.cxx = cxx or os.environ.get('CXX') or shutil.which('g++')
         if self.cxx is None:
             raise RuntimeError('no host C++ compiler (g++) found')
         self.workdir = workdir or tempfile.mkdtemp(prefix='vgc_host_')
+        #: the folder of libraries shared between processes (None: none)
+        self.cache = cache or os.environ.get('VGC_HOST_KERNEL_CACHE') or None
         self.checked = bool(checked)
         self._libs = {}
         self._last = None  # the library of the last call (checked mode)
+        self._compiler = None
 
     def _key(self, src):
-        """The cache key of a library: its source, the kernels' header and
-        the mode (a suffix in the checked mode only)."""
+        """The cache key of a library: its source, the kernels' header,
+        the mode (a suffix in the checked mode only), the compiler (its
+        version) and its flags."""
+        if self._compiler is None:
+            self._compiler = subprocess.run(
+                [self.cxx, '--version'], capture_output=True,
+                text=True).stdout + ' '.join(HOST_FLAGS)
         text = src + kernels.source() + ('\0checked' if self.checked
-                                         else '')
+                                         else '') + '\0' + self._compiler
         return hashlib.sha1(text.encode()).hexdigest()
 
     def oob(self):
@@ -254,13 +270,24 @@ class HostKernels(object):
             self._last.vgc_harness_oob_reset()
 
     def _build(self, key, src):
-        """Compile ``src`` with the host flags; the loaded library."""
-        cpp = os.path.join(self.workdir, key + '.cpp')
+        """Compile ``src`` with the host flags (or take the library the
+        shared cache holds for ``key``); the loaded library."""
         so = os.path.join(self.workdir, key + '.so')
+        shared = None if self.cache is None else os.path.join(
+            self.cache, key + '.so')
+        if shared is not None and os.path.exists(shared):
+            shutil.copyfile(shared, so)  # (a private copy to load)
+            return ctypes.CDLL(so)
+        cpp = os.path.join(self.workdir, key + '.cpp')
         with open(cpp, 'w') as f:
             f.write(src)
         subprocess.run([self.cxx] + HOST_FLAGS + [cpp, '-o', so],
                        check=True, capture_output=True, text=True)
+        if shared is not None:  # (written whole, then renamed: atomic)
+            os.makedirs(self.cache, exist_ok=True)
+            partial = '{}.{}.part'.format(shared, os.getpid())
+            shutil.copyfile(so, partial)
+            os.replace(partial, shared)
         return ctypes.CDLL(so)
 
     def _library(self, kname, args):
