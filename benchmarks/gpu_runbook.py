@@ -168,6 +168,8 @@ class Runbook(object):
         self.results = []
         self.log = open(args.log, 'w') if args.log else None
         self.deadline = time.monotonic() + args.deadline
+        #: when the step being run began (the end of the last one)
+        self._mark = time.monotonic()
 
     def say(self, text=''):
         print(text, flush=True)
@@ -204,7 +206,11 @@ class Runbook(object):
         return code, text
 
     def step(self, name, ok, detail=''):
-        self.results.append((name, ok, detail))
+        """Record step ``name``'s outcome and its seconds (since the last
+        step ended: the summary shows where the device time goes)."""
+        now = time.monotonic()
+        self.results.append((name, ok, detail, now - self._mark))
+        self._mark = now
         self.say('{} {}{}'.format('PASS' if ok else 'FAIL', name,
                                   ': ' + detail if detail else ''))
 
@@ -333,8 +339,9 @@ class Runbook(object):
             cmd = [mpiexec, '-n', '2', self.py,
                    os.path.join(REPO, 'examples', 'train_mnist.py'),
                    '--method', method, '--out', out] + extra
-            if self.args.dry:
-                cmd += ['--iterations', '20', '--batchsize', '32']
+            if self.args.dry:  # (plots: tests/test_examples.py's smoke)
+                cmd += ['--iterations', '20', '--batchsize', '32',
+                        '--no-plot']
             else:
                 cmd += ['--gpu', '0', '--epoch', '1']
             code, _ = self.call(cmd, 900, self.env())
@@ -401,9 +408,9 @@ class Runbook(object):
                 if self.args.only is None or name in self.args.only:
                     step()
         self.say('\nSummary')
-        for name, ok, detail in self.results:
-            self.say('  {:5} {:14} {}'.format('PASS' if ok else 'FAIL',
-                                              name, detail))
+        for name, ok, detail, seconds in self.results:
+            self.say('  {:5} {:14} {:6.1f} s  {}'.format(
+                'PASS' if ok else 'FAIL', name, seconds, detail))
         failed = [r for r in self.results if not r[1]]
         self.say('{} passed, {} failed'.format(
             len(self.results) - len(failed), len(failed)))

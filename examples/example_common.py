@@ -303,6 +303,10 @@ def add_run_args(p, epoch, batchsize, out):
     p.add_argument('--gpu', type=int, default=-1)
     p.add_argument('--progress', action='store_true',
                    help='show a progress bar (rank 0)')
+    p.add_argument('--no-plot', dest='plot', action='store_false',
+                   help='no loss, accuracy and compression plots (rank 0 '
+                   'draws them at every report otherwise: about 2 s of a '
+                   'short run, matplotlib imported and 9 PNGs drawn)')
     p.add_argument('--double-buffering', action='store_true',
                    help='apply the previous step\'s mean while this '
                    "step's exchange runs in the background (one step stale)")
@@ -452,10 +456,10 @@ def make_trainer(args, comm, optimizer, train, test, device, test_batch,
 
 
 def add_extensions(trainer, comm, model, test_iter, device, every, stop,
-                   progress):
+                   progress, plot=True):
     """Multi-node evaluation, compression report and per-rank snapshots
-    (at ``stop``) on every rank; log, print and plots on rank 0.  Returns
-    the evaluator."""
+    (at ``stop``) on every rank; log, print and (``plot``) plots on rank
+    0.  Returns the evaluator."""
     evaluator = chainermn.create_multi_node_evaluator(
         extensions.Evaluator(test_iter, model, device=device), comm)
     trainer.extend(evaluator, trigger=every)
@@ -471,7 +475,8 @@ def add_extensions(trainer, comm, model, test_iter, device, every, stop,
                            (['main/accuracy', 'validation/main/accuracy'],
                             'accuracy'),
                            (['vgc/interval_compression',
-                             'vgc/total_compression'], 'compression')):
+                             'vgc/total_compression'], 'compression')
+                           ) if plot else ():
             trainer.extend(extensions.PlotReport(
                 keys, x_key=every[1], trigger=every,
                 filename=name + '.png'))

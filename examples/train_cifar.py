@@ -81,7 +81,8 @@ def main():
         trainer.extend(extensions.ExponentialShift('lr', 0.5),
                        trigger=(args.lr_halving, 'epoch'))
     evaluator = add_extensions(trainer, comm, model, test_iter, device,
-                               every, every, args.progress)
+                               every, every, args.progress,
+                               args.plot)
     resume(args, comm, trainer)
     trainer.run()
     report = final_report(evaluator, trainer, comm, args)

@@ -81,7 +81,8 @@ def main():
         args, comm, optimizer, train, test, device, test_batch=500,
         reports=5)
     evaluator = add_extensions(trainer, comm, model, test_iter, device,
-                               every, stop, args.progress)
+                               every, stop, args.progress,
+                               args.plot)
     resume(args, comm, trainer)
     trainer.run()
 

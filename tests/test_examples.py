@@ -26,7 +26,15 @@ from chainer_vgc.harness import datasets  # NOQA: E402
 pytestmark = pytest.mark.xdist_group('mpiexec')
 
 
-def example(n, script, *args, expect):
+#: the examples that draw plots on rank 0 unless told --no-plot
+PLOTTING = ('train_mnist.py', 'train_cifar.py')
+
+
+def example(n, script, *args, expect, plot=False):
+    """Run an example on ``n`` ranks; its plots only where ``plot`` (the
+    tests that look at them: drawing them is about 2 s of CPU a run)."""
+    if script in PLOTTING and not plot:
+        args += ('--no-plot',)
     return run_ok(n, os.path.join(EXAMPLES, script), *args, expect=expect,
                   timeout=400)
 
@@ -36,7 +44,7 @@ def test_train_mnist_smoke(tmp_path):
     out = str(tmp_path)
     proc = example(2, 'train_mnist.py', '--iterations', 10, '--unit', 32,
                    '--batchsize', 16, '--out', out,
-                   expect='| test accuracy |')
+                   expect='| test accuracy |', plot=True)
     summary = json.load(open(os.path.join(out, 'summary.json')))
     for key in ('test_accuracy', 'compression', 'bytes_sent_per_rank',
                 'dense_allreduce_bytes_per_rank'):
@@ -95,6 +103,8 @@ def test_train_mnist_double_buffering(tmp_path):
                 k.startswith('_')]
     for r in range(2):
         assert os.path.isfile(os.path.join(out, 'snapshot_rank{}'.format(r)))
+    # run with --no-plot (example()): the log without its plots
+    assert not [f for f in os.listdir(out) if f.endswith('.png')]
 
 
 def test_train_mnist_dense_group_and_warmup(tmp_path):
@@ -224,7 +234,7 @@ def test_train_cifar_synthetic_smoke(tmp_path):
     out = str(tmp_path)
     example(2, 'train_cifar.py', '--synthetic', '--iterations', 4,
             '--batchsize', 8, '--width', 0.125, '--optimizer', 'momentum',
-            '--out', out, expect='| compression')
+            '--out', out, expect='| compression', plot=True)
     log = json.load(open(os.path.join(out, 'log')))
     for key in ('main/loss', 'validation/main/accuracy', 'vgc/compression'):
         assert numpy.isfinite(log[-1][key]), key

@@ -57,6 +57,12 @@ RUNNABLE_ISAS = [i for i in ISAS
 VARIANTS = [(i, t) for i in RUNNABLE_ISAS for t in (1, 2)]
 
 
+#: each build opened (and checked: its signatures, source hash and
+#: constants) once, by bindings._open, then reused: the library is the
+#: same copy at every dlopen anyway
+_OPENED = {}
+
+
 @contextlib.contextmanager
 def native_build(isa, threads=None):
     """Within the block, the native backend runs the build ``isa`` of the
@@ -64,7 +70,9 @@ def native_build(isa, threads=None):
     leaving, also after a failure."""
     lib, before = bindings._lib, bindings.num_threads()
     if isa != bindings.isa():
-        bindings._lib = bindings._open(isa)
+        if isa not in _OPENED:
+            _OPENED[isa] = bindings._open(isa)
+        bindings._lib = _OPENED[isa]
     try:
         assert bindings.isa() == isa
         if threads is not None:
