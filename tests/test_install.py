@@ -233,7 +233,7 @@ SMOKE = textwrap.dedent("""\
 """)
 
 
-def _copy_tree(dst):
+def copy_source_tree(dst):
     """The source tree without build outputs or the venv."""
     shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
         '.venv', '.venv-*', 'gpu_carry', '.git', 'build', 'dist',
@@ -247,7 +247,7 @@ def _copy_tree(dst):
                     reason='VGC_SKIP_INSTALL=1')
 def test_readme_recipe_installs_into_a_fresh_venv(tmp_path):
     src = tmp_path / 'src'
-    _copy_tree(str(src))
+    copy_source_tree(str(src))
     venv = tmp_path / 'venv'
     base = getattr(sys, '_base_executable', sys.executable)
     subprocess.run([base, '-m', 'venv', str(venv)], check=True,
