@@ -202,8 +202,8 @@ def write(rows, out_dir):
                             alpha=0.15, color=color)
 
     for draw, scale, xlabel, ylabel, name in (
-            (scatter, 'x', 'compression in bytes on the wire: dense ring '
-             'allreduce / bytes sent per rank (log)',
+            (scatter, 'x', 'compression in bytes on the wire (log):\n'
+             'dense ring allreduce / bytes sent per rank',
              'final test accuracy (%)', 'long_accuracy_vs_compression.png'),
             (functools.partial(curves, column='epoch_compression',
                                skip_none=True),
