@@ -471,12 +471,11 @@ def add_extensions(trainer, comm, model, test_iter, device, every, stop,
             ['epoch', 'iteration', 'main/loss', 'validation/main/accuracy',
              'vgc/interval_compression', 'vgc/total_compression',
              'vgc/total_bits_per_element', 'elapsed_time']))
-        for keys, name in ((['main/loss', 'validation/main/loss'], 'loss'),
-                           (['main/accuracy', 'validation/main/accuracy'],
-                            'accuracy'),
-                           (['vgc/interval_compression',
-                             'vgc/total_compression'], 'compression')
-                           ) if plot else ():
+        plots = ((['main/loss', 'validation/main/loss'], 'loss'),
+                 (['main/accuracy', 'validation/main/accuracy'], 'accuracy'),
+                 (['vgc/interval_compression', 'vgc/total_compression'],
+                  'compression'))
+        for keys, name in plots if plot else ():
             trainer.extend(extensions.PlotReport(
                 keys, x_key=every[1], trigger=every,
                 filename=name + '.png'))
