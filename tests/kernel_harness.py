@@ -276,8 +276,9 @@ class HostKernels(object):
         shared = None if self.cache is None else os.path.join(
             self.cache, key + '.so')
         if shared is not None and os.path.exists(shared):
-            shutil.copyfile(shared, so)  # (a private copy to load)
-            return ctypes.CDLL(so)
+            # loaded where it lies: a file is only ever renamed into place,
+            # whole and with the same bytes, never written there
+            return ctypes.CDLL(shared)
         cpp = os.path.join(self.workdir, key + '.cpp')
         with open(cpp, 'w') as f:
             f.write(src)

@@ -32,7 +32,7 @@ PLOTTING = ('train_mnist.py', 'train_cifar.py')
 
 def example(n, script, *args, expect, plot=False):
     """Run an example on ``n`` ranks; its plots only where ``plot`` (the
-    tests that look at them: drawing them is about 2 s of CPU a run)."""
+    tests that look at them: drawing them is about 3 s of CPU a run)."""
     if script in PLOTTING and not plot:
         args += ('--no-plot',)
     return run_ok(n, os.path.join(EXAMPLES, script), *args, expect=expect,
