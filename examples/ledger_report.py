@@ -213,7 +213,9 @@ def write(rows, out_dir):
              None, 'epoch', 'test accuracy after the epoch (%)',
              'long_accuracy_by_epoch.png')):
         fig, axes = plt.subplots(1, len(optimizers), squeeze=False,
-                                 figsize=(5.5 * len(optimizers), 4))
+                                 figsize=(5.5 * len(optimizers) + 2, 4))
+        legend = {}  # one legend for the figure, beside the panels: in
+        # a panel it hid points (no compression's, at the left edge)
         for ax, opt in zip(axes[0], optimizers):
             for k, label in enumerate(labels):
                 draw(ax, k, groups.get((opt, label), []))
@@ -223,9 +225,13 @@ def write(rows, out_dir):
             ax.set_ylabel(ylabel)
             ax.set_title(opt)
             ax.grid(True, which='both', alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:  # not an empty panel
-                ax.legend(fontsize=7)
-        fig.tight_layout()
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        right = 1 - 2 / fig.get_figwidth()
+        fig.legend([legend[k] for k in labels if k in legend],
+                   [k for k in labels if k in legend], fontsize=8,
+                   loc='center left', bbox_to_anchor=(right, 0.5))
+        fig.tight_layout(rect=(0, 0, right, 1))
         fig.savefig(os.path.join(out_dir, name), dpi=100)
         plt.close(fig)
     dens = density_by_layer(rows)

@@ -3,7 +3,7 @@
 a ledger that survives interruptions.
 
     OPENBLAS_NUM_THREADS=1 python examples/paper_ledger.py --jobs 2
-    python examples/paper_ledger.py --report      # docs/results_long.md
+    python examples/paper_ledger.py --report  # docs/results_long_table.md
 
 Each run trains the App. D network at width 1/8 without dropout on
 Fashion-MNIST (the defaults; ``--dataset``, ``--model``, ``--width`` as in
