@@ -18,13 +18,14 @@ import configparser
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from packaging.requirements import Requirement
+
+from source_tree import copy_source_tree
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)
@@ -231,14 +232,6 @@ SMOKE = textwrap.dedent("""\
     if comm.rank == 0:  # one writer: ranks' lines may interleave
         print('means', means)
 """)
-
-
-def copy_source_tree(dst):
-    """The source tree without build outputs or the venv."""
-    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
-        '.venv', '.venv-*', 'gpu_carry', '.git', 'build', 'dist',
-        '*.egg-info', '__pycache__',
-        '*.so', 'result', '.pytest_cache', '.hypothesis'))
 
 
 @pytest.mark.install

@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from chainer_vgc.engines.native import bindings
-from test_install import copy_source_tree
+from source_tree import copy_source_tree
 
 # on both stacks (make test): its results depend on NumPy, the native
 # build or the installed packages (docs/contributing.md)
