@@ -228,8 +228,8 @@ def write(rows, out_dir):
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
         right = 1 - 2 / fig.get_figwidth()
-        fig.legend([legend[k] for k in labels if k in legend],
-                   [k for k in labels if k in legend], fontsize=8,
+        shown = [k for k in labels if k in legend]  # (the grid's order)
+        fig.legend([legend[k] for k in shown], shown, fontsize=8,
                    loc='center left', bbox_to_anchor=(right, 0.5))
         fig.tight_layout(rect=(0, 0, right, 1))
         fig.savefig(os.path.join(out_dir, name), dpi=100)
